@@ -1,0 +1,116 @@
+"""The offline API: ``LLM(model).generate(prompts, params)``, after vLLM's."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import EngineStats, LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Generate for many prompts at once with continuous batching; outputs in input order."""
+
+    def __init__(self, model: str = "smollm2", **kwargs) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer in use."""
+        return self.llm_engine.tokenizer
+
+    @property
+    def stats(self) -> EngineStats:
+        """Steps, preemptions, prefix-cache hit rate, KV usage and token counts."""
+        return self.llm_engine.get_stats()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete every prompt (a string or a list of token ids)."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        return self._run(list(prompts), sampling_params, use_tqdm, priority)
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete one conversation or a list of them, with the model's chat template."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        prompts = []
+        for i, conversation in enumerate(messages):
+            try:
+                prompts.append(self.llm_engine.apply_chat_template(list(conversation)))
+            except ValueError as e:
+                raise ValueError(f"messages[{i}]: {e}") from e
+        return self._run(prompts, sampling_params, use_tqdm, None)
+
+    def _run(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
+        engine = self.llm_engine
+        params = self._params_list(sampling_params, len(prompts))
+        # Validate everything before queueing anything: a bad prompt leaves the engine untouched.
+        processed = []
+        for i, prompt in enumerate(prompts):
+            try:
+                processed.append(engine.process_prompt(prompt))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from e
+        ids = [str(next(self._counter)) for _ in prompts]
+        for i, (request_id, (_, token_ids)) in enumerate(zip(ids, processed)):
+            engine.add_request(request_id, token_ids, params[i],
+                               priority=priority[i] if priority else 0)
+        for rid, (text, _) in zip(ids, processed):
+            engine.parents[rid].prompt = text
+        return self._run_engine(ids, use_tqdm)
+
+    @staticmethod
+    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(
+                f"sampling_params has {len(params)} entries: must be one, or one per prompt ({n})"
+            )
+        return params
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        start, tokens_start = time.time(), engine.num_generated_tokens
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+                elapsed = max(time.time() - start, 1e-9)
+                bar.set_postfix(tok_s=f"{(engine.num_generated_tokens - tokens_start) / elapsed:.0f}",
+                                refresh=False)
+        finally:
+            bar.close()
+            for rid in ids:
+                if rid not in done:
+                    engine.abort_request(rid)
+        return [done[rid] for rid in ids]

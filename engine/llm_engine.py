@@ -1,0 +1,323 @@
+"""LLMEngine: requests in, one scheduler step at a time, outputs out. Knows nothing of Redis."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig, parse_memory, resolve_device, resolve_dtype
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters an operator or a test reads."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_cache_hit_rate: float
+    num_steps: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+
+
+class _ParentRequest:
+    """The user's request: its ``n`` samples and their detokenizers."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "children", "detokenizers")
+
+    def __init__(self, request_id, prompt, prompt_token_ids, children, detokenizers):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.children: list[Request] = children
+        self.detokenizers: list[IncrementalDetokenizer] = detokenizers
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache for one Llama-family model."""
+
+    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+        config = config or EngineConfig(**kwargs)
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_name = config.model
+        self.model, self.hf_config, self.tokenizer = load_model(
+            config.model, self.dtype, self.device, config.attention_backend
+        )
+        max_position = self.model.rotary.cos.shape[0]
+
+        num_blocks = self._num_kv_blocks()
+        self.max_model_len = min(max_position, num_blocks * config.block_size)
+        if config.max_model_len is not None:
+            if config.max_model_len > self.max_model_len:
+                raise ValueError(
+                    f"max_model_len={config.max_model_len} is invalid: must be <= "
+                    f"{self.max_model_len} (model limit and KV cache of {num_blocks} blocks)"
+                )
+            self.max_model_len = config.max_model_len
+        self.kv_caches = self._allocate_kv_caches(num_blocks)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size,
+                                               config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                policy=config.scheduling_policy,
+                aging_seconds=config.priority_aging_seconds,
+            ),
+            self.kv_cache_manager,
+        )
+        self.eos_token_ids = self._eos_token_ids()
+        self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size,
+                                        self.device, Sampler(self.device, config.seed),
+                                        self.eos_token_ids)
+        self.parents: dict[str, _ParentRequest] = {}
+        self.num_steps = 0
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self.last_scheduler_output: SchedulerOutput | None = None
+
+    # --- set-up -------------------------------------------------------------------------
+    def _kv_bytes_per_block(self) -> int:
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return cfg.num_hidden_layers * 2 * self.config.block_size * num_kv_heads * head_dim * elem
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.kv_cache_memory is not None:
+            budget = parse_memory(cfg.kv_cache_memory)
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - total * (1 - cfg.gpu_memory_utilization))
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = budget // self._kv_bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={cfg.kv_cache_memory!r} is too small: one block needs "
+                f"{self._kv_bytes_per_block()} bytes"
+            )
+        return int(num_blocks)
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        attn = self.model.layers[0].self_attn
+        shape = (2, num_blocks, self.config.block_size, attn.num_kv_heads, attn.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                for _ in range(self.hf_config.num_hidden_layers)]
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for value in (getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(value)
+        return ids
+
+    # --- requests -----------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of a chat, with the model's template and the generation prompt."""
+        if not messages:
+            raise ValueError("messages must be a non-empty list of {role, content}")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def process_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """Validate a prompt and return (text or None, token ids); ValueError says what is wrong."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            text, token_ids = None, list(prompt)
+            vocab = self.hf_config.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {vocab}): got {bad[:5]}")
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens: must be shorter than "
+                f"max_model_len={self.max_model_len}"
+            )
+        return text, token_ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        """Queue a prompt; raises ValueError (and adds nothing) on bad input."""
+        if request_id in self.parents:
+            raise ValueError(f"request_id={request_id!r} is already in the engine")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        text, token_ids = self.process_prompt(prompt)
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        children, detoks = [], []
+        for k in range(params.n):
+            child_params = params if params.n == 1 else params.clone_for_sample(k)
+            child_id = request_id if params.n == 1 else f"{request_id}#{k}"
+            children.append(Request(child_id, token_ids, child_params, text, priority,
+                                    arrival_time, request_id, k))
+            detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids,
+                                                 params.stop_strings, params.skip_special_tokens))
+        self.parents[request_id] = _ParentRequest(request_id, text, token_ids, children, detoks)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its blocks; unknown ids are ignored."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return
+        for child in parent.children:
+            if not child.status.finished:
+                self.scheduler.abort_request(child.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while anything waits or runs."""
+        return bool(self.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests (prompts) not finished yet."""
+        return len(self.parents)
+
+    def can_admit(self, num_prompt_tokens: int | None = None) -> bool:
+        """Would one more request run soon? Below max_num_seqs, with blocks for its prompt.
+
+        Counts the blocks the waiting requests will need, plus a reserve so that running
+        requests can still grow without preemption.
+        """
+        sched, kv = self.scheduler, self.kv_cache_manager
+        if len(sched.running) + sched.num_waiting >= self.config.max_num_seqs:
+            return False
+        if num_prompt_tokens is None:
+            num_prompt_tokens = 4 * self.config.block_size
+        needed = kv.num_blocks_for(num_prompt_tokens) + self.config.admission_reserve_blocks
+        needed += sum(kv.num_blocks_for(r.num_tokens) for r in sched.waiting)
+        needed += len(sched.running) // self.config.block_size
+        return needed <= kv.num_free_blocks
+
+    # --- stepping -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns outputs of the requests that advanced or finished."""
+        sched_out = self.scheduler.schedule()
+        self.last_scheduler_output = sched_out
+        if sched_out.is_empty:
+            return []
+        sampled = self.model_runner.execute_model(sched_out)
+        self.num_steps += 1
+        touched: dict[str, _ParentRequest] = {}
+        now = time.time()
+        for row, s in enumerate(sched_out.scheduled):
+            req = s.request
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self.num_prompt_tokens += min(s.num_new_tokens,
+                                              req.num_prompt_tokens - req.num_computed_tokens)
+            req.num_computed_tokens += s.num_new_tokens
+            if row not in sampled:
+                continue
+            token_id, logprobs = sampled[row]
+            self._append_token(req, token_id, logprobs, now)
+            touched[req.parent_id] = self.parents[req.parent_id]
+        return [self._make_output(p) for p in touched.values()]
+
+    def _append_token(self, req: Request, token_id: int, logprobs, now: float) -> None:
+        req.append_output_token(token_id)
+        self.num_generated_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
+            req.cumulative_logprob += logprobs[token_id]
+        status = self._check_stop(req, token_id)
+        if status is not None:
+            self.scheduler.finish_request(req, status)
+
+    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        params = req.params
+        detok = self.parents[req.parent_id].detokenizers[req.sample_index]
+        if token_id in params.stop_token_ids:
+            req.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        stop_str = detok.update(token_id)
+        if stop_str is not None:
+            req.stop_reason = stop_str
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _make_output(self, parent: _ParentRequest) -> RequestOutput:
+        outputs = []
+        for req, detok in zip(parent.children, parent.detokenizers):
+            done = req.status.finished
+            outputs.append(CompletionOutput(
+                index=req.sample_index,
+                text=detok.visible_text(done),
+                token_ids=req.output_token_ids,
+                finish_reason=FINISH_REASONS.get(req.status),
+                stop_reason=req.stop_reason,
+                logprobs=list(req.logprobs) if req.logprobs is not None else None,
+                cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+            ))
+        first = parent.children[0]
+        finished = all(r.status.finished for r in parent.children)
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=min((r.first_scheduled_time for r in parent.children
+                                      if r.first_scheduled_time), default=None),
+            first_token_time=min((r.first_token_time for r in parent.children
+                                  if r.first_token_time), default=None),
+            finished_time=max(r.finished_time or 0 for r in parent.children) if finished else None,
+            num_cached_tokens=first.num_cached_tokens,
+            num_preemptions=sum(r.num_preemptions for r in parent.children),
+        )
+        if finished:
+            del self.parents[parent.request_id]
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                             outputs, finished, metrics)
+
+    def get_stats(self) -> EngineStats:
+        """A snapshot of the engine's counters."""
+        kv = self.kv_cache_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_blocks=kv.block_pool.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
+            num_steps=self.num_steps,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+        )

@@ -1,0 +1,74 @@
+"""Small layers of the Llama family, written to match Hugging Face numerics exactly."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as Hugging Face does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_parameters(config) -> dict:
+    """The config's RoPE settings in one dict, for old and new transformers configs."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding with a cos/sin cache indexed by absolute position."""
+
+    def __init__(self, config, head_dim: int, max_position: int) -> None:
+        super().__init__()
+        params = rope_parameters(config)
+        rope_type = params["rope_type"]
+        if rope_type == "default":
+            base = params["rope_theta"]
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            scaling = 1.0
+        elif rope_type in ROPE_INIT_FUNCTIONS:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        else:
+            raise ValueError(
+                f"rope_type={rope_type!r} is not supported: must be 'default' or one of "
+                f"{sorted(ROPE_INIT_FUNCTIONS)}"
+            )
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq.float()[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        # Plain attributes, not buffers: model.to(dtype) must not round them; they stay fp32
+        # and are cast per use, as Hugging Face does.
+        self.cos = emb.cos() * scaling
+        self.sin = emb.sin() * scaling
+
+    def to_device(self, device: torch.device) -> None:
+        """Move the fp32 cos/sin cache to ``device``."""
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Rotate ``q`` ``[T, heads, D]`` and ``k`` ``[T, kv_heads, D]`` by their positions."""
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
