@@ -40,6 +40,11 @@ class PagedAttention:
     ) -> torch.Tensor:
         write_kv(key, value, kv_cache, meta.slot_mapping, backend=self.backend)
         return unified_attention(
-            query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale,
+            query,
+            kv_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_table,
+            self.scale,
             backend=self.backend,
         )

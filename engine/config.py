@@ -40,10 +40,13 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
         if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is invalid: must be 'auto' or one of {list(DTYPES)}")
+            raise ValueError(
+                f"dtype={self.dtype!r} is invalid: must be 'auto' or one of {list(DTYPES)}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
-                f"gpu_memory_utilization={self.gpu_memory_utilization} is invalid: must be in (0, 1]"
+                f"gpu_memory_utilization={self.gpu_memory_utilization} is invalid: "
+                "must be in (0, 1]"
             )
 
 

@@ -111,4 +111,6 @@ class KVCacheManager:
     @property
     def prefix_cache_hit_rate(self) -> float:
         """Prompt tokens served from the cache over tokens looked up."""
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )

@@ -75,8 +75,9 @@ class LLM:
                 raise ValueError(f"prompts[{i}]: {e}") from e
         ids = [str(next(self._counter)) for _ in prompts]
         for i, (request_id, (_, token_ids)) in enumerate(zip(ids, processed)):
-            engine.add_request(request_id, token_ids, params[i],
-                               priority=priority[i] if priority else 0)
+            engine.add_request(
+                request_id, token_ids, params[i], priority=priority[i] if priority else 0
+            )
         for rid, (text, _) in zip(ids, processed):
             engine.parents[rid].prompt = text
         return self._run_engine(ids, use_tqdm)
@@ -106,8 +107,10 @@ class LLM:
                         done[out.request_id] = out
                         bar.update(1)
                 elapsed = max(time.time() - start, 1e-9)
-                bar.set_postfix(tok_s=f"{(engine.num_generated_tokens - tokens_start) / elapsed:.0f}",
-                                refresh=False)
+                bar.set_postfix(
+                    tok_s=f"{(engine.num_generated_tokens - tokens_start) / elapsed:.0f}",
+                    refresh=False,
+                )
         finally:
             bar.close()
             for rid in ids:

@@ -31,6 +31,7 @@ class EngineStats:
     num_free_blocks: int
     num_blocks: int
     num_preemptions: int
+    num_chunked_prefills: int
     prefix_cache_hit_rate: float
     num_steps: int
     num_prompt_tokens: int
@@ -74,8 +75,9 @@ class LLMEngine:
                 )
             self.max_model_len = config.max_model_len
         self.kv_caches = self._allocate_kv_caches(num_blocks)
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size,
-                                               config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -88,9 +90,14 @@ class LLMEngine:
             self.kv_cache_manager,
         )
         self.eos_token_ids = self._eos_token_ids()
-        self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size,
-                                        self.device, Sampler(self.device, config.seed),
-                                        self.eos_token_ids)
+        self.model_runner = ModelRunner(
+            self.model,
+            self.kv_caches,
+            config.block_size,
+            self.device,
+            Sampler(self.device, config.seed),
+            self.eos_token_ids,
+        )
         self.parents: dict[str, _ParentRequest] = {}
         self.num_steps = 0
         self.num_prompt_tokens = 0
@@ -125,8 +132,10 @@ class LLMEngine:
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         attn = self.model.layers[0].self_attn
         shape = (2, num_blocks, self.config.block_size, attn.num_kv_heads, attn.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                for _ in range(self.hf_config.num_hidden_layers)]
+        return [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.hf_config.num_hidden_layers)
+        ]
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -142,7 +151,9 @@ class LLMEngine:
         """Token ids of a chat, with the model's template and the generation prompt."""
         if not messages:
             raise ValueError("messages must be a non-empty list of {role, content}")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
@@ -170,8 +181,14 @@ class LLMEngine:
             )
         return text, token_ids
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
         """Queue a prompt; raises ValueError (and adds nothing) on bad input."""
         if request_id in self.parents:
             raise ValueError(f"request_id={request_id!r} is already in the engine")
@@ -183,10 +200,16 @@ class LLMEngine:
         for k in range(params.n):
             child_params = params if params.n == 1 else params.clone_for_sample(k)
             child_id = request_id if params.n == 1 else f"{request_id}#{k}"
-            children.append(Request(child_id, token_ids, child_params, text, priority,
-                                    arrival_time, request_id, k))
-            detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids,
-                                                 params.stop_strings, params.skip_special_tokens))
+            children.append(
+                Request(
+                    child_id, token_ids, child_params, text, priority, arrival_time, request_id, k
+                )
+            )
+            detoks.append(
+                IncrementalDetokenizer(
+                    self.tokenizer, token_ids, params.stop_strings, params.skip_special_tokens
+                )
+            )
         self.parents[request_id] = _ParentRequest(request_id, text, token_ids, children, detoks)
         for child in children:
             self.scheduler.add_request(child)
@@ -238,8 +261,9 @@ class LLMEngine:
         for row, s in enumerate(sched_out.scheduled):
             req = s.request
             if req.num_computed_tokens < req.num_prompt_tokens:
-                self.num_prompt_tokens += min(s.num_new_tokens,
-                                              req.num_prompt_tokens - req.num_computed_tokens)
+                self.num_prompt_tokens += min(
+                    s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens
+                )
             req.num_computed_tokens += s.num_new_tokens
             if row not in sampled:
                 continue
@@ -280,31 +304,37 @@ class LLMEngine:
         outputs = []
         for req, detok in zip(parent.children, parent.detokenizers):
             done = req.status.finished
-            outputs.append(CompletionOutput(
-                index=req.sample_index,
-                text=detok.visible_text(done),
-                token_ids=req.output_token_ids,
-                finish_reason=FINISH_REASONS.get(req.status),
-                stop_reason=req.stop_reason,
-                logprobs=list(req.logprobs) if req.logprobs is not None else None,
-                cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-            ))
+            outputs.append(
+                CompletionOutput(
+                    index=req.sample_index,
+                    text=detok.visible_text(done),
+                    token_ids=req.output_token_ids,
+                    finish_reason=FINISH_REASONS.get(req.status),
+                    stop_reason=req.stop_reason,
+                    logprobs=list(req.logprobs) if req.logprobs is not None else None,
+                    cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+                )
+            )
         first = parent.children[0]
         finished = all(r.status.finished for r in parent.children)
         metrics = RequestMetrics(
             arrival_time=first.arrival_time,
-            first_scheduled_time=min((r.first_scheduled_time for r in parent.children
-                                      if r.first_scheduled_time), default=None),
-            first_token_time=min((r.first_token_time for r in parent.children
-                                  if r.first_token_time), default=None),
+            first_scheduled_time=min(
+                (r.first_scheduled_time for r in parent.children if r.first_scheduled_time),
+                default=None,
+            ),
+            first_token_time=min(
+                (r.first_token_time for r in parent.children if r.first_token_time), default=None
+            ),
             finished_time=max(r.finished_time or 0 for r in parent.children) if finished else None,
             num_cached_tokens=first.num_cached_tokens,
             num_preemptions=sum(r.num_preemptions for r in parent.children),
         )
         if finished:
             del self.parents[parent.request_id]
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             outputs, finished, metrics)
+        return RequestOutput(
+            parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished, metrics
+        )
 
     def get_stats(self) -> EngineStats:
         """A snapshot of the engine's counters."""
@@ -316,6 +346,7 @@ class LLMEngine:
             num_free_blocks=kv.num_free_blocks,
             num_blocks=kv.block_pool.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            num_chunked_prefills=self.scheduler.num_chunked_prefills,
             prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
             num_steps=self.num_steps,
             num_prompt_tokens=self.num_prompt_tokens,

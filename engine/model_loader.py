@@ -1,13 +1,13 @@
-"""Find a model (alias, GGUF file, local HF folder or hub id) and load config, tokenizer, weights."""
+"""Find a model (alias, GGUF file, HF folder or hub id); load its config, tokenizer, weights."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-from functools import lru_cache
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -65,7 +65,9 @@ def _download(repo_id: str) -> str:
     try:
         return snapshot_download(repo_id, allow_patterns=patterns)
     except Exception as e:
-        raise ValueError(f"model={repo_id!r}: could not fetch it from the hub or its cache: {e}") from e
+        raise ValueError(
+            f"model={repo_id!r}: could not fetch it from the hub or its cache: {e}"
+        ) from e
 
 
 def load_config(source: ModelSource):

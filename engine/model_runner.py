@@ -12,8 +12,15 @@ from engine.scheduler import SchedulerOutput
 class ModelRunner:
     """Owns the model and the per-layer KV caches ``[2, num_blocks, block_size, kv_heads, dim]``."""
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int,
-                 device: torch.device, sampler: Sampler, eos_ids: set[int]) -> None:
+    def __init__(
+        self,
+        model,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        device: torch.device,
+        sampler: Sampler,
+        eos_ids: set[int],
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size

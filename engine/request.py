@@ -35,11 +35,28 @@ class Request:
     """One sequence. No prefill/decode phases: each step computes its uncomputed tokens."""
 
     __slots__ = (
-        "request_id", "parent_id", "sample_index", "prompt", "prompt_token_ids", "params",
-        "priority", "arrival_time", "status", "all_token_ids", "num_prompt_tokens",
-        "num_computed_tokens", "num_cached_tokens", "block_hashes", "num_preemptions",
-        "stop_reason", "first_scheduled_time", "first_token_time", "finished_time", "logprobs",
-        "cumulative_logprob", "generator",
+        "request_id",
+        "parent_id",
+        "sample_index",
+        "prompt",
+        "prompt_token_ids",
+        "params",
+        "priority",
+        "arrival_time",
+        "status",
+        "all_token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "block_hashes",
+        "num_preemptions",
+        "stop_reason",
+        "first_scheduled_time",
+        "first_token_time",
+        "finished_time",
+        "logprobs",
+        "cumulative_logprob",
+        "generator",
     )
 
     def __init__(

@@ -80,10 +80,7 @@ class Sampler:
 
     @staticmethod
     def _apply_min_tokens(logits, requests, eos_ids):
-        rows = [
-            i for i, r in enumerate(requests)
-            if r.num_output_tokens < r.params.min_tokens
-        ]
+        rows = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
         if not rows:
             return logits
         logits = logits.clone()
@@ -124,9 +121,9 @@ class Sampler:
             noise[i].exponential_(generator=r.generator)
         if unseeded:
             idx = torch.tensor(unseeded, device=probs.device)
-            noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                generator=self.generator
-            )
+            noise[idx] = torch.empty(
+                len(unseeded), probs.shape[1], device=probs.device
+            ).exponential_(generator=self.generator)
         return (probs / noise).argmax(dim=-1)
 
 

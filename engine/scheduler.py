@@ -55,6 +55,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_chunked_prefills = 0  # scheduled slices shorter than what the request lacked
 
     def add_request(self, request: Request) -> None:
         """Queue a new request."""
@@ -75,8 +76,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.readd_preempted(request)
 
-    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
-        return min(request.num_tokens - request.num_computed_tokens, token_budget)
+    def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
+        num_new = min(request.num_tokens - num_computed, token_budget)
+        if num_new < request.num_tokens - num_computed:
+            self.num_chunked_prefills += 1
+        return num_new
 
     def schedule(self) -> SchedulerOutput:
         """Build the next step: running requests first, then waiting ones while blocks allow."""
@@ -88,7 +92,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
-            num_new = self._num_new_tokens(request, token_budget)
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, token_budget)
             assert num_new > 0, request
             while kv.allocate_slots(request, num_new) is None:
                 # Only requests not yet scheduled this step are candidates, so no block that
@@ -101,7 +105,9 @@ class Scheduler:
                     break
             if request.status is RequestStatus.PREEMPTED:
                 continue
-            out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id)))
+            out.scheduled.append(
+                ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id))
+            )
             token_budget -= num_new
             i += 1
 
@@ -114,10 +120,9 @@ class Scheduler:
         ):
             request = self.waiting.peek()
             computed_blocks, num_computed = kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_computed
-            if num_new > token_budget and not cfg.enable_chunked_prefill:
+            if request.num_tokens - num_computed > token_budget and not cfg.enable_chunked_prefill:
                 break
-            num_new = min(num_new, token_budget)
+            num_new = self._num_new_tokens(request, num_computed, token_budget)
             if kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break
             self.waiting.pop()
@@ -127,7 +132,9 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id)))
+            out.scheduled.append(
+                ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id))
+            )
             token_budget -= num_new
 
         assert token_budget >= 0

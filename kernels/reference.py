@@ -52,16 +52,49 @@ def unified_attention_torch(
     """
     if out is None:
         out = torch.empty_like(query)
+    plan = _plan(query_start_loc, seq_lens, block_table, kv_cache.shape[2])
+    if plan.decode_rows is not None:
+        _decode_attention(query, kv_cache, plan, scale, out)
+    for start, q_len, seq_len, i in plan.prefills:
+        _prefill_attention(query, kv_cache, start, q_len, seq_len, block_table[i], scale, out)
+    return out
+
+
+class _Plan:
+    """Index tensors derived from the batch layout, shared by every layer of one step."""
+
+    __slots__ = ("key", "decode_rows", "decode_blocks", "decode_mask", "max_len", "prefills")
+
+
+_last_plan: _Plan | None = None
+
+
+def _plan(query_start_loc, seq_lens, block_table, block_size) -> _Plan:
+    # Every layer of a step passes the same metadata tensors: build the plan once per step.
+    global _last_plan
+    key = (query_start_loc, seq_lens, block_table)
+    if _last_plan is not None and all(a is b for a, b in zip(_last_plan.key, key)):
+        return _last_plan
+    plan = _Plan()
+    plan.key = key
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     query_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
     decodes = [i for i, q in enumerate(query_lens) if q == 1]
+    plan.prefills = [(starts[i], q, lens[i], i) for i, q in enumerate(query_lens) if q > 1]
+    plan.decode_rows = None
     if decodes:
-        _decode_attention(query, kv_cache, starts, lens, block_table, scale, out, decodes)
-    for i, q_len in enumerate(query_lens):
-        if q_len > 1:
-            _prefill_attention(query, kv_cache, starts[i], q_len, lens[i], block_table[i], scale, out)
-    return out
+        device = query_start_loc.device
+        idx = torch.tensor(decodes, device=device)
+        plan.decode_rows = query_start_loc[idx]
+        dec_lens = seq_lens[idx]
+        plan.max_len = max(lens[i] for i in decodes)
+        num_blocks = -(-plan.max_len // block_size)
+        plan.decode_blocks = block_table[idx, :num_blocks].clamp_min(0)
+        mask = torch.arange(plan.max_len, device=device)[None, :] < dec_lens[:, None]
+        plan.decode_mask = mask[:, None, None, :]
+    _last_plan = plan
+    return plan
 
 
 def _prefill_attention(query, kv_cache, start, q_len, seq_len, block_ids, scale, out) -> None:
@@ -73,27 +106,29 @@ def _prefill_attention(query, kv_cache, start, q_len, seq_len, block_ids, scale,
     query_pos = torch.arange(num_context, seq_len, device=query.device)
     mask = key_pos[None, :] <= query_pos[:, None]
     o = F.scaled_dot_product_attention(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
         enable_gqa=True,
     )
     out[start : start + q_len] = o[0].transpose(0, 1)
 
 
-def _decode_attention(query, kv_cache, starts, lens, block_table, scale, out, decodes) -> None:
+def _decode_attention(query, kv_cache, plan: _Plan, scale, out) -> None:
     """All single-token queries at once: one gather, one padded masked attention."""
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    device = query.device
-    rows = torch.tensor([starts[i] for i in decodes], device=device)
-    seq_lens = torch.tensor([lens[i] for i in decodes], device=device)
-    max_len = int(seq_lens.max())
-    num_blocks = -(-max_len // block_size)
-    blocks = block_table[torch.tensor(decodes, device=device), :num_blocks].clamp_min(0)
-    kv = kv_cache[:, blocks].reshape(2, len(decodes), -1, num_kv_heads, head_dim)[:, :, :max_len]
-    k = kv[0].transpose(1, 2)
-    v = kv[1].transpose(1, 2)
-    q = query[rows].unsqueeze(2)  # [batch, num_heads, 1, head_dim]
-    mask = torch.arange(max_len, device=device)[None, :] < seq_lens[:, None]
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    batch = plan.decode_rows.shape[0]
+    kv = kv_cache[:, plan.decode_blocks].reshape(2, batch, -1, num_kv_heads, head_dim)
+    kv = kv[:, :, : plan.max_len]
+    q = query[plan.decode_rows].unsqueeze(2)  # [batch, num_heads, 1, head_dim]
     o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+        q,
+        kv[0].transpose(1, 2),
+        kv[1].transpose(1, 2),
+        attn_mask=plan.decode_mask,
+        scale=scale,
+        enable_gqa=True,
     )
-    out[rows] = o.squeeze(2)
+    out[plan.decode_rows] = o.squeeze(2)

@@ -41,7 +41,9 @@ class RotaryEmbedding(nn.Module):
         rope_type = params["rope_type"]
         if rope_type == "default":
             base = params["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            inv_freq = 1.0 / (
+                base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+            )
             scaling = 1.0
         elif rope_type in ROPE_INIT_FUNCTIONS:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")

@@ -88,7 +88,9 @@ class LlamaForCausalLM(nn.Module):
                 f"{SUPPORTED_MODEL_TYPES}"
             )
         self.config = config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         self.rotary = RotaryEmbedding(config, head_dim, max_position)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -126,7 +128,10 @@ class LlamaForCausalLM(nn.Module):
             param = params[target]
             if shard is None:
                 if tuple(param.shape) != tuple(tensor.shape):
-                    raise ValueError(f"weight {hf_name!r}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                    raise ValueError(
+                        f"weight {hf_name!r}: shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(param.shape)}"
+                    )
                 param.data.copy_(tensor)
             else:
                 offset, size = self._shard_range(target, shard)
@@ -148,8 +153,11 @@ class LlamaForCausalLM(nn.Module):
 
 
 _FUSED = {
-    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
 }
 
 

@@ -58,11 +58,14 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=2)
     """Hugging Face greedy generation for one prompt: the reference tokens (EOS included)."""
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_token_id,
             pad_token_id=0,
         )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
 
 def run(chat_prompt_ids, **engine_kwargs):
+    engine_kwargs.setdefault("kv_cache_memory", "256MiB")
     llm = LLM("smollm2", dtype="float32", **engine_kwargs)
     outs = llm.generate(chat_prompt_ids, GREEDY, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outs]
@@ -42,9 +43,7 @@ def test_chunked_prefill_matches_hf(chat_prompt_ids, hf_reference):
     budget = longest // 3
     llm, got = run(chat_prompt_ids, max_num_batched_tokens=budget)
     assert got == hf_reference
-    # More prefill steps than prompts means at least one prompt was split across steps.
-    assert llm.stats.num_steps > MAX_TOKENS + len(chat_prompt_ids) * 0
-    assert budget < longest
+    assert llm.stats.num_chunked_prefills > 0
 
 
 @pytest.mark.parametrize("prompt", ["The capital of France is", [1, 504, 3458, 282]])
@@ -52,7 +51,7 @@ def test_raw_prompt_and_token_ids(hf_smollm2, prompt):
     from tests.engine.conftest import hf_greedy
 
     model, tok = hf_smollm2
-    llm = LLM("smollm2", dtype="float32")
+    llm = LLM("smollm2", dtype="float32", kv_cache_memory="64MiB")
     ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     assert out.prompt_token_ids == ids

@@ -16,19 +16,33 @@ def hf_tokens(folder, prompt, n):
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize(
     "model_type,overrides",
     [
         ("llama", {}),
-        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0,
-                                    "original_max_position_embeddings": 64}}),
+        (
+            "llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+        ),
         ("qwen2", {}),
         ("qwen3", {}),
         ("mistral", {"tie_word_embeddings": True}),

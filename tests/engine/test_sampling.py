@@ -31,16 +31,26 @@ def test_seeded_sampling_same_alone_and_in_a_batch_of_16(llm):
 
 
 def test_different_seeds_differ(llm):
-    outs = [llm.generate([PROMPTS[0]], SamplingParams(seed=s, max_tokens=16, ignore_eos=True),
-                         use_tqdm=False)[0].outputs[0].token_ids for s in (1, 2)]
+    outs = [
+        llm.generate(
+            [PROMPTS[0]], SamplingParams(seed=s, max_tokens=16, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+        for s in (1, 2)
+    ]
     assert outs[0] != outs[1]
 
 
 def test_top_k_1_equals_greedy(llm):
-    greedy = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                          use_tqdm=False)
-    topk1 = llm.generate(PROMPTS[:4], SamplingParams(temperature=1.0, top_k=1, max_tokens=8,
-                                                     ignore_eos=True), use_tqdm=False)
+    greedy = llm.generate(
+        PROMPTS[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
+    topk1 = llm.generate(
+        PROMPTS[:4],
+        SamplingParams(temperature=1.0, top_k=1, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in topk1]
 
 
@@ -57,8 +67,9 @@ def test_min_p_and_penalties_in_sampler():
     # Tokens 3 and 1 were seen: 2.0 / 2 = 1.0 and 1.9 / 2 = 0.95, so unseen token 0 wins.
     tokens, _ = sampler(logits, [req], eos_ids=set())
     assert tokens == [0]
-    req2 = Request("q", [0], SamplingParams(temperature=0, presence_penalty=1.0,
-                                            frequency_penalty=0.5))
+    req2 = Request(
+        "q", [0], SamplingParams(temperature=0, presence_penalty=1.0, frequency_penalty=0.5)
+    )
     req2.append_output_token(3)
     req2.append_output_token(3)
     # Token 3 seen twice: 1.5 - 1.0 (presence) - 2 * 0.5 (frequency) = -0.5 < 0.
@@ -71,27 +82,44 @@ def test_min_p_and_penalties_in_sampler():
 
 
 def test_min_tokens_and_stop_token_ids(llm):
-    base = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].token_ids
+    base = (
+        llm.generate(
+            [PROMPTS[0]],
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     stop_tok = base[2]
-    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12,
-                                                    stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    out = llm.generate(
+        [PROMPTS[0]],
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok]),
+        use_tqdm=False,
+    )[0]
     first = base.index(stop_tok)
     assert out.outputs[0].token_ids == base[: first + 1]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_tok
-    forced = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, min_tokens=6,
-                                                       stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    forced = llm.generate(
+        [PROMPTS[0]],
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=[stop_tok]),
+        use_tqdm=False,
+    )[0]
     assert stop_tok not in forced.outputs[0].token_ids[:6]
 
 
 def test_stop_string_is_cut_from_text(llm):
-    base = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    base = llm.generate(
+        [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     text = base.text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), text
-    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
-                                                    stop=[stop]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [PROMPTS[1]],
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[: text.index(stop)]
 
@@ -109,20 +137,32 @@ def test_n_samples_share_the_prompt_blocks(llm):
 
 
 def test_logprobs_top_k(llm):
-    out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=4, logprobs=3,
-                                                    ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [PROMPTS[2]],
+        SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert len(out.logprobs) == 4
     for tok, lp in zip(out.token_ids, out.logprobs):
         assert tok in lp and len(lp) == 3  # greedy token is the top-1, so it is among the 3
         assert max(lp.values()) == lp[tok] <= 0
-    assert out.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs)))
+    assert out.cumulative_logprob == pytest.approx(
+        sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs))
+    )
 
 
 @pytest.mark.parametrize(
     "kwargs,field",
-    [({"max_tokens": 0}, "max_tokens"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-     ({"temperature": -1}, "temperature"), ({"n": 0}, "n"), ({"min_p": 2}, "min_p"),
-     ({"logprobs": 99}, "logprobs"), ({"stop": [""]}, "stop")],
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": -1}, "temperature"),
+        ({"n": 0}, "n"),
+        ({"min_p": 2}, "min_p"),
+        ({"logprobs": 99}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+    ],
 )
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -131,16 +171,21 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
 
 def test_bad_prompts_raise_and_leave_the_engine_clean(llm):
     engine = llm.llm_engine
-    good = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
-                        use_tqdm=False)
+    good = llm.generate(
+        PROMPTS[:2], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )
     too_long = [5] * (engine.max_model_len + 1)
-    for bad, match in [("", "prompts\\[1\\]: prompt must not be empty"),
-                       (too_long, "max_model_len"), ([10**9], "token ids")]:
+    for bad, match in [
+        ("", "prompts\\[1\\]: prompt must not be empty"),
+        (too_long, "max_model_len"),
+        ([10**9], "token ids"),
+    ]:
         with pytest.raises(ValueError, match=match):
             llm.generate([PROMPTS[0], bad], SamplingParams(max_tokens=5), use_tqdm=False)
         assert not engine.has_unfinished_requests()
-    again = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
-                         use_tqdm=False)
+    again = llm.generate(
+        PROMPTS[:2], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in good]
 
 

@@ -36,11 +36,16 @@ def run_all(engine: LLMEngine) -> dict:
 def test_budgets_and_max_num_seqs_hold_every_step(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, max_num_seqs=3, max_num_batched_tokens=20)
     for i in range(8):
-        engine.add_request(str(i), list(range(10, 10 + 7 * (i + 1))),
-                           SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True))
+        engine.add_request(
+            str(i),
+            list(range(10, 10 + 7 * (i + 1))),
+            SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True),
+        )
     finished = run_all(engine)
     assert sorted(finished) == [str(i) for i in range(8)]
-    assert [len(finished[str(i)].outputs[0].token_ids) for i in range(8)] == [3 + i for i in range(8)]
+    assert [len(finished[str(i)].outputs[0].token_ids) for i in range(8)] == [
+        3 + i for i in range(8)
+    ]
     # All blocks back, none held.
     assert engine.kv_cache_manager.num_free_blocks == engine.get_stats().num_blocks
     assert all(b.ref_cnt == 0 for b in engine.kv_cache_manager.block_pool.blocks)
@@ -52,18 +57,28 @@ PER_BLOCK = 2 * 2 * 16 * 2 * 16 * 4  # layers * (k, v) * block_size * kv_heads *
 def test_continuous_batching_step_trace(tiny_llama_dir):
     # Four blocks: "short" and "long" hold them all, so "late" can only use what "short" frees.
     engine = make_engine(tiny_llama_dir, max_num_seqs=2, kv_cache_memory=4 * PER_BLOCK)
-    engine.add_request("short", [5] * 16, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    engine.add_request("long", [6] * 16, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    engine.add_request("late", [7] * 16, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.add_request(
+        "short", [5] * 16, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    )
+    engine.add_request(
+        "long", [6] * 16, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    )
+    engine.add_request(
+        "late", [7] * 16, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    )
     trace = []
     while engine.has_unfinished_requests():
         outs = engine.step()
         sched = engine.last_scheduler_output
-        trace.append({
-            "scheduled": {s.request.request_id: (s.num_new_tokens, tuple(s.block_ids))
-                          for s in sched.scheduled},
-            "finished": [o.request_id for o in outs if o.finished],
-        })
+        trace.append(
+            {
+                "scheduled": {
+                    s.request.request_id: (s.num_new_tokens, tuple(s.block_ids))
+                    for s in sched.scheduled
+                },
+                "finished": [o.request_id for o in outs if o.finished],
+            }
+        )
     # Step 0: both prefills; "late" waits (max_num_seqs=2).
     assert set(trace[0]["scheduled"]) == {"short", "long"}
     finish_step = next(i for i, t in enumerate(trace) if "short" in t["finished"])
@@ -110,8 +125,9 @@ def test_abort_frees_blocks_at_once(tiny_llama_dir):
 
 
 def test_priority_policy_runs_urgent_first(tiny_llama_dir):
-    engine = make_engine(tiny_llama_dir, max_num_seqs=1, scheduling_policy="priority",
-                         priority_aging_seconds=None)
+    engine = make_engine(
+        tiny_llama_dir, max_num_seqs=1, scheduling_policy="priority", priority_aging_seconds=None
+    )
     p = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     engine.add_request("low", [5] * 4, p, priority=5, arrival_time=1.0)
     engine.add_request("high", [6] * 4, p, priority=-1, arrival_time=2.0)
@@ -126,3 +142,16 @@ def test_finished_status_and_reasons(tiny_llama_dir):
     out = run_all(engine)["x"]
     assert out.outputs[0].finish_reason == "length"
     assert req.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_shared_system_prompt_is_computed_once(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    system = list(range(200, 264))  # 4 full blocks of 16
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for i in range(8):
+        engine.add_request(str(i), system + [300 + i, 301 + i], params)
+    run_all(engine)
+    kv = engine.kv_cache_manager
+    # Seven of the eight requests hit all four blocks of the shared prefix.
+    assert kv.prefix_cache_hits == 7 * 64
+    assert engine.get_stats().num_prompt_tokens == 8 * 66 - 7 * 64

@@ -1,0 +1,203 @@
+"""Triton unified paged attention over one flat varlen batch of prefill chunks and decodes.
+
+One program owns a tile of ``BLOCK_Q`` query tokens of one request and all the query heads that
+share one KV head (``BLOCK_M = BLOCK_Q * num_queries_per_kv`` rows), so each K/V tile is read
+once per group. Long decodes with few requests go to ``kernels.triton_split_decode`` instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import cast, dot, interpreting
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    # Request i's query tiles are numbered from query_start_loc[i] // BLOCK_Q + i on, which gives
+    # each request at least cdiv(query_len, BLOCK_Q) tiles without a host-side sync.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def attend_tiles(
+    acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr, stride_bn, kv_head,
+    stride_cb, stride_cs, stride_ch, stride_cd, key_start, key_end, query_pos, dim_mask, qk_scale,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Online softmax (base 2, fp32) of ``q`` over keys ``key_start..key_end-1``."""
+    dims = tl.arange(0, HEAD_PAD)
+    for tile_start in range(key_start, key_end, TILE_N):
+        key_pos = tile_start + tl.arange(0, TILE_N)
+        key_mask = key_pos < key_end
+        # A tile may span several cache blocks, so each key looks up its own block.
+        block = tl.load(
+            block_table_row_ptr + (key_pos // BLOCK_SIZE) * stride_bn, mask=key_mask, other=0
+        )
+        kv_off = block.to(tl.int64) * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs
+        kv_off += kv_head * stride_ch
+        k = tl.load(
+            k_cache_ptr + kv_off[None, :] + dims[:, None] * stride_cd,
+            mask=key_mask[None, :] & dim_mask[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + kv_off[:, None] + dims[None, :] * stride_cd,
+            mask=key_mask[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
+        s = dot(q, k, DOT_PRECISION, INTERPRET) * qk_scale
+        visible = key_mask[None, :] & (key_pos[None, :] <= query_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows that have seen no key yet keep m = -inf; shift them by 0 to avoid inf - inf.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERPRET), v, DOT_PRECISION, INTERPRET)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _unified_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od, stride_bt, stride_bn,
+    stride_cb, stride_cs, stride_ch, stride_cd, num_seqs, head_dim, qk_scale,
+    NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if first >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_local = first + rows // NUM_QUERIES_PER_KV
+    head = kv_head * NUM_QUERIES_PER_KV + rows % NUM_QUERIES_PER_KV
+    row_mask = (rows < BLOCK_Q * NUM_QUERIES_PER_KV) & (q_local < query_len)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_mask = dims < head_dim
+    token = (q_start + q_local).to(tl.int64)
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd,
+        mask=io_mask,
+        other=0.0,
+    )
+
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # The tile's last query row sees keys up to context_len + first + BLOCK_Q - 1.
+    key_end = tl.minimum(seq_len, context_len + first + BLOCK_Q)
+    acc, l_i, m_i = attend_tiles(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr,
+        block_table_ptr + seq.to(tl.int64) * stride_bt, stride_bn, kv_head,
+        stride_cb, stride_cs, stride_ch, stride_cd,
+        0, key_end, context_len + q_local, dim_mask, qk_scale,
+        BLOCK_SIZE, TILE_N, HEAD_PAD, DOT_PRECISION, INTERPRET,
+    )  # fmt: skip
+    l_i = tl.where(row_mask, l_i, 1.0)
+    o = acc / l_i[:, None]
+    tl.store(
+        out_ptr
+        + token[:, None] * stride_ot
+        + head[:, None] * stride_oh
+        + dims[None, :] * stride_od,
+        cast(o, out_ptr.dtype.element_ty, INTERPRET),
+        mask=io_mask,
+    )
+
+
+def tile_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, str]:
+    """``(HEAD_PAD, TILE_N, DOT_PRECISION)``: pow2 head padding, keys per tile, dot precision."""
+    head_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs dims >= 16
+    # fp32 must not silently drop to TF32, which would miss the fp32 accuracy contract.
+    return head_pad, 32 if head_pad <= 128 else 16, "ieee" if dtype == torch.float32 else "tf32"
+
+
+def unified_attention_triton(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Triton twin of ``unified_attention_torch``.
+
+    ``num_splits`` forces the split-K decode path (decode-only batches); by default
+    ``pick_num_splits`` decides, bounding the context by ``max_seq_len`` when given and by the
+    block table's width otherwise (that needs no device-to-host sync).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if cache_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"query {tuple(query.shape)} does not fit kv_cache {tuple(kv_cache.shape)}: head_dim "
+            "must match and num_heads must be a multiple of num_kv_heads"
+        )
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"query_start_loc needs num_seqs + 1 = {num_seqs + 1} entries, "
+            f"got {query_start_loc.shape[0]}"
+        )
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    # Imported here because the split-K module reuses this one's inner loop.
+    from kernels.triton_split_decode import pick_num_splits, split_decode_attention
+
+    if max_seq_len is None:
+        max_seq_len = block_table.shape[1] * block_size
+    if num_splits is None:
+        num_splits = pick_num_splits(num_tokens, num_seqs, num_kv_heads, max_seq_len, query.device)
+    if num_splits > 1:
+        return split_decode_attention(
+            query, kv_cache, query_start_loc, seq_lens, block_table, scale, out, num_splits
+        )
+    num_queries_per_kv = num_heads // num_kv_heads
+    head_pad, tile_n, precision = tile_config(head_dim, query.dtype)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    block_m = max(16, triton.next_power_of_2(num_queries_per_kv))
+    if num_tokens >= 4 * num_seqs:  # prefill-heavy: taller tiles reuse each K/V tile more
+        block_m = max(block_m, 64)
+    block_q = block_m // num_queries_per_kv
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _unified_attention_kernel[grid](
+        out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+        *query.stride(), *out.stride(), *block_table.stride(), *k_cache.stride(),
+        num_seqs, head_dim, scale * LOG2E,
+        NUM_QUERIES_PER_KV=num_queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m,
+        BLOCK_SIZE=block_size, TILE_N=tile_n, HEAD_PAD=head_pad, DOT_PRECISION=precision,
+        INTERPRET=interpreting(),
+    )  # fmt: skip
+    return out
