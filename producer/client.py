@@ -1,0 +1,235 @@
+"""The pagedq producer client: submit generation jobs to Redis and read their results."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from itertools import islice
+from typing import Any
+
+from redis import Redis, WatchError
+from rq import Queue
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from producer.enqueue import RERUN_STATUSES, build_job, clear_job, ended_status, enqueue_jobs
+from producer.follow import StreamFollower
+from producer.keys import (
+    CANCEL_CHANNEL,
+    DEFAULT_CANCEL_TTL,
+    DEFAULT_QUEUE,
+    DEFAULT_RESULT_TTL,
+    DEFAULT_STREAM_TTL,
+    STREAM_MAXLEN,
+    cancel_key,
+    result_key,
+    stream_key,
+)
+from producer.results import final_result, is_final, raise_for_status, read_result
+from producer.schema import GenerationRequest, GenerationResult
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_JOB_TIMEOUT = 3600
+QUEUED_STATUSES = {"queued", "deferred", "scheduled", "created", "rate_limited"}
+STATUS_NAMES = {
+    "queued": "queued",
+    "deferred": "queued",
+    "scheduled": "queued",
+    "created": "queued",
+    "rate_limited": "queued",
+    "started": "started",
+    "finished": "finished",
+    "failed": "failed",
+    "canceled": "canceled",
+    "stopped": "canceled",
+}
+
+RequestLike = GenerationRequest | dict[str, Any]
+
+
+class Client:
+    """Submits jobs to a pagedq queue (RQ 3, JSON serializer) and reads results and streams.
+
+    `retries` is RQ's retry count for a job whose execution fails (e.g. its worker died);
+    `result_ttl` keeps the RQ job and its result that many seconds after it ends.
+    """
+
+    def __init__(
+        self,
+        redis_url: str = DEFAULT_REDIS_URL,
+        queue: str = DEFAULT_QUEUE,
+        result_ttl: int = DEFAULT_RESULT_TTL,
+        retries: int = 3,
+        job_timeout: int = DEFAULT_JOB_TIMEOUT,
+        check_interval: float = 2.0,
+        connection: Redis | None = None,
+    ) -> None:
+        self.redis = connection if connection is not None else Redis.from_url(redis_url)
+        self.queue = Queue(queue, connection=self.redis, serializer=JSONSerializer)
+        self.result_ttl = result_ttl
+        self.retries = retries
+        self.job_timeout = job_timeout
+        self.check_interval = check_interval
+
+    def submit(
+        self,
+        prompt: str | list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        **fields: Any,
+    ) -> str:
+        """Enqueue one job and return its id; with `custom_id`, resubmitting returns the same id."""
+        if prompt is not None:
+            fields["prompt"] = prompt
+        if messages is not None:
+            fields["messages"] = messages
+        return self.submit_many([fields])[0]
+
+    def submit_many(self, requests: Iterable[RequestLike], chunk_size: int = 500) -> list[str]:
+        """Enqueue many jobs, one Redis round trip per chunk; returns their ids in order.
+
+        Each chunk is validated whole before it is enqueued, so a bad request raises
+        InvalidRequestError with nothing of its chunk enqueued (earlier chunks stay queued).
+        """
+        job_ids: list[str] = []
+        it = iter(requests)
+        while chunk := list(islice(it, chunk_size)):
+            job_ids += self.enqueue([_as_request(r) for r in chunk])
+        return job_ids
+
+    def enqueue(
+        self, requests: list[GenerationRequest], id_namespace: str | None = None
+    ) -> list[str]:
+        """Enqueue validated requests in one round trip; an existing job is reused, not re-run.
+
+        `id_namespace` scopes custom_ids (job id from "{id_namespace}/{custom_id}").
+        """
+        jobs = [
+            build_job(
+                self.queue,
+                r,
+                result_ttl=self.result_ttl,
+                retries=self.retries,
+                job_timeout=self.job_timeout,
+                id_namespace=id_namespace,
+            )
+            for r in requests
+        ]
+        created = enqueue_jobs(self.redis, self.queue, jobs)
+        for job, was_created in zip(jobs, created, strict=True):
+            if not was_created and ended_status(self.redis, job.id) in RERUN_STATUSES | {None}:
+                clear_job(self.redis, job.id)
+                enqueue_jobs(self.redis, self.queue, [job])
+        return [job.id for job in jobs]
+
+    def result(self, job_id: str, timeout: float | None = None) -> GenerationResult:
+        """Block until the job ends and return its result (no polling: XREAD on its stream).
+
+        Raises JobFailedError (carrying the job's error), JobCanceledError, JobNotFoundError,
+        or TimeoutError after `timeout` seconds.
+        """
+        result = read_result(self.redis, job_id)
+        if result is None:
+            *_, final = self._entries(job_id, timeout)
+            result = final_result(self.redis, job_id, final)
+        return raise_for_status(result)
+
+    def stream(self, job_id: str, timeout: float | None = None) -> Iterator[str]:
+        """Yield the job's text deltas from its first token on, as the worker produces them.
+
+        Ends when the job finishes; raises like `result()` when it fails or is canceled. When
+        the stream expired before the result did, the whole text comes as one delta.
+        """
+        seen_tokens = False
+        for entry in self._entries(job_id, timeout):
+            if is_final(entry):
+                result = raise_for_status(final_result(self.redis, job_id, entry))
+                if not seen_tokens and result.text:
+                    yield result.text
+            elif entry.get("event") == "token" and entry.get("delta"):
+                seen_tokens = True
+                yield entry["delta"]
+
+    def _entries(self, job_id: str, timeout: float | None) -> Iterator[dict[str, str]]:
+        """The job's stream entries, up to and including its (possibly synthetic) final one."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        follower = StreamFollower(self.redis, [job_id], check_interval=self.check_interval)
+        while True:
+            block_s = 3600.0 if deadline is None else deadline - time.monotonic()
+            if block_s <= 0:
+                raise TimeoutError(f"job {job_id} did not end within {timeout} s")
+            for _, entry in follower.read(block_s):
+                yield entry
+                if is_final(entry):
+                    return
+
+    def cancel(self, job_id: str) -> bool:
+        """Ask for a job's cancellation; True if it was queued or running, False if it had ended.
+
+        A queued job is canceled through RQ at once (with its canceled result written here, as
+        no worker will); a running one is aborted by its worker via the cancel key and channel.
+        """
+        pipe = self.redis.pipeline()
+        pipe.set(cancel_key(job_id), "1", ex=DEFAULT_CANCEL_TTL)
+        pipe.publish(CANCEL_CHANNEL, job_id)
+        pipe.execute()
+        try:
+            job = Job.fetch(job_id, connection=self.redis, serializer=JSONSerializer)
+        except NoSuchJobError:
+            return False
+        with self.redis.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(job.key)
+                    status = (pipe.hget(job.key, "status") or b"").decode()
+                    if status not in QUEUED_STATUSES:
+                        return status == "started"
+                    pipe.multi()
+                    job.cancel(pipeline=pipe)
+                    self._write_canceled(pipe, job)
+                    pipe.execute()
+                    return True
+                except WatchError:
+                    continue
+
+    def _write_canceled(self, pipe: Any, job: Job) -> None:
+        payload = job.args[0] if job.args and isinstance(job.args[0], dict) else {}
+        result = GenerationResult(
+            job_id=job.id,
+            custom_id=payload.get("custom_id"),
+            status="canceled",
+            error="canceled",
+            metadata=payload.get("metadata"),
+        )
+        pipe.set(result_key(job.id), result.model_dump_json(), ex=self.result_ttl)
+        pipe.xadd(
+            stream_key(job.id),
+            {"event": "error", "error": "canceled"},
+            maxlen=STREAM_MAXLEN,
+            approximate=True,
+        )
+        pipe.expire(stream_key(job.id), DEFAULT_STREAM_TTL)
+
+    def status(self, job_id: str) -> str:
+        """queued, started, finished, failed, canceled, or unknown (never submitted / expired)."""
+        status = self.redis.hget(Job.key_for(job_id), "status")
+        if status is not None:
+            return STATUS_NAMES.get(status.decode(), "unknown")
+        result = read_result(self.redis, job_id)
+        return result.status if result is not None else "unknown"
+
+    def close(self) -> None:
+        """Release the Redis connections."""
+        self.redis.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _as_request(request: RequestLike) -> GenerationRequest:
+    if isinstance(request, GenerationRequest):
+        return request
+    return GenerationRequest.parse(request)

@@ -1,0 +1,97 @@
+"""Enqueue validated requests as RQ jobs, pipelined and idempotent per job id."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from redis import Redis
+from rq import Queue, Retry
+from rq.job import Job
+from rq.utils import now
+
+from producer.keys import GENERATE_FUNC, cancel_key, job_id_for, result_key, stream_key
+from producer.schema import GenerationRequest, GenerationResult
+
+# RQ's own unique enqueue (Queue.enqueue_job(unique=True)) cannot run inside a pipeline, and
+# Queue.enqueue_many has no unique mode; this is RQ's script (rq/scripts.py) plus a check of
+# our result key, so a job whose RQ hash expired before its result is not computed again.
+ENQUEUE_IF_ABSENT = """
+if redis.call("EXISTS", KEYS[1]) == 1 or redis.call("EXISTS", KEYS[3]) == 1 then
+    return 0
+end
+redis.call("HSET", KEYS[1], unpack(ARGV, 2))
+redis.call("RPUSH", KEYS[2], ARGV[1])
+return 1
+"""
+
+# A job that ended like this is run again when resubmitted under the same custom_id.
+RERUN_STATUSES = {"failed", "canceled", "stopped"}
+
+
+def build_job(
+    queue: Queue,
+    request: GenerationRequest,
+    *,
+    result_ttl: int,
+    retries: int,
+    job_timeout: int,
+    id_namespace: str | None = None,
+) -> Job:
+    """The RQ job for one request, ready to be saved (status queued, enqueued now).
+
+    With `id_namespace` (bulk files: custom_ids are unique only within one file) the job id
+    derives from "{id_namespace}/{custom_id}" instead of the bare custom_id.
+    """
+    key = request.custom_id
+    if key is not None and id_namespace is not None:
+        key = f"{id_namespace}/{key}"
+    job_id = job_id_for(key, queue.name)
+    job = queue.create_job(
+        GENERATE_FUNC,
+        args=[request.payload()],
+        job_id=job_id,
+        result_ttl=result_ttl,
+        failure_ttl=result_ttl,
+        timeout=job_timeout,
+        retry=Retry(max=retries) if retries > 0 else None,
+        description=f"{GENERATE_FUNC}({request.custom_id or job_id})",
+    )
+    job.enqueued_at = now()
+    return job
+
+
+def _hset_args(job: Job) -> list[bytes | str]:
+    args: list[bytes | str] = []
+    for field, value in job.to_dict().items():
+        if value is not None:
+            args += [field, value if isinstance(value, bytes | str) else str(value)]
+    return args
+
+
+def enqueue_jobs(connection: Redis, queue: Queue, jobs: Sequence[Job]) -> list[bool]:
+    """Save and push each job unless it (or its result) exists; one round trip. True = created."""
+    script = connection.register_script(ENQUEUE_IF_ABSENT)
+    pipe = connection.pipeline(transaction=False)
+    pipe.sadd(Queue.redis_queues_keys, queue.key)
+    for job in jobs:
+        keys = [job.key, queue.key, result_key(job.id)]
+        script(keys=keys, args=[job.id, *_hset_args(job)], client=pipe)
+    return [bool(created) for created in pipe.execute()[1:]]
+
+
+def ended_status(connection: Redis, job_id: str) -> str | None:
+    """The RQ status of an existing job, else the status in its result key, else None."""
+    status = connection.hget(Job.key_for(job_id), "status")
+    if status is not None:
+        return status.decode()
+    raw = connection.get(result_key(job_id))
+    if raw is None:
+        return None
+    return GenerationResult.model_validate_json(raw).status
+
+
+def clear_job(connection: Redis, job_id: str) -> None:
+    """Delete an ended job and everything pagedq wrote for it, so it can be enqueued afresh."""
+    if Job.exists(job_id, connection):
+        Job.fetch(job_id, connection=connection).delete(remove_from_queue=True)
+    connection.delete(result_key(job_id), stream_key(job_id), cancel_key(job_id))

@@ -1,0 +1,262 @@
+"""The wire schema of a job and of its result (pydantic v2), shared by producer and worker."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from producer.errors import InvalidRequestError
+from producer.keys import (
+    CANCEL_CHANNEL,
+    GENERATE_FUNC,
+    WORKER_KEY_PATTERN,
+    cancel_key,
+    job_id_for,
+    result_key,
+    stream_key,
+    worker_key,
+)
+
+__all__ = [
+    "CANCEL_CHANNEL",
+    "GENERATE_FUNC",
+    "WORKER_KEY_PATTERN",
+    "ChatMessage",
+    "Choice",
+    "GenerationRequest",
+    "GenerationResult",
+    "Timings",
+    "Usage",
+    "cancel_key",
+    "format_validation_error",
+    "job_id_for",
+    "result_key",
+    "stream_key",
+    "worker_key",
+]
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+JobStatus = Literal["finished", "failed", "canceled"]
+
+# field -> (low, low_inclusive, high, high_inclusive); None = unbounded on that side.
+RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
+    "n": (1, True, None, False),
+    "temperature": (0, True, None, False),
+    "top_p": (0, False, 1, True),
+    "top_k": (0, True, None, False),
+    "min_p": (0, True, 1, True),
+    "presence_penalty": (-2, True, 2, True),
+    "frequency_penalty": (-2, True, 2, True),
+    "repetition_penalty": (0, False, None, False),
+    "max_tokens": (1, True, None, False),
+    "min_tokens": (0, True, None, False),
+    "logprobs": (0, True, 20, True),
+}
+
+
+def _allowed(lo: float | None, lo_inc: bool, hi: float | None, hi_inc: bool) -> str:
+    if hi is None:
+        return f"{'>=' if lo_inc else '>'} {lo}"
+    if lo is None:
+        return f"{'<=' if hi_inc else '<'} {hi}"
+    return f"in {'[' if lo_inc else '('}{lo}, {hi}{']' if hi_inc else ')'}"
+
+
+class ChatMessage(BaseModel):
+    """One chat turn; OpenAI-style content parts [{"type": "text", "text": ...}] are joined."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, v: Any) -> Any:
+        if isinstance(v, list) and all(isinstance(p, dict) for p in v):
+            if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in v):
+                raise ValueError('only {"type": "text", "text": ...} content parts are allowed')
+            return "".join(p["text"] for p in v)
+        return v
+
+
+class GenerationRequest(BaseModel):
+    """A job: `prompt` (text or token ids) or chat `messages`, plus the engine's sampling fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int = 256
+    min_tokens: int = 0
+    logprobs: int | None = None
+    priority: int = 0
+    custom_id: str | None = None
+    metadata: dict[str, Any] | None = None
+    model: str | None = None
+
+    @field_validator(*RANGES)
+    @classmethod
+    def _in_range(cls, v: float | None, info: Any) -> float | None:
+        if v is None:
+            return v
+        lo, lo_inc, hi, hi_inc = RANGES[info.field_name]
+        too_low = lo is not None and (v < lo if lo_inc else v <= lo)
+        too_high = hi is not None and (v > hi if hi_inc else v >= hi)
+        if too_low or too_high or (isinstance(v, float) and math.isnan(v)):
+            raise ValueError(f"must be {_allowed(lo, lo_inc, hi, hi_inc)}, got {v!r}")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, v: str | list[int] | None) -> str | list[int] | None:
+        if v is not None and len(v) == 0:
+            raise ValueError("must not be empty")
+        if isinstance(v, list) and any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_not_empty(cls, v: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        if v is not None and len(v) == 0:
+            raise ValueError("must hold at least one message")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v is not None and any(s == "" for s in ([v] if isinstance(v, str) else v)):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids_valid(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    @field_validator("custom_id")
+    @classmethod
+    def _custom_id_not_empty(cls, v: str | None) -> str | None:
+        if v is not None and v == "":
+            raise ValueError("must not be empty (omit it for a random job id)")
+        return v
+
+    @model_validator(mode="after")
+    def _check_combination(self) -> GenerationRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        return self
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> GenerationRequest:
+        """Validate a dict, raising InvalidRequestError with a readable message on bad fields."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise InvalidRequestError(format_validation_error(exc), exc.errors()) from None
+
+    def payload(self) -> dict[str, Any]:
+        """The job's single RQ argument, as the contract fixes it."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per refused field: `field: what is wrong (allowed values)`."""
+    fields = ", ".join(GenerationRequest.model_fields)
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "request"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown field (allowed: {fields})"
+        elif err["type"] == "missing":
+            msg = "field required"
+        elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
+            msg = f"{msg}, got {err['input']!r}"
+        lines.append(f"{loc}: {msg}")
+    return "invalid request: " + "; ".join(lines)
+
+
+class Usage(BaseModel):
+    """Token counts of a finished job."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        """prompt_tokens + completion_tokens, as OpenAI reports it."""
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Timings(BaseModel):
+    """Seconds spent queued, to first token, and from enqueue to the end."""
+
+    queued_s: float | None = None
+    ttft_s: float | None = None
+    total_s: float | None = None
+
+
+class Choice(BaseModel):
+    """One of the n completions of a job."""
+
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+class GenerationResult(BaseModel):
+    """What a worker writes back for a job (`pagedq:result:{job_id}` and RQ's return value)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    job_id: str
+    custom_id: str | None = None
+    status: JobStatus
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    choices: list[Choice] = Field(default_factory=list)
+    usage: Usage = Field(default_factory=Usage)
+    timings: Timings = Field(default_factory=Timings)
+    model: str | None = None
+    worker: str | None = None
+    error: str | None = None
+    metadata: dict[str, Any] | None = None
+
+    def all_choices(self) -> list[Choice]:
+        """`choices`, or the top-level fields as the single choice 0 when n == 1."""
+        if self.choices:
+            return self.choices
+        return [
+            Choice(
+                text=self.text,
+                token_ids=self.token_ids,
+                finish_reason=self.finish_reason,
+                logprobs=self.logprobs,
+            )
+        ]

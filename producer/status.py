@@ -1,0 +1,64 @@
+"""What `pagedq status` reports: queue depth, RQ registry counts, pagedq workers."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from rq import Worker
+
+from producer.client import Client
+from producer.keys import WORKER_KEY_PATTERN
+
+
+def queue_status(client: Client) -> dict[str, Any]:
+    """Counts from RQ's queue and registries, plus each worker's last pagedq heartbeat."""
+    q = client.queue
+    counts = {
+        "queued": q.count,
+        "started": q.started_job_registry.get_job_count(cleanup=False),
+        "finished": q.finished_job_registry.get_job_count(cleanup=False),
+        "failed": q.failed_job_registry.get_job_count(cleanup=False),
+        "canceled": q.canceled_job_registry.get_job_count(cleanup=False),
+        "scheduled": q.scheduled_job_registry.get_job_count(cleanup=False),
+    }
+    workers = []
+    for key in sorted(client.redis.scan_iter(match=WORKER_KEY_PATTERN, count=500)):
+        raw = client.redis.get(key)
+        if raw is None:
+            continue
+        try:
+            info = json.loads(raw)
+        except ValueError:
+            continue
+        info["name"] = key.decode().split(":", 2)[2]
+        workers.append(info)
+    return {
+        "queue": q.name,
+        "counts": counts,
+        "rq_workers": Worker.count(connection=client.redis, queue=q),
+        "workers": workers,
+    }
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """A human-readable table of `queue_status`."""
+    lines = [f"queue {status['queue']}"]
+    lines += [f"  {name:<10}{n:>8}" for name, n in status["counts"].items()]
+    workers = status["workers"]
+    lines.append(f"workers: {len(workers)} pagedq, {status['rq_workers']} registered with RQ")
+    if workers:
+        lines.append(
+            f"  {'name':<28}{'in_flight':>10}{'running':>9}{'waiting':>9}{'kv':>7}  model  age"
+        )
+    for w in workers:
+        kv = w.get("kv_cache_usage")
+        kv_text = f"{kv:.0%}" if isinstance(kv, int | float) else "-"
+        age = w.get("updated_at")
+        age_text = f"{time.time() - age:.0f}s" if isinstance(age, int | float) else "-"
+        lines.append(
+            f"  {w['name']:<28}{w.get('in_flight', '-')!s:>10}{w.get('running', '-')!s:>9}"
+            f"{w.get('waiting', '-')!s:>9}{kv_text:>7}  {w.get('model', '-')}  {age_text}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,211 @@
+"""Client against a real redis-server: exactly the right RQ jobs in, results and streams out."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import zlib
+
+import pytest
+from fake_worker import write_failed, write_finished
+from rq import Queue
+from rq.job import Job
+from rq.results import Result
+from rq.serializers import JSONSerializer
+
+from producer.client import Client
+from producer.errors import InvalidRequestError, JobCanceledError, JobFailedError, JobNotFoundError
+from producer.keys import CANCEL_CHANNEL, cancel_key, job_id_for, result_key, stream_key
+from producer.schema import GENERATE_FUNC, GenerationRequest
+
+
+@pytest.fixture
+def client(redis_server, redis_client):
+    with Client(redis_server.url, check_interval=0.2) as c:
+        yield c
+
+
+def fetch(client: Client, job_id: str) -> Job:
+    return Job.fetch(job_id, connection=client.redis, serializer=JSONSerializer)
+
+
+def test_submit_enqueues_one_json_rq_job_naming_the_generate_function(client):
+    job_id = client.submit(prompt="hi", max_tokens=5, temperature=0)
+    job = fetch(client, job_id)
+    assert job.func_name == GENERATE_FUNC
+    assert job.args == [
+        GenerationRequest.parse({"prompt": "hi", "max_tokens": 5, "temperature": 0}).payload()
+    ]
+    assert job.kwargs == {}
+    assert job.get_status() == "queued" and job.origin == "pagedq"
+    assert (job.retries_left, job.result_ttl, job.timeout) == (3, 7 * 24 * 3600, 3600)
+    assert client.queue.job_ids == [job_id]
+    assert client.redis.smembers("rq:queues") == {b"rq:queue:pagedq"}
+    # What RQ stores is zlib-compressed JSON, never a pickle.
+    data = json.loads(zlib.decompress(client.redis.hget(job.key, "data")))
+    assert data == [GENERATE_FUNC, None, job.args, {}]
+    assert client.status(job_id) == "queued"
+
+
+def test_submit_refuses_bad_fields_and_enqueues_nothing(client):
+    with pytest.raises(InvalidRequestError, match="max_tokens: must be >= 1, got 0"):
+        client.submit(prompt="hi", max_tokens=0)
+    with pytest.raises(InvalidRequestError, match="bogus: unknown field"):
+        client.submit(prompt="hi", bogus=1)
+    assert client.queue.count == 0
+
+
+def test_submit_with_custom_id_is_idempotent(client):
+    first = client.submit(prompt="hi", custom_id="row-1")
+    again = client.submit(prompt="something else", custom_id="row-1")
+    assert first == again == job_id_for("row-1", "pagedq")
+    assert client.queue.job_ids == [first]
+    assert fetch(client, first).args[0]["prompt"] == "hi"
+
+
+def test_custom_id_of_a_finished_job_is_reused_even_after_rq_forgot_it(client):
+    job_id = client.submit(prompt="hi", custom_id="done-1")
+    client.redis.lpop(client.queue.key)
+    write_finished(client.redis, job_id, ["a"])
+    client.redis.delete(Job.key_for(job_id))  # RQ's hash expired, our result key did not
+    assert client.submit(prompt="hi", custom_id="done-1") == job_id
+    assert client.queue.count == 0
+    assert client.status(job_id) == "finished"
+
+
+@pytest.mark.parametrize("ending", ["failed", "canceled"])
+def test_custom_id_of_a_failed_or_canceled_job_runs_again(client, ending):
+    job_id = client.submit(prompt="hi", custom_id="retry-me")
+    if ending == "canceled":
+        assert client.cancel(job_id)
+    else:
+        client.redis.lpop(client.queue.key)
+        client.redis.hset(Job.key_for(job_id), "status", "failed")
+        write_failed(client.redis, job_id, "boom")
+    assert client.submit(prompt="hi", custom_id="retry-me") == job_id
+    assert client.status(job_id) == "queued"
+    assert client.queue.job_ids == [job_id]
+    assert not client.redis.exists(result_key(job_id), stream_key(job_id), cancel_key(job_id))
+
+
+def test_submit_many_enqueues_all_in_order_with_duplicates_collapsed(client):
+    requests = [{"prompt": f"p{i}", "custom_id": f"c{i}"} for i in range(25)]
+    requests.append(GenerationRequest.parse({"prompt": "typed"}))
+    requests.append({"prompt": "dup", "custom_id": "c3"})
+    job_ids = client.submit_many(requests, chunk_size=10)
+    assert len(job_ids) == 27 and job_ids[26] == job_ids[3]
+    assert client.queue.job_ids == job_ids[:26]
+    assert [j.args[0]["prompt"] for j in client.queue.jobs][:3] == ["p0", "p1", "p2"]
+
+
+def test_submit_many_validates_a_chunk_before_enqueuing_it(client):
+    requests = [{"prompt": "ok"}, {"prompt": "bad", "top_p": 0}]
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        client.submit_many(requests)
+    assert client.queue.count == 0
+
+
+def test_cancel_of_a_queued_job_removes_it_and_ends_it_canceled(client):
+    pubsub = client.redis.pubsub()
+    pubsub.subscribe(CANCEL_CHANNEL)
+    pubsub.get_message(timeout=1)
+    keep = client.submit(prompt="keep")
+    job_id = client.submit(prompt="drop", custom_id="drop", metadata={"k": 1})
+    assert client.cancel(job_id) is True
+    assert pubsub.get_message(timeout=1)["data"] == job_id.encode()
+    assert client.redis.get(cancel_key(job_id)) == b"1"
+    assert client.queue.job_ids == [keep]
+    assert client.queue.canceled_job_registry.get_job_ids() == [job_id]
+    assert client.status(job_id) == "canceled"
+    with pytest.raises(JobCanceledError) as err:
+        client.result(job_id, timeout=2)
+    assert err.value.result.metadata == {"k": 1} and err.value.result.custom_id == "drop"
+    assert client.cancel(job_id) is False  # already ended
+
+
+def test_cancel_of_a_running_job_only_signals_the_worker(client):
+    job_id = client.submit(prompt="hi")
+    client.redis.lpop(client.queue.key)
+    client.redis.hset(Job.key_for(job_id), "status", "started")
+    assert client.cancel(job_id) is True
+    assert client.redis.get(cancel_key(job_id)) == b"1"
+    assert client.status(job_id) == "started"
+    assert not client.redis.exists(result_key(job_id))
+
+
+def test_cancel_and_status_of_unknown_job(client):
+    assert client.cancel("no-such-job") is False
+    assert client.status("no-such-job") == "unknown"
+
+
+def later(fn, delay_s: float = 0.3) -> threading.Thread:
+    thread = threading.Thread(target=lambda: (time.sleep(delay_s), fn()))
+    thread.start()
+    return thread
+
+
+def test_result_blocks_until_the_worker_writes_it(client):
+    job_id = client.submit(prompt="hi", custom_id="r1")
+    thread = later(lambda: write_finished(client.redis, job_id, ["Hel", "lo"], "r1"))
+    start = time.monotonic()
+    result = client.result(job_id, timeout=5)
+    thread.join()
+    assert 0.25 < time.monotonic() - start < 2.0
+    assert (result.status, result.text, result.token_ids) == ("finished", "Hello", [0, 1])
+    assert (result.custom_id, result.usage.completion_tokens) == ("r1", 2)
+    assert client.result(job_id).text == "Hello"  # already there: returns at once
+
+
+def test_stream_yields_deltas_in_order_then_ends(client):
+    job_id = client.submit(prompt="hi")
+    thread = later(lambda: write_finished(client.redis, job_id, ["The", " capital", " is"]))
+    deltas = list(client.stream(job_id, timeout=5))
+    thread.join()
+    assert deltas == ["The", " capital", " is"]
+    assert "".join(deltas) == client.result(job_id).text
+
+
+def test_stream_of_a_job_whose_stream_expired_yields_the_whole_text(client):
+    job_id = client.submit(prompt="hi")
+    write_finished(client.redis, job_id, ["a", "b"])
+    client.redis.delete(stream_key(job_id))
+    assert list(client.stream(job_id, timeout=5)) == ["ab"]
+
+
+def test_result_of_a_failed_job_raises_with_its_error(client):
+    job_id = client.submit(prompt="hi")
+    later(lambda: write_failed(client.redis, job_id, "prompt too long: 9000 > 2048"))
+    with pytest.raises(JobFailedError, match="prompt too long: 9000 > 2048") as err:
+        client.result(job_id, timeout=5)
+    assert err.value.error == "prompt too long: 9000 > 2048"
+    with pytest.raises(JobFailedError):
+        list(client.stream(job_id, timeout=5))
+
+
+def test_result_of_a_job_rq_failed_without_a_pagedq_entry_carries_rq_error(client):
+    job_id = client.submit(prompt="hi")
+    job = fetch(client, job_id)
+    client.redis.lpop(client.queue.key)
+    Result.create_failure(job, ttl=60, exc_string="Traceback...\nRuntimeError: worker died")
+    client.redis.hset(job.key, "status", "failed")
+    with pytest.raises(JobFailedError) as err:
+        client.result(job_id, timeout=5)
+    assert err.value.error == "RuntimeError: worker died"
+
+
+def test_result_times_out_and_unknown_job_is_not_found(client):
+    job_id = client.submit(prompt="hi")
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        client.result(job_id, timeout=0.3)
+    assert time.monotonic() - start < 1.0
+    with pytest.raises(JobNotFoundError):
+        client.result("never-submitted", timeout=5)
+
+
+def test_client_works_with_another_queue_name(redis_server, redis_client):
+    with Client(redis_server.url, queue="other") as c:
+        job_id = c.submit(prompt="hi", custom_id="x")
+        assert job_id == job_id_for("x", "other")
+        assert Queue("other", connection=c.redis).job_ids == [job_id]

@@ -1,0 +1,80 @@
+"""docs/PROTOCOL.md: the redis-cli enqueue makes a job RQ (and so the worker) reads correctly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+from fake_worker import write_finished
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from producer.client import Client
+from producer.schema import GENERATE_FUNC, GenerationRequest
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-cli") is None, reason="no redis-cli")
+
+
+def run_block(script: str, url: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        env={**os.environ, "REDIS_URL": url, **env},
+    )
+
+
+def test_doc_has_the_enqueue_and_wait_examples(protocol_example):
+    assert set(protocol_example) == {"enqueue", "wait"}
+
+
+def test_redis_cli_enqueue_makes_a_json_rq_job_with_the_generate_function(
+    redis_server, redis_client, protocol_example
+):
+    done = run_block(protocol_example["enqueue"], redis_server.url, JOB_ID="cli-job-1")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "cli-job-1"
+
+    job = Job.fetch("cli-job-1", connection=redis_client, serializer=JSONSerializer)
+    assert job.func_name == GENERATE_FUNC and job.kwargs == {}
+    question = {"role": "user", "content": "What is the capital of France?"}
+    payload = {"messages": [question], "max_tokens": 16, "temperature": 0}
+    assert job.args == [payload]
+    GenerationRequest.parse(job.args[0])  # what the worker validates
+    assert (job.origin, job.get_status(), job.retries_left, job.timeout) == (
+        "pagedq",
+        "queued",
+        3,
+        3600,
+    )
+    assert job.enqueued_at is not None and job.created_at is not None
+    assert Queue("pagedq", connection=redis_client).job_ids == ["cli-job-1"]
+    assert Queue.all(connection=redis_client)[0].name == "pagedq"
+
+
+def test_redis_cli_wait_block_prints_the_result_written_by_a_worker(
+    redis_server, redis_client, protocol_example
+):
+    script = protocol_example["enqueue"] + protocol_example["wait"]
+    env = {"JOB_ID": "cli-job-2", "QUEUE": "other"}
+    proc = subprocess.Popen(
+        ["bash", "-euo", "pipefail", "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "REDIS_URL": redis_server.url, **env},
+    )
+    queue = Queue("other", connection=redis_client)
+    popped = redis_client.blpop([queue.key], timeout=10)
+    assert popped[1] == b"cli-job-2"
+    write_finished(redis_client, "cli-job-2", ["Paris", "."])
+    out, _ = proc.communicate(timeout=10)
+    lines = out.strip().splitlines()
+    assert lines[0] == "cli-job-2"
+    assert json.loads(lines[-1])["text"] == "Paris."
+    with Client(redis_server.url, queue="other") as client:
+        assert client.result("cli-job-2", timeout=1).text == "Paris."

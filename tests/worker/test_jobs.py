@@ -1,0 +1,72 @@
+"""Job validation and stream bookkeeping, without Redis or a model."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from redis import Redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from producer.schema import GENERATE_FUNC
+from worker.jobs import JobRejected, parse_job, sampling_kwargs
+from worker.streams import StreamState
+
+
+def _job(func_name: str, *args, **kwargs) -> Job:
+    # Never saved: Job.create only needs a connection object, not a server.
+    return Job.create(
+        func_name, args=args, kwargs=kwargs, connection=Redis(), serializer=JSONSerializer
+    )
+
+
+def test_a_valid_job_becomes_a_generation_request_with_sampling_fields():
+    job = _job(GENERATE_FUNC, {"prompt": "hi", "temperature": 0.0, "max_tokens": 5})
+    request = parse_job(job, "smollm2")
+    assert request.prompt == "hi"
+    kwargs = sampling_kwargs(request)
+    assert kwargs["temperature"] == 0.0 and kwargs["max_tokens"] == 5 and kwargs["n"] == 1
+
+
+@pytest.mark.parametrize(
+    "func_name, args, kwargs, message",
+    [
+        ("os.system", ("rm -rf /",), {}, "names function 'os.system'"),
+        (GENERATE_FUNC, ({"prompt": "hi", "temprature": 1},), {}, "temprature: unknown field"),
+        (GENERATE_FUNC, ({"prompt": "hi", "top_p": 0},), {}, "top_p: must be in (0, 1]"),
+        (GENERATE_FUNC, ({"prompt": "hi"}, {"prompt": "x"}), {}, "args=[payload]"),
+        (GENERATE_FUNC, ({"prompt": "hi"},), {"x": 1}, "kwargs={}"),
+        (GENERATE_FUNC, ({"prompt": "hi", "model": "llama"},), {}, "serves 'smollm2'"),
+    ],
+)
+def test_bad_jobs_are_rejected_with_a_message_that_says_why(func_name, args, kwargs, message):
+    with pytest.raises(JobRejected) as rejected:
+        parse_job(_job(func_name, *args, **kwargs), "smollm2")
+    assert message in str(rejected.value)
+
+
+def _completion(text: str, token_ids: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(text=text, token_ids=token_ids)
+
+
+def test_stream_entries_carry_only_the_new_tokens_of_each_step():
+    state = StreamState()
+    first = state.token_entry(_completion("Hel", [1, 2]))
+    second = state.token_entry(_completion("Hello", [1, 2, 3]))
+    assert first == {"event": "token", "delta": "Hel", "token_ids": "[1, 2]"}
+    assert second == {"event": "token", "delta": "lo", "token_ids": "[3]"}
+    assert state.token_entry(_completion("Hello", [1, 2, 3])) is None
+
+
+def test_a_rerun_job_continues_its_stream_instead_of_repeating_it():
+    entries = [
+        (b"1-0", {b"event": b"token", b"delta": b"Hel", b"token_ids": b"[1, 2]"}),
+        (b"1-1", {b"event": b"token", b"delta": b"lo", b"token_ids": b"[3]"}),
+    ]
+    state = StreamState.from_entries(entries)
+    assert (state.text, state.num_tokens) == ("Hello", 3)
+    assert state.token_entry(_completion("Hello", [1, 2, 3])) is None
+    entry = state.token_entry(_completion("Hello world", [1, 2, 3, 4]))
+    assert entry["delta"] == " world" and json.loads(entry["token_ids"]) == [4]

@@ -1,0 +1,100 @@
+"""Two real workers on one queue: shared work, a SIGKILLed worker's jobs re-run, clean SIGTERM."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from rq.job import Job
+from rq.registry import FailedJobRegistry, FinishedJobRegistry
+from rq.results import Result
+from rq.serializers import JSONSerializer
+from worker_helpers import make_client
+
+pytestmark = pytest.mark.slow
+
+QUEUE = "q-scale"
+# Few slots per worker, so a burst of jobs has to spread over both.
+SLOTS = ("--max-num-seqs", "6")
+
+
+@pytest.fixture(scope="module")
+def workers(worker_factory):
+    a = worker_factory(QUEUE, "w-a", *SLOTS)
+    b = worker_factory(QUEUE, "w-b", *SLOTS)
+    a.wait_ready()
+    b.wait_ready()
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def client(private_redis):
+    c = make_client(private_redis.url, QUEUE)
+    yield c
+    c.close()
+
+
+def _successes(client, job_id: str) -> list[Result]:
+    job = Job.fetch(job_id, connection=client.redis, serializer=JSONSerializer)
+    return [r for r in job.results() if r.type == Result.Type.SUCCESSFUL]
+
+
+def _jobs(n: int, tag: str) -> list[dict]:
+    return [
+        {"prompt": f"{tag} {i}: list some words", "temperature": 0.0, "ignore_eos": True,
+         "max_tokens": 8 + i % 3 * 4}
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def test_two_workers_share_the_queue_and_every_job_ends_once(workers, client):
+    a, b = workers
+    job_ids = client.submit_many(_jobs(24, "share"))
+    results = [client.result(j, timeout=240) for j in job_ids]
+
+    assert {r.worker for r in results} == {a.name, b.name}
+    assert all(r.status == "finished" for r in results)
+    for job_id in job_ids:
+        assert len(_successes(client, job_id)) == 1
+    finished = FinishedJobRegistry(QUEUE, connection=client.redis, serializer=JSONSerializer)
+    failed = FailedJobRegistry(QUEUE, connection=client.redis, serializer=JSONSerializer)
+    assert set(job_ids) <= set(finished.get_job_ids())
+    assert failed.count == 0
+
+
+def test_jobs_of_a_killed_worker_run_again_elsewhere_and_end_once(workers, client):
+    a, b = workers
+    job_ids = client.submit_many(_jobs(18, "kill"))
+    executions_key = f"rq:worker:{a.name}:executions"
+    deadline = time.monotonic() + 120
+    while client.redis.scard(executions_key) < 2:
+        assert time.monotonic() < deadline, a.log_tail()
+        time.sleep(0.02)
+    a.kill()  # SIGKILL mid-batch: no cleanup, its leases just stop being renewed
+    orphans = {m.decode().split(":")[0] for m in client.redis.smembers(executions_key)}
+    assert orphans <= set(job_ids) and orphans
+
+    results = {j: client.result(j, timeout=240) for j in job_ids}
+    assert all(r.status == "finished" for r in results.values())
+    for job_id in orphans:
+        assert results[job_id].worker == b.name
+        # The re-run did not repeat in the stream what the dead worker had already streamed.
+        assert "".join(client.stream(job_id, timeout=10)) == results[job_id].text
+    for job_id in job_ids:
+        assert len(_successes(client, job_id)) == 1
+    failed = FailedJobRegistry(QUEUE, connection=client.redis, serializer=JSONSerializer)
+    assert failed.count == 0
+
+
+def test_sigterm_lets_in_flight_jobs_finish_then_exits_cleanly(workers, client):
+    _, b = workers
+    job_ids = client.submit_many(_jobs(4, "drain"))
+    deadline = time.monotonic() + 120
+    while not client.redis.scard(f"rq:worker:{b.name}:executions"):
+        assert time.monotonic() < deadline, b.log_tail()
+        time.sleep(0.02)
+
+    assert b.stop(timeout=60) == 0
+    assert all(client.result(j, timeout=5).status == "finished" for j in job_ids)
+    assert f"rq:worker:{b.name}".encode() not in client.redis.smembers("rq:workers")
+    assert client.redis.get(f"pagedq:worker:{b.name}") is None

@@ -1,0 +1,35 @@
+"""Settings of one worker process (engine settings, Redis, TTLs, leases)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_RESULT_TTL = 7 * 24 * 3600
+DEFAULT_STREAM_TTL = 24 * 3600
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """Everything `pagedq worker` needs; the CLI flags map one to one onto these fields."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    queue: str = "pagedq"
+    model: str = "smollm2"
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: str | None = None  # e.g. "512MiB"; None = the engine decides
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    result_ttl: int = DEFAULT_RESULT_TTL
+    stream_ttl: int = DEFAULT_STREAM_TTL
+    # A job whose execution lease is not renewed for this long is taken as abandoned and
+    # re-run elsewhere; heartbeats renew every lease_ttl / 3 seconds.
+    lease_ttl: int = 60
+    metrics_port: int = 0
+    name: str | None = None
+    burst: bool = False
+    # On SIGTERM, in-flight jobs get this long to finish before they are requeued.
+    drain_timeout: float = 30.0
