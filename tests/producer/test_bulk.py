@@ -11,10 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from fake_worker import FakeWorker
 
 from producer.bulk import BulkRun, count_lines, load_done, run_bulk
-from producer.client import Client
 from producer.openai_batch import CHAT_URL, COMPLETIONS_URL, parse_line
 
 
@@ -28,18 +26,19 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+# Random weights: fix each answer's length (ignore_eos) and make it greedy.
+FIXED = {"max_tokens": 4, "ignore_eos": True, "temperature": 0}
+
+
 @pytest.fixture
-def client(redis_server, redis_client):
-    with Client(redis_server.url, check_interval=0.2) as c:
+def client(served):
+    served.wait_idle()  # nothing left over from an earlier test runs meanwhile
+    with served.client() as c:
         yield c
 
 
-@pytest.fixture
-def fake_worker(redis_server, redis_client):
-    worker = FakeWorker(redis_server.url)
-    worker.start()
-    yield worker
-    worker.stop()
+def job_id_of(row: dict) -> str:
+    return row["id"].removeprefix("batch_req_")
 
 
 def test_parse_openai_chat_line_maps_body_fields():
@@ -95,15 +94,16 @@ def test_load_done_cuts_a_torn_last_line(tmp_path):
     assert count_lines(str(out)) == 2
 
 
-def test_bulk_writes_one_openai_output_line_per_input_line(client, fake_worker, tmp_path):
+def test_bulk_writes_one_openai_output_line_per_input_line(served, client, tmp_path):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    lines = [openai_line(f"req-{i}", f"q{i}") for i in range(5)]
+    counts_before = served.job_counts()
+    lines = [openai_line(f"req-{i}", f"q{i}", **FIXED) for i in range(5)]
     lines += [
-        '{"prompt": "plain"}',
+        json.dumps({"prompt": "plain", **FIXED}),
         "",
         "{broken",
         openai_line("bad", "x", top_p=7),
-        openai_line("fails", "FAIL"),
+        openai_line("fails", "word " * 600),  # longer than the worker's max_model_len
         openai_line("req-0", "duplicate"),
     ]
     src.write_text("\n".join(lines) + "\n")
@@ -111,32 +111,47 @@ def test_bulk_writes_one_openai_output_line_per_input_line(client, fake_worker, 
     rows = {row["custom_id"]: row for row in read_jsonl(out)}
     assert len(read_jsonl(out)) == len(rows) == 9
     assert (summary.finished, summary.failed, summary.invalid) == (6, 1, 2)
-    assert summary.duplicates == ["req-0"] and summary.completion_tokens == 12
+    assert summary.duplicates == ["req-0"] and summary.completion_tokens == 6 * 4
 
     ok = rows["req-2"]
     assert ok["error"] is None and ok["id"].startswith("batch_req_pq-")
+    result = client.result(job_id_of(ok))  # what the worker wrote
     body = ok["response"]["body"]
     assert ok["response"]["status_code"] == 200 and body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": "echo: q2"}
-    assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-    assert ok["response"]["request_id"] == ok["id"].removeprefix("batch_req_")
+    assert body["model"] == served.model
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": result.text}
+    assert body["choices"][0]["token_ids"] == result.token_ids and len(result.token_ids) == 4
+    assert body["choices"][0]["finish_reason"] == "length"
+    prompt_tokens = result.usage.prompt_tokens
+    assert prompt_tokens > 2  # the chat template around "q2"
+    assert body["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 4,
+        "total_tokens": prompt_tokens + 4,
+    }
+    assert ok["response"]["request_id"] == job_id_of(ok)
 
     plain = rows["line-6"]["response"]["body"]
-    assert plain["object"] == "text_completion" and plain["choices"][0]["text"] == "echo: plain"
+    assert plain["object"] == "text_completion"
+    assert plain["choices"][0]["text"] == client.result(job_id_of(rows["line-6"])).text
     assert rows["line-8"]["error"]["code"] == "invalid_request"
     assert "invalid JSON" in rows["line-8"]["error"]["message"]
     assert "top_p: must be in (0, 1], got 7" in rows["bad"]["error"]["message"]
     assert rows["fails"]["response"] is None
-    assert rows["fails"]["error"] == {"code": "job_failed", "message": "ValueError: fake failure"}
-    assert sum(fake_worker.runs.values()) == 7
+    assert rows["fails"]["error"]["code"] == "job_failed"
+    assert "must be shorter than max_model_len" in rows["fails"]["error"]["message"]
+    # Each of the 7 jobs ran once: 6 finished and 1 failed execution, nothing more.
+    jobs = [job_id_of(r) for r in rows.values() if r["response"] or r["custom_id"] == "fails"]
+    assert len(jobs) == 7 and [served.executions(j) for j in jobs] == [1] * 7
+    served.wait_idle()
+    successful, failed = served.job_counts()
+    assert (successful - counts_before[0], failed - counts_before[1]) == (6, 1)
 
 
-def test_rerun_skips_done_lines_and_reuses_jobs_without_computing_twice(
-    client, fake_worker, tmp_path
-):
+def test_rerun_skips_done_lines_and_reuses_jobs_without_computing_twice(served, client, tmp_path):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("".join(openai_line(f"r{i}", f"q{i}") + "\n" for i in range(30)))
+    src.write_text("".join(openai_line(f"r{i}", f"q{i}", **FIXED) + "\n" for i in range(30)))
+    counts_before = served.job_counts()
 
     class Interrupted(BulkRun):
         written = 0
@@ -157,28 +172,42 @@ def test_rerun_skips_done_lines_and_reuses_jobs_without_computing_twice(
     rows = read_jsonl(out)
     assert sorted(r["custom_id"] for r in rows) == sorted(f"r{i}" for i in range(30))
     assert summary.skipped == len(first)
-    assert len(fake_worker.runs) == 30 and set(fake_worker.runs.values()) == {1}
+    assert all(r["error"] is None for r in rows)
+    jobs = {job_id_of(r) for r in rows}
+    assert len(jobs) == 30 and all(served.executions(j) == 1 for j in jobs)
+    served.wait_idle()
+    assert served.job_counts()[0] - counts_before[0] == 30
 
 
-def test_two_files_with_the_same_custom_ids_are_different_jobs(client, fake_worker, tmp_path):
+def test_two_files_with_the_same_custom_ids_are_different_jobs(served, client, tmp_path):
+    rows = {}
     for name in ("a", "b"):
-        (tmp_path / f"{name}.jsonl").write_text(f'{{"prompt": "{name}"}}\n')
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps({"prompt": name, **FIXED}) + "\n")
         run_bulk(
             client, str(tmp_path / f"{name}.jsonl"), str(tmp_path / f"{name}.out"), progress=False
         )
-    texts = [
-        read_jsonl(tmp_path / f"{n}.out")[0]["response"]["body"]["choices"][0]["text"]
-        for n in ("a", "b")
-    ]
-    assert texts == ["echo: a", "echo: b"]
+        [rows[name]] = read_jsonl(tmp_path / f"{name}.out")
+    assert rows["a"]["custom_id"] == rows["b"]["custom_id"] == "line-1"
+    assert job_id_of(rows["a"]) != job_id_of(rows["b"])
+    for row in rows.values():
+        result = client.result(job_id_of(row))
+        assert row["response"]["body"]["choices"][0]["text"] == result.text
+        assert served.executions(result.job_id) == 1
 
 
-def test_cli_submit_killed_halfway_then_rerun_loses_no_line(redis_server, redis_client, tmp_path):
+def test_cli_submit_killed_halfway_then_rerun_loses_no_line(served, tmp_path):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     n = 60
-    src.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(n)))
-    worker = FakeWorker(redis_server.url, delay_s=0.02)
-    worker.start()
+    served.wait_idle()
+    counts_before = served.job_counts()
+    # Answers of different lengths end at different times: OUT grows line by line.
+    src.write_text(
+        "".join(
+            json.dumps({"prompt": f"p{i}", "max_tokens": 24 + 8 * (i % 5), "ignore_eos": True})
+            + "\n"
+            for i in range(n)
+        )
+    )
     cmd = [
         sys.executable,
         "-m",
@@ -188,30 +217,36 @@ def test_cli_submit_killed_halfway_then_rerun_loses_no_line(redis_server, redis_
         "-o",
         str(out),
         "--redis-url",
-        redis_server.url,
+        served.url,
+        "--queue",
+        served.queue,
         "--no-progress",
         "--window",
         "8",
         "--chunk-size",
         "4",
     ]
-    try:
-        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 20
-        while (not out.exists() or len(out.read_text().splitlines()) < 10) and (
-            time.monotonic() < deadline
-        ):
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        killed_at = len(out.read_text().splitlines())
-        assert 10 <= killed_at < n
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
-        assert f"already in {out}" in done.stderr
-    finally:
-        worker.stop()
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while (not out.exists() or len(out.read_text().splitlines()) < 10) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = len(out.read_text().splitlines())
+    assert 10 <= killed_at < n
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"already in {out}" in done.stderr
     rows = read_jsonl(out)
     assert sorted(r["custom_id"] for r in rows) == sorted(f"line-{i + 1}" for i in range(n))
     assert all(r["error"] is None for r in rows)
-    assert len(worker.runs) == n and set(worker.runs.values()) == {1}
+    for row in rows:
+        i = int(row["custom_id"].removeprefix("line-")) - 1
+        assert row["response"]["body"]["usage"]["completion_tokens"] == 24 + 8 * (i % 5)
+    # Every line's job ran exactly once, across the kill and the rerun.
+    jobs = {job_id_of(r) for r in rows}
+    assert len(jobs) == n and all(served.executions(j) == 1 for j in jobs)
+    served.wait_idle()
+    assert served.job_counts()[0] - counts_before[0] == n

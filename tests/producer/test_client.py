@@ -8,15 +8,17 @@ import time
 import zlib
 
 import pytest
-from fake_worker import write_failed, write_finished
+from redis import Redis
 from rq import Queue
 from rq.job import Job
+from rq.registry import CanceledJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from producer.client import Client
 from producer.errors import InvalidRequestError, JobCanceledError, JobFailedError, JobNotFoundError
 from producer.keys import CANCEL_CHANNEL, cancel_key, job_id_for, result_key, stream_key
+from producer.results import decode_entry
 from producer.schema import GENERATE_FUNC, GenerationRequest
 
 
@@ -64,29 +66,40 @@ def test_submit_with_custom_id_is_idempotent(client):
     assert fetch(client, first).args[0]["prompt"] == "hi"
 
 
-def test_custom_id_of_a_finished_job_is_reused_even_after_rq_forgot_it(client):
-    job_id = client.submit(prompt="hi", custom_id="done-1")
-    client.redis.lpop(client.queue.key)
-    write_finished(client.redis, job_id, ["a"])
-    client.redis.delete(Job.key_for(job_id))  # RQ's hash expired, our result key did not
-    assert client.submit(prompt="hi", custom_id="done-1") == job_id
-    assert client.queue.count == 0
-    assert client.status(job_id) == "finished"
+def test_custom_id_of_a_finished_job_is_reused_even_after_rq_forgot_it(served):
+    with served.client() as client:
+        job_id = client.submit(prompt="hi", custom_id="done-1", max_tokens=3, ignore_eos=True)
+        text = client.result(job_id, timeout=30).text
+        served.redis.delete(Job.key_for(job_id))  # RQ's hash expired, our result key did not
+        assert client.submit(prompt="hi", custom_id="done-1") == job_id
+        assert not served.redis.exists(Job.key_for(job_id))  # nothing was enqueued again
+        assert client.status(job_id) == "finished"
+        assert client.result(job_id).text == text
 
 
-@pytest.mark.parametrize("ending", ["failed", "canceled"])
-def test_custom_id_of_a_failed_or_canceled_job_runs_again(client, ending):
+def test_custom_id_of_a_canceled_job_runs_again(client):
     job_id = client.submit(prompt="hi", custom_id="retry-me")
-    if ending == "canceled":
-        assert client.cancel(job_id)
-    else:
-        client.redis.lpop(client.queue.key)
-        client.redis.hset(Job.key_for(job_id), "status", "failed")
-        write_failed(client.redis, job_id, "boom")
+    assert client.cancel(job_id)
     assert client.submit(prompt="hi", custom_id="retry-me") == job_id
     assert client.status(job_id) == "queued"
     assert client.queue.job_ids == [job_id]
     assert not client.redis.exists(result_key(job_id), stream_key(job_id), cancel_key(job_id))
+
+
+def test_custom_id_of_a_failed_job_runs_again(served):
+    with served.client() as client:
+        job_id = client.submit(prompt="hi", custom_id="retry-me", model="other")
+        with pytest.raises(JobFailedError, match="job asks for 'other'"):
+            client.result(job_id, timeout=30)
+        assert client.status(job_id) == "failed"
+        again = client.submit(prompt="hi", custom_id="retry-me", max_tokens=3, ignore_eos=True)
+        assert again == job_id
+        # The failed run's stream and result are gone: the new run's tokens are read from 0.
+        deltas = list(client.stream(job_id, timeout=30))
+        result = client.result(job_id)
+        assert (result.status, result.usage.completion_tokens) == ("finished", 3)
+        assert "".join(deltas) == result.text
+        assert served.executions(job_id) == 1  # the new job's own run only
 
 
 def test_submit_many_enqueues_all_in_order_with_duplicates_collapsed(client):
@@ -124,14 +137,30 @@ def test_cancel_of_a_queued_job_removes_it_and_ends_it_canceled(client):
     assert client.cancel(job_id) is False  # already ended
 
 
-def test_cancel_of_a_running_job_only_signals_the_worker(client):
-    job_id = client.submit(prompt="hi")
-    client.redis.lpop(client.queue.key)
-    client.redis.hset(Job.key_for(job_id), "status", "started")
-    assert client.cancel(job_id) is True
-    assert client.redis.get(cancel_key(job_id)) == b"1"
-    assert client.status(job_id) == "started"
-    assert not client.redis.exists(result_key(job_id))
+def test_cancel_of_a_running_job_is_left_to_its_worker(served):
+    with served.client() as client:
+        job_id = client.submit(prompt="hi", max_tokens=480, ignore_eos=True)
+        deadline = time.monotonic() + 30
+        while not served.redis.xlen(stream_key(job_id)):  # the worker generates its tokens
+            assert time.monotonic() < deadline, served.worker.log_tail()
+            time.sleep(0.01)
+        assert client.status(job_id) == "started"
+        assert client.cancel(job_id) is True
+        assert client.redis.get(cancel_key(job_id)) == b"1"
+        with pytest.raises(JobCanceledError) as err:
+            client.result(job_id, timeout=30)
+    # The worker aborted it and wrote its end (the producer writes only a queued job's end).
+    result = err.value.result
+    assert (result.status, result.worker, result.model) == (
+        "canceled",
+        served.worker.name,
+        served.model,
+    )
+    assert 0 < result.usage.completion_tokens < 480
+    assert served.fetch(job_id).get_status() == "canceled"
+    assert job_id in CanceledJobRegistry(served.queue, connection=served.redis)
+    (_, last), *_ = served.redis.xrevrange(stream_key(job_id), count=1)
+    assert last == {b"event": b"error", b"error": b"canceled"}
 
 
 def test_cancel_and_status_of_unknown_job(client):
@@ -139,48 +168,70 @@ def test_cancel_and_status_of_unknown_job(client):
     assert client.status("no-such-job") == "unknown"
 
 
-def later(fn, delay_s: float = 0.3) -> threading.Thread:
-    thread = threading.Thread(target=lambda: (time.sleep(delay_s), fn()))
-    thread.start()
-    return thread
+def stream_entries(r: Redis, job_id: str) -> list[dict[str, str]]:
+    return [decode_entry(fields) for _, fields in r.xrange(stream_key(job_id))]
 
 
-def test_result_blocks_until_the_worker_writes_it(client):
-    job_id = client.submit(prompt="hi", custom_id="r1")
-    thread = later(lambda: write_finished(client.redis, job_id, ["Hel", "lo"], "r1"))
-    start = time.monotonic()
-    result = client.result(job_id, timeout=5)
-    thread.join()
-    assert 0.25 < time.monotonic() - start < 2.0
-    assert (result.status, result.text, result.token_ids) == ("finished", "Hello", [0, 1])
-    assert (result.custom_id, result.usage.completion_tokens) == ("r1", 2)
-    assert client.result(job_id).text == "Hello"  # already there: returns at once
+def test_result_blocks_until_the_worker_writes_it(served):
+    got: dict = {}
+    with served.client() as client:
+        with served.worker.paused():  # a stopped worker cannot end the job
+            job_id = client.submit(prompt="hi", custom_id="r1", max_tokens=5, ignore_eos=True)
+
+            def wait() -> None:
+                got["result"] = client.result(job_id, timeout=30)
+                got["at"] = time.monotonic()
+
+            thread = threading.Thread(target=wait)
+            thread.start()
+            time.sleep(0.3)
+            resumed_at = time.monotonic()
+            assert thread.is_alive()
+        thread.join(30)
+        result = got["result"]
+        assert got["at"] > resumed_at  # it returned only once the worker had run the job
+        assert (result.status, result.custom_id, result.finish_reason) == (
+            "finished",
+            "r1",
+            "length",
+        )
+        assert len(result.token_ids) == result.usage.completion_tokens == 5
+        assert (result.worker, result.model) == (served.worker.name, served.model)
+        tokens = stream_entries(served.redis, job_id)[:-1]
+        assert "".join(e["delta"] for e in tokens) == result.text
+        assert sum((json.loads(e["token_ids"]) for e in tokens), []) == result.token_ids
+        assert client.result(job_id).text == result.text  # already there: returns at once
 
 
-def test_stream_yields_deltas_in_order_then_ends(client):
-    job_id = client.submit(prompt="hi")
-    thread = later(lambda: write_finished(client.redis, job_id, ["The", " capital", " is"]))
-    deltas = list(client.stream(job_id, timeout=5))
-    thread.join()
-    assert deltas == ["The", " capital", " is"]
-    assert "".join(deltas) == client.result(job_id).text
+def test_stream_yields_deltas_in_order_then_ends(served):
+    with served.client() as client:
+        job_id = client.submit(prompt="The capital", max_tokens=12, ignore_eos=True)
+        deltas = list(client.stream(job_id, timeout=30))
+        *tokens, final = stream_entries(served.redis, job_id)
+        assert final == {"event": "done", "finish_reason": "length"}
+        assert deltas == [e["delta"] for e in tokens if e["delta"]]
+        assert len(tokens) > 1  # one entry per engine step, not one at the end
+        assert "".join(deltas) == client.result(job_id).text
 
 
-def test_stream_of_a_job_whose_stream_expired_yields_the_whole_text(client):
-    job_id = client.submit(prompt="hi")
-    write_finished(client.redis, job_id, ["a", "b"])
-    client.redis.delete(stream_key(job_id))
-    assert list(client.stream(job_id, timeout=5)) == ["ab"]
+def test_stream_of_a_job_whose_stream_expired_yields_the_whole_text(served):
+    with served.client() as client:
+        job_id = client.submit(prompt="hi", max_tokens=4, ignore_eos=True)
+        text = client.result(job_id, timeout=30).text
+        served.redis.delete(stream_key(job_id))  # as its TTL would
+        assert list(client.stream(job_id, timeout=5)) == [text]
 
 
-def test_result_of_a_failed_job_raises_with_its_error(client):
-    job_id = client.submit(prompt="hi")
-    later(lambda: write_failed(client.redis, job_id, "prompt too long: 9000 > 2048"))
-    with pytest.raises(JobFailedError, match="prompt too long: 9000 > 2048") as err:
-        client.result(job_id, timeout=5)
-    assert err.value.error == "prompt too long: 9000 > 2048"
-    with pytest.raises(JobFailedError):
-        list(client.stream(job_id, timeout=5))
+def test_result_of_a_failed_job_raises_with_its_error(served):
+    with served.client() as client:
+        job_id = client.submit(prompt="word " * 600, max_tokens=4)  # longer than max_model_len
+        with pytest.raises(JobFailedError, match="must be shorter than max_model_len") as err:
+            client.result(job_id, timeout=30)
+        assert err.value.error.startswith("invalid request: prompt is ")
+        assert err.value.result.worker == served.worker.name
+        with pytest.raises(JobFailedError, match="max_model_len"):
+            list(client.stream(job_id, timeout=5))
+        assert served.fetch(job_id).get_status() == "failed"
 
 
 def test_result_of_a_job_rq_failed_without_a_pagedq_entry_carries_rq_error(client):

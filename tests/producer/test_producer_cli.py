@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
-from fake_worker import write_failed, write_finished
+import pytest
 
 from producer.cli import main
 from producer.client import Client
-from producer.keys import worker_key
+from producer.errors import JobFailedError
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -20,20 +19,12 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def test_status_reports_queue_registries_and_workers(redis_server, redis_client, capsys):
-    client = Client(redis_server.url)
-    ids = client.submit_many([{"prompt": f"p{i}"} for i in range(4)])
-    client.cancel(ids[0])
-    heartbeat = {
-        "in_flight": 7,
-        "running": 5,
-        "waiting": 2,
-        "kv_cache_usage": 0.25,
-        "model": "smollm2",
-        "updated_at": time.time(),
-    }
-    redis_client.set(worker_key("gpu-0"), json.dumps(heartbeat), ex=30)
-    code, out, _ = run(capsys, "status", "--redis-url", redis_server.url, "--json")
+def test_status_reports_queue_registries_and_workers(served, capsys):
+    # Counts of a queue nobody serves are exact; the served queue's grow as its worker runs jobs.
+    with Client(served.url, queue="idle") as idle:
+        ids = idle.submit_many([{"prompt": f"p{i}"} for i in range(4)])
+        idle.cancel(ids[0])
+    code, out, _ = run(capsys, "status", "--redis-url", served.url, "--queue", "idle", "--json")
     status = json.loads(out)
     assert code == 0
     assert status["counts"] == {
@@ -44,24 +35,46 @@ def test_status_reports_queue_registries_and_workers(redis_server, redis_client,
         "canceled": 1,
         "scheduled": 0,
     }
-    [worker] = status["workers"]
-    assert (worker["name"], worker["in_flight"], worker["model"]) == ("gpu-0", 7, "smollm2")
-    code, out, _ = run(capsys, "status", "--redis-url", redis_server.url)
-    assert "queued" in out and "gpu-0" in out and "25%" in out
+    assert status["rq_workers"] == 0
+    [worker] = status["workers"]  # the heartbeat of the real worker, whatever it serves
+    assert (worker["name"], worker["model"], worker["queue"]) == (
+        served.worker.name,
+        served.model,
+        served.queue,
+    )
+
+    served.wait_idle()
+    argv = ("status", "--redis-url", served.url, "--queue", served.queue, "--json")
+    before = json.loads(run(capsys, *argv)[1])["counts"]
+    with served.client() as client:
+        ok = client.submit_many([{"prompt": f"s{i}", "max_tokens": 2} for i in range(2)])
+        bad = client.submit(prompt="x", model="other")
+        assert [client.result(job_id, timeout=30).status for job_id in ok] == ["finished"] * 2
+        with pytest.raises(JobFailedError):
+            client.result(bad, timeout=30)
+    served.wait_idle()
+    status = json.loads(run(capsys, *argv)[1])
+    after = status["counts"]
+    assert (after["finished"] - before["finished"], after["failed"] - before["failed"]) == (2, 1)
+    assert (after["queued"], after["started"], status["rq_workers"]) == (0, 0, 1)
+    code, out, _ = run(capsys, "status", "--redis-url", served.url, "--queue", served.queue)
+    assert code == 0 and "queued" in out and served.worker.name in out and "%" in out
 
 
-def test_result_prints_text_or_json_and_fails_with_the_error(redis_server, redis_client, capsys):
-    client = Client(redis_server.url)
-    ok, bad = client.submit(prompt="a"), client.submit(prompt="b")
-    write_finished(redis_client, ok, ["Par", "is"])
-    write_failed(redis_client, bad, "invalid request: top_p")
-    assert run(capsys, "result", ok, "--redis-url", redis_server.url)[1] == "Paris\n"
-    code, out, _ = run(capsys, "result", ok, "--json", "--redis-url", redis_server.url)
-    assert json.loads(out)["token_ids"] == [0, 1]
-    assert run(capsys, "result", ok, "--stream", "--redis-url", redis_server.url)[1] == "Paris\n"
-    code, _, err = run(capsys, "result", bad, "--redis-url", redis_server.url)
-    assert code == 1 and "invalid request: top_p" in err
-    code, _, err = run(capsys, "result", "nope", "--timeout", "1", "--redis-url", redis_server.url)
+def test_result_prints_text_or_json_and_fails_with_the_error(served, capsys):
+    with served.client() as client:
+        ok = client.submit(prompt="a", max_tokens=4, ignore_eos=True)
+        bad = client.submit(prompt="b", model="other")
+        result = client.result(ok, timeout=30)
+    url = ("--redis-url", served.url, "--queue", served.queue)
+    assert run(capsys, "result", ok, *url)[1] == result.text + "\n"
+    code, out, _ = run(capsys, "result", ok, "--json", *url)
+    assert code == 0 and json.loads(out)["token_ids"] == result.token_ids
+    assert len(result.token_ids) == 4
+    assert run(capsys, "result", ok, "--stream", *url)[1] == result.text + "\n"
+    code, _, err = run(capsys, "result", bad, "--timeout", "30", *url)
+    assert code == 1 and "job asks for 'other'" in err
+    code, _, err = run(capsys, "result", "nope", "--timeout", "1", *url)
     assert code == 1 and "no job 'nope'" in err
 
 

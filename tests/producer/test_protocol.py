@@ -8,7 +8,6 @@ import shutil
 import subprocess
 
 import pytest
-from fake_worker import write_finished
 from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -57,24 +56,24 @@ def test_redis_cli_enqueue_makes_a_json_rq_job_with_the_generate_function(
     assert Queue.all(connection=redis_client)[0].name == "pagedq"
 
 
-def test_redis_cli_wait_block_prints_the_result_written_by_a_worker(
-    redis_server, redis_client, protocol_example
-):
+def test_redis_cli_wait_block_prints_the_result_written_by_a_worker(served, protocol_example):
     script = protocol_example["enqueue"] + protocol_example["wait"]
-    env = {"JOB_ID": "cli-job-2", "QUEUE": "other"}
-    proc = subprocess.Popen(
-        ["bash", "-euo", "pipefail", "-c", script],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "REDIS_URL": redis_server.url, **env},
-    )
-    queue = Queue("other", connection=redis_client)
-    popped = redis_client.blpop([queue.key], timeout=10)
-    assert popped[1] == b"cli-job-2"
-    write_finished(redis_client, "cli-job-2", ["Paris", "."])
-    out, _ = proc.communicate(timeout=10)
-    lines = out.strip().splitlines()
+    env = {"JOB_ID": "cli-job-2", "QUEUE": served.queue}
+    done = run_block(script, served.url, **env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
     assert lines[0] == "cli-job-2"
-    assert json.loads(lines[-1])["text"] == "Paris."
-    with Client(redis_server.url, queue="other") as client:
-        assert client.result("cli-job-2", timeout=1).text == "Paris."
+    printed = json.loads(lines[-1])
+    with Client(served.url, queue=served.queue) as client:
+        result = client.result("cli-job-2", timeout=1)
+    assert (printed["job_id"], printed["text"]) == ("cli-job-2", result.text)
+    assert printed["token_ids"] == result.token_ids
+    assert (result.status, result.worker, result.model) == (
+        "finished",
+        served.worker.name,
+        served.model,
+    )
+    assert 1 <= result.usage.completion_tokens <= 16  # max_tokens of the example
+    assert result.usage.prompt_tokens > 8  # the chat template around the question
+    job = Job.fetch("cli-job-2", connection=served.redis, serializer=JSONSerializer)
+    assert job.get_status() == "finished" and len(job.results()) == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from worker_helpers import WorkerProcess
+from worker_process import WorkerProcess
 
 from worker.redis_server import PrivateRedis
 

@@ -10,7 +10,7 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from producer.schema import GENERATE_FUNC
+from producer.schema import GENERATE_FUNC, GenerationRequest
 from worker.jobs import JobRejected, parse_job, sampling_kwargs
 from worker.streams import StreamState
 
@@ -70,3 +70,17 @@ def test_a_rerun_job_continues_its_stream_instead_of_repeating_it():
     assert state.token_entry(_completion("Hello", [1, 2, 3])) is None
     entry = state.token_entry(_completion("Hello world", [1, 2, 3, 4]))
     assert entry["delta"] == " world" and json.loads(entry["token_ids"]) == [4]
+
+
+def test_wire_schema_and_engine_sampling_params_name_the_same_fields():
+    # The producer cannot import the engine (no torch), so the two lists are kept in step here.
+    import dataclasses
+
+    from engine import SamplingParams
+    from worker.jobs import SAMPLING_FIELDS
+
+    engine_fields = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
+    assert set(SAMPLING_FIELDS) == engine_fields - {"skip_special_tokens"}
+    for name in SAMPLING_FIELDS:
+        wire_default = GenerationRequest.model_fields[name].default
+        assert wire_default == getattr(SamplingParams(), name) or name == "stop_token_ids"
