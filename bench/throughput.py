@@ -99,9 +99,9 @@ def main() -> None:
     ap.add_argument("--min-output", type=int, default=16)
     ap.add_argument("--max-output", type=int, default=512)
     ap.add_argument("--hf-batch-size", type=int, default=8)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--kv-cache-memory", default="4GiB")
+    ap.add_argument("--kv-cache-memory", default="6GiB")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 

@@ -53,8 +53,8 @@ def unified_attention_torch(
     if out is None:
         out = torch.empty_like(query)
     plan = _plan(query_start_loc, seq_lens, block_table, kv_cache.shape[2])
-    if plan.decode_rows is not None:
-        _decode_attention(query, kv_cache, plan, scale, out)
+    for group in plan.decode_groups:
+        _decode_attention(query, kv_cache, group, scale, out)
     for start, q_len, seq_len, i in plan.prefills:
         _prefill_attention(query, kv_cache, start, q_len, seq_len, block_table[i], scale, out)
     return out
@@ -63,8 +63,18 @@ def unified_attention_torch(
 class _Plan:
     """Index tensors derived from the batch layout, shared by every layer of one step."""
 
-    __slots__ = ("key", "decode_rows", "decode_blocks", "decode_mask", "max_len", "prefills")
+    __slots__ = ("key", "decode_groups", "prefills")
 
+
+class _DecodeGroup:
+    """Decodes of similar context length, attended together with padding to ``max_len``."""
+
+    __slots__ = ("rows", "blocks", "mask", "max_len")
+
+
+# Decodes are sorted by context length and attended in groups of this many, so a short
+# context is not padded to the longest one in a large batch.
+DECODE_GROUP_SIZE = 32
 
 _last_plan: _Plan | None = None
 
@@ -80,21 +90,28 @@ def _plan(query_start_loc, seq_lens, block_table, block_size) -> _Plan:
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     query_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
-    decodes = [i for i, q in enumerate(query_lens) if q == 1]
     plan.prefills = [(starts[i], q, lens[i], i) for i, q in enumerate(query_lens) if q > 1]
-    plan.decode_rows = None
-    if decodes:
-        device = query_start_loc.device
-        idx = torch.tensor(decodes, device=device)
-        plan.decode_rows = query_start_loc[idx]
-        dec_lens = seq_lens[idx]
-        plan.max_len = max(lens[i] for i in decodes)
-        num_blocks = -(-plan.max_len // block_size)
-        plan.decode_blocks = block_table[idx, :num_blocks].clamp_min(0)
-        mask = torch.arange(plan.max_len, device=device)[None, :] < dec_lens[:, None]
-        plan.decode_mask = mask[:, None, None, :]
+    decodes = sorted((i for i, q in enumerate(query_lens) if q == 1), key=lambda i: lens[i])
+    plan.decode_groups = [
+        _decode_group(decodes[g : g + DECODE_GROUP_SIZE], starts, lens, block_table, block_size)
+        for g in range(0, len(decodes), DECODE_GROUP_SIZE)
+    ]
     _last_plan = plan
     return plan
+
+
+def _decode_group(members, starts, lens, block_table, block_size) -> _DecodeGroup:
+    device = block_table.device
+    group = _DecodeGroup()
+    group.rows = torch.tensor([starts[i] for i in members], device=device)
+    group.max_len = max(lens[i] for i in members)
+    num_blocks = -(-group.max_len // block_size)
+    idx = torch.tensor(members, device=device)
+    group.blocks = block_table[idx, :num_blocks].clamp_min(0)
+    member_lens = torch.tensor([lens[i] for i in members], device=device)
+    mask = torch.arange(group.max_len, device=device)[None, :] < member_lens[:, None]
+    group.mask = mask[:, None, None, :]
+    return group
 
 
 def _prefill_attention(query, kv_cache, start, q_len, seq_len, block_ids, scale, out) -> None:
@@ -116,19 +133,19 @@ def _prefill_attention(query, kv_cache, start, q_len, seq_len, block_ids, scale,
     out[start : start + q_len] = o[0].transpose(0, 1)
 
 
-def _decode_attention(query, kv_cache, plan: _Plan, scale, out) -> None:
-    """All single-token queries at once: one gather, one padded masked attention."""
+def _decode_attention(query, kv_cache, group: _DecodeGroup, scale, out) -> None:
+    """A group of single-token queries at once: one gather, one padded masked attention."""
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    batch = plan.decode_rows.shape[0]
-    kv = kv_cache[:, plan.decode_blocks].reshape(2, batch, -1, num_kv_heads, head_dim)
-    kv = kv[:, :, : plan.max_len]
-    q = query[plan.decode_rows].unsqueeze(2)  # [batch, num_heads, 1, head_dim]
+    batch = group.rows.shape[0]
+    kv = kv_cache[:, group.blocks].reshape(2, batch, -1, num_kv_heads, head_dim)
+    kv = kv[:, :, : group.max_len]
+    q = query[group.rows].unsqueeze(2)  # [batch, num_heads, 1, head_dim]
     o = F.scaled_dot_product_attention(
         q,
         kv[0].transpose(1, 2),
         kv[1].transpose(1, 2),
-        attn_mask=plan.decode_mask,
+        attn_mask=group.mask,
         scale=scale,
         enable_gqa=True,
     )
-    out[plan.decode_rows] = o.squeeze(2)
+    out[group.rows] = o.squeeze(2)

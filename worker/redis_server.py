@@ -40,33 +40,32 @@ def find_redis_server() -> str:
 
 
 class PrivateRedis:
-    """A redis-server child without persistence, stopped (its files removed) on close."""
+    """A redis-server child without persistence on a fixed free port; removed on close.
+
+    ``kill()`` and ``start()`` (or ``restart()``) bring it down like a crash and back on the same
+    URL, for tests of what survives a Redis restart.
+    """
 
     def __init__(self, port: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._dir = tempfile.TemporaryDirectory(prefix="pagedq-redis-")
-        self.process = subprocess.Popen(
-            [
-                find_redis_server(),
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                self._dir.name,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # Ctrl-C in the terminal must not kill it before cleanup
-        )
-        self._wait_ready()
+        self.process: subprocess.Popen | None = None
+        self.start()
 
-    def _wait_ready(self, timeout: float = 10.0) -> None:
+    def start(self, timeout: float = 10.0) -> None:
+        """Start the server if it is not running and wait until it answers PING."""
+        if self.process is not None and self.process.poll() is None:
+            return
+        cmd = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
+               "--save", "", "--appendonly", "no", "--dir", self._dir.name]  # fmt: skip
+        # A new session: Ctrl-C in the terminal must not kill it before cleanup.
+        self.process = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         client = redis.Redis(port=self.port)
         while time.monotonic() < deadline:
@@ -79,9 +78,24 @@ class PrivateRedis:
                 time.sleep(0.05)
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout}s")
 
+    def kill(self) -> None:
+        """SIGKILL, like a crash: everything in it is gone."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def restart(self) -> None:
+        """kill() then start() on the same port."""
+        self.kill()
+        self.start()
+
+    def client(self, **kwargs) -> redis.Redis:
+        """A new redis-py client on this server."""
+        return redis.Redis.from_url(self.url, **kwargs)
+
     def close(self) -> None:
         """Stop the server and remove its directory."""
-        if self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
                 self.process.wait(5)

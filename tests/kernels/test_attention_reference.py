@@ -45,3 +45,38 @@ def test_reference_equals_dense_causal_sdpa(rng, queries_per_kv, head_dim, block
     )  # fmt: skip
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(out, torch.cat([e for _, e in dense])) < tolerance
+
+
+def test_reference_many_decodes_of_mixed_lengths_span_several_groups():
+    # More decodes than one DECODE_GROUP_SIZE: they are sorted by length and attended in groups.
+    from kernels.reference import DECODE_GROUP_SIZE, unified_attention_torch, write_kv_torch
+
+    gen = torch.Generator().manual_seed(7)
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
+    num_reqs = 2 * DECODE_GROUP_SIZE + 6
+    lens = torch.randint(1, 200, (num_reqs,), generator=gen).tolist()
+    max_blocks = max(-(-n // block_size) for n in lens)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim)
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.full((num_reqs, max_blocks), -1, dtype=torch.long)
+    used, keys, values = 0, [], []
+    for i, n in enumerate(lens):
+        nb = -(-n // block_size)
+        table[i, :nb] = perm[used : used + nb]
+        used += nb
+        k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+        slots = table[i, torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
+        write_kv_torch(k, v, cache, slots)
+        keys.append(k)
+        values.append(v)
+    query = torch.randn(num_reqs, num_heads, head_dim, generator=gen)
+    out = unified_attention_torch(
+        query, cache, torch.arange(num_reqs + 1), torch.tensor(lens), table, head_dim**-0.5
+    )
+    group = num_heads // num_kv_heads
+    for i in range(num_reqs):
+        k = keys[i].transpose(0, 1).repeat_interleave(group, 0)
+        v = values[i].transpose(0, 1).repeat_interleave(group, 0)
+        ref = torch.nn.functional.scaled_dot_product_attention(query[i][:, None], k, v)[:, 0]
+        torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)

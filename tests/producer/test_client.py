@@ -260,3 +260,11 @@ def test_client_works_with_another_queue_name(redis_server, redis_client):
         job_id = c.submit(prompt="hi", custom_id="x")
         assert job_id == job_id_for("x", "other")
         assert Queue("other", connection=c.redis).job_ids == [job_id]
+
+
+def test_client_reconnects_after_redis_restarts(client, redis_server):
+    first = client.submit(prompt="before", max_tokens=4)
+    redis_server.restart()  # a crash without persistence: the queue is empty afterwards
+    assert client.status(first) == "unknown"
+    second = client.submit(prompt="after", max_tokens=4)
+    assert Queue("pagedq", connection=client.redis, serializer=JSONSerializer).job_ids == [second]
