@@ -28,6 +28,12 @@ def build_worker_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--scheduling-policy",
+        choices=["priority", "fcfs"],
+        default=d.scheduling_policy,
+        help="order of the jobs held by the engine (default %(default)s: lower priority first)",
+    )
     p.add_argument("--result-ttl", type=int, default=d.result_ttl, help="seconds (default 7 days)")
     p.add_argument("--stream-ttl", type=int, default=d.stream_ttl, help="seconds (default 1 day)")
     p.add_argument(
@@ -66,6 +72,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,
+        scheduling_policy=args.scheduling_policy,
         result_ttl=args.result_ttl,
         stream_ttl=args.stream_ttl,
         lease_ttl=args.lease_ttl,

@@ -23,6 +23,9 @@ class WorkerConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    # "priority" orders the jobs a worker holds by their `priority` field (ties by arrival);
+    # "fcfs" ignores it.
+    scheduling_policy: str = "priority"
     result_ttl: int = DEFAULT_RESULT_TTL
     stream_ttl: int = DEFAULT_STREAM_TTL
     # A job whose execution lease is not renewed for this long is taken as abandoned and

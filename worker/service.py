@@ -28,6 +28,7 @@ def build_engine(config: WorkerConfig):
             kv_cache_memory=config.kv_cache_memory,
             enable_prefix_caching=config.enable_prefix_caching,
             max_model_len=config.max_model_len,
+            scheduling_policy=config.scheduling_policy,
         )
     )
 
