@@ -35,6 +35,14 @@ def redis_client(redis_server: PrivateRedis) -> Iterator[Redis]:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    """A tiny random Llama checkpoint folder (safetensors + tokenizer), made once per session."""
+    from tiny_models import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama"))
+
+
+@pytest.fixture(scope="session")
 def protocol_example() -> dict[str, str]:
     """The bash blocks of docs/PROTOCOL.md by name ("enqueue", "wait"), from the markers
     `<!-- protocol-example: NAME -->` written just above each block."""

