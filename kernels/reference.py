@@ -149,3 +149,37 @@ def _decode_attention(query, kv_cache, group: _DecodeGroup, scale, out) -> None:
         enable_gqa=True,
     )
     out[group.rows] = o.squeeze(2)
+
+
+def rms_norm_torch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(norm(x + residual) * weight, x + residual)``; without a residual, ``(norm(x), None)``."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype), residual
+
+
+def rotary_torch(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``query`` ``[T, heads, D]`` and ``key`` ``[T, kv_heads, D]`` by ``positions``.
+
+    ``cos_cache``/``sin_cache`` are ``[max_position, D]`` with both halves equal, as in HF.
+    """
+    cos = cos_cache[positions].to(query.dtype).unsqueeze(1)
+    sin = sin_cache[positions].to(query.dtype).unsqueeze(1)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin

@@ -10,20 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import rms_norm_torch  # noqa: F401  (the oracle, re-exported)
 from kernels.triton_common import cast, interpreting
-
-
-def rms_norm_torch(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(norm(x + residual) * weight, x + residual)``; without a residual, ``(norm(x), None)``."""
-    if residual is not None:
-        x = x + residual
-        residual = x
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype), residual
 
 
 @triton.jit

@@ -6,28 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import rotary_torch  # noqa: F401  (the oracle, re-exported)
 from kernels.triton_common import cast, interpreting
-
-
-def rotary_torch(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``query`` ``[T, heads, D]`` and ``key`` ``[T, kv_heads, D]`` by ``positions``.
-
-    ``cos_cache``/``sin_cache`` are ``[max_position, D]`` with both halves equal, as in HF.
-    """
-    cos = cos_cache[positions].to(query.dtype).unsqueeze(1)
-    sin = sin_cache[positions].to(query.dtype).unsqueeze(1)
-
-    def rotate_half(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-    return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
 
 
 @triton.jit

@@ -6,6 +6,8 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from kernels.reference import rms_norm_torch, rotary_torch
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 and cast back, as Hugging Face does."""
@@ -16,10 +18,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm_torch(x, self.weight, self.eps)[0]
 
 
 def rope_parameters(config) -> dict:
@@ -64,13 +63,6 @@ class RotaryEmbedding(nn.Module):
         """Move the fp32 cos/sin cache to ``device``."""
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate ``q`` ``[T, heads, D]`` and ``k`` ``[T, kv_heads, D]`` by their positions."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+        return rotary_torch(positions, q, k, self.cos, self.sin)
