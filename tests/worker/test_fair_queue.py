@@ -1,4 +1,4 @@
-"""The fair pick, in a real redis-server: priority with aging, then tenants by virtual finish time."""
+"""The fair pick in a real redis-server: priority with aging, then tenant virtual finish times."""
 
 from __future__ import annotations
 
