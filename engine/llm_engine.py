@@ -113,7 +113,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.last_scheduler_output: SchedulerOutput | None = None
-        # Step isolation: a step that raises is retried without its culprit (engine/isolation).
+        # Step isolation: a step that raises is retried without its culprit (step_isolation.py).
         self.isolate_failures = True
         self.failed_requests: list[tuple[str, str]] = []
         self.isolation = StepIsolation(self)
@@ -301,6 +301,8 @@ class LLMEngine:
         return failed
 
     def _step(self) -> list[RequestOutput]:
+        # Reset first: a scheduler that raises must not make isolation blame the last step.
+        self.last_scheduler_output = None
         sched_out = self.scheduler.schedule()
         self.last_scheduler_output = sched_out
         if sched_out.is_empty:
