@@ -9,7 +9,6 @@ from typing import Any
 
 from redis import Redis, WatchError
 from rq import Queue
-from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -26,7 +25,14 @@ from producer.keys import (
     result_key,
     stream_key,
 )
-from producer.results import final_result, is_final, raise_for_status, read_result
+from producer.results import (
+    final_result,
+    is_final,
+    job_shell,
+    raise_for_status,
+    read_job_payload,
+    read_result,
+)
 from producer.schema import GenerationRequest, GenerationResult
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -173,9 +179,8 @@ class Client:
         pipe.set(cancel_key(job_id), "1", ex=DEFAULT_CANCEL_TTL)
         pipe.publish(CANCEL_CHANNEL, job_id)
         pipe.execute()
-        try:
-            job = Job.fetch(job_id, connection=self.redis, serializer=JSONSerializer)
-        except NoSuchJobError:
+        job = job_shell(self.redis, job_id)  # never Job.fetch: nothing stored is deserialized
+        if job is None:
             return False
         with self.redis.pipeline() as pipe:
             while True:
@@ -193,13 +198,14 @@ class Client:
                     continue
 
     def _write_canceled(self, pipe: Any, job: Job) -> None:
-        payload = job.args[0] if job.args and isinstance(job.args[0], dict) else {}
+        payload = read_job_payload(self.redis, job.id)
+        custom_id, metadata = payload.get("custom_id"), payload.get("metadata")
         result = GenerationResult(
             job_id=job.id,
-            custom_id=payload.get("custom_id"),
+            custom_id=custom_id if isinstance(custom_id, str) else None,
             status="canceled",
             error="canceled",
-            metadata=payload.get("metadata"),
+            metadata=metadata if isinstance(metadata, dict) else None,
         )
         pipe.set(result_key(job.id), result.model_dump_json(), ex=self.result_ttl)
         pipe.xadd(

@@ -10,6 +10,7 @@ from rq.job import Job
 from rq.utils import now
 
 from producer.keys import GENERATE_FUNC, cancel_key, job_id_for, result_key, stream_key
+from producer.results import job_shell
 from producer.schema import GenerationRequest, GenerationResult
 
 # RQ's own unique enqueue (Queue.enqueue_job(unique=True)) cannot run inside a pipeline, and
@@ -92,6 +93,8 @@ def ended_status(connection: Redis, job_id: str) -> str | None:
 
 def clear_job(connection: Redis, job_id: str) -> None:
     """Delete an ended job and everything pagedq wrote for it, so it can be enqueued afresh."""
-    if Job.exists(job_id, connection):
-        Job.fetch(job_id, connection=connection).delete(remove_from_queue=True)
+    # Not Job.fetch: its default serializer is pickle, and the hash is anyone's to write.
+    job = job_shell(connection, job_id)
+    if job is not None:
+        job.delete(remove_from_queue=True)
     connection.delete(result_key(job_id), stream_key(job_id), cancel_key(job_id))
