@@ -117,7 +117,8 @@ def load_done(out_path: str, line_ids: dict[str, str] | None = None) -> set[str]
             good_end += len(raw)
             try:
                 row = json.loads(raw)
-                custom_id, line_id = row["custom_id"], row["id"].removeprefix("batch_req_")
+                custom_id = row["custom_id"]
+                line_id = str(row.get("id", "")).removeprefix("batch_req_")
             except (ValueError, KeyError, TypeError, AttributeError):
                 keep.append(raw)
                 continue
