@@ -195,8 +195,7 @@ def cached_source(source: ModelSource, cache_dir: Path | None = None) -> ModelSo
         )
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     try:
-        hf_model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        _save_dequantized(hf_model, tokenizer, tmp)
         (tmp / COMPLETE_MARKER).write_text(str(gguf_path) + "\n")
         try:
             tmp.rename(folder)
@@ -212,6 +211,40 @@ def cached_source(source: ModelSource, cache_dir: Path | None = None) -> ModelSo
     return ModelSource(source.name, str(folder))
 
 
+def _save_dequantized(hf_model, tokenizer, folder: Path) -> None:
+    # save_pretrained refuses a model loaded from GGUF ("quantized with gguf"); its tensors
+    # are plain dequantized fp32 by now, so they are written directly (tied ones once).
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = hf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(folder)
+    tied = getattr(config, "tie_word_embeddings", False)
+    tensors = {
+        name: tensor.contiguous()
+        for name, tensor in hf_model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    }
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
+
+
+@contextmanager
+def _skip_weight_init():
+    """Build modules without filling their weights at random: every weight is loaded next
+    (load_weights refuses a checkpoint that misses one), and random init costs seconds."""
+    saved = {cls: cls.reset_parameters for cls in (torch.nn.Linear, torch.nn.Embedding)}
+    for cls in saved:
+        cls.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        for cls, reset in saved.items():
+            cls.reset_parameters = reset
+
+
 @lru_cache(maxsize=2)
 def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_backend: str):
     """(model, hf_config, tokenizer), loaded once per process and argument set.
@@ -224,7 +257,8 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_b
     tokenizer = load_tokenizer(source)
     hf_config = load_config(source)
     max_position = int(getattr(hf_config, "max_position_embeddings", 8192))
-    net = LlamaForCausalLM(hf_config, max_position, attention_backend)
+    with _skip_weight_init():
+        net = LlamaForCausalLM(hf_config, max_position, attention_backend)
     net.load_weights(iter_weights(source))
     net = net.to(device=device, dtype=dtype).eval()
     net.rotary.to_device(device)

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.bulk import BadInputFileError, StaleOutputError, run_bulk
@@ -50,6 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stdout_closed()
     except (RedisConnectionError, RedisTimeoutError) as exc:  # auth errors included
         print(f"pagedq: cannot reach Redis at {redact_url(args.redis_url)}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except RedisError as exc:  # e.g. something else than Redis listens there
+        print(f"pagedq: Redis at {redact_url(args.redis_url)} failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
 
 
