@@ -11,13 +11,15 @@ import threading
 import time
 
 import pytest
+from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from producer.cli import main
 from producer.client import Client
 from producer.errors import JobFailedError
 from producer.keys import result_key, stream_key
 from producer.schema import GenerationResult
-from worker.redis_server import free_port
+from worker.redis_server import find_redis_server, free_port
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -194,28 +196,51 @@ def test_submit_exits_non_zero_for_failed_lines_and_refused_files(
     assert redis_client.llen("rq:queue:pagedq") == 0
 
 
-def test_client_result_waits_out_a_redis_restart(redis_server, redis_client, caplog):
+def _aof_redis(port: int, folder) -> subprocess.Popen:
+    cmd = [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    cmd += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(folder)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            Redis(port=port).ping()
+            return proc
+        except RedisConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+
+
+def test_client_result_waits_out_a_redis_restart(tmp_path, caplog):
     """Issue 7 point 5: result() retries with backoff, a log line per attempt, then returns."""
-    client = Client(redis_server.url, check_interval=0.2)
-    job_id = "outage-job"
-    result = GenerationResult(job_id=job_id, status="finished", text="after the outage")
+    port = free_port()
+    server = _aof_redis(port, tmp_path)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = Client(url, queue="outage", check_interval=0.2)
+    job_id = client.submit(prompt="x", custom_id="outage-job")
+    done = GenerationResult(job_id=job_id, status="finished", text="after the outage")
 
     def outage():
+        nonlocal server
         time.sleep(0.5)
-        redis_server.kill()
+        server.terminate()  # a clean restart: the AOF keeps the queued job
+        server.wait()
         time.sleep(2.0)
-        redis_server.start()
-        with redis_server.client() as r:  # as a worker would, once Redis is back
-            r.set(result_key(job_id), result.model_dump_json())
+        server = _aof_redis(port, tmp_path)
+        with Redis.from_url(url) as r:  # what a worker writes once Redis is back
+            r.set(result_key(job_id), done.model_dump_json())
             r.xadd(stream_key(job_id), {"event": "done", "finish_reason": "stop"})
 
-    redis_client.xadd(stream_key(job_id), {"event": "token", "delta": "x", "token_ids": "[1]"})
     thread = threading.Thread(target=outage)
     thread.start()
-    with caplog.at_level(logging.WARNING, logger="pagedq.producer"):
-        got = client.result(job_id, timeout=60)
-    thread.join()
+    try:
+        with caplog.at_level(logging.WARNING, logger="pagedq.producer"):
+            got = client.result(job_id, timeout=60)
+    finally:
+        thread.join()
+        server.terminate()
+        server.wait()
     assert got.text == "after the outage"
-    retries = [r for r in caplog.records if "Redis unreachable" in r.getMessage()]
-    assert len(retries) >= 2  # about one per 0.5, 1, 2 s of backoff
+    retries = [r.getMessage() for r in caplog.records if "Redis unreachable" in r.getMessage()]
+    assert len(retries) >= 2, retries  # backoff 0.5, 1, 2 s: one line per attempt
+    assert "attempt 1, retrying in 0.5 s" in retries[0]
     assert any("reachable again" in r.getMessage() for r in caplog.records)
