@@ -33,10 +33,13 @@ from producer.results import (
     read_job_payload,
     read_result,
 )
+from producer.retry import DEFAULT_OUTAGE_S, call_with_retry
 from producer.schema import GenerationRequest, GenerationResult
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_JOB_TIMEOUT = 3600
+# A refused or unroutable Redis is reported within seconds, not after the OS's ~2 min.
+CONNECT_TIMEOUT_S = 3.0
 QUEUED_STATUSES = {"queued", "deferred", "scheduled", "created", "rate_limited"}
 STATUS_NAMES = {
     "queued": "queued",
@@ -59,6 +62,8 @@ class Client:
 
     `retries` is RQ's retry count for a job whose execution fails (e.g. its worker died);
     `result_ttl` keeps the RQ job and its result that many seconds after it ends.
+    `result()` and `stream()` wait out a Redis outage of up to `outage_timeout` seconds
+    (None: forever), retrying with backoff and logging each attempt, instead of raising.
     """
 
     def __init__(
@@ -70,8 +75,12 @@ class Client:
         job_timeout: int = DEFAULT_JOB_TIMEOUT,
         check_interval: float = 2.0,
         connection: Redis | None = None,
+        outage_timeout: float | None = DEFAULT_OUTAGE_S,
     ) -> None:
-        self.redis = connection if connection is not None else Redis.from_url(redis_url)
+        if connection is None:
+            connection = Redis.from_url(redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S)
+        self.redis = connection
+        self.outage_timeout = outage_timeout
         self.queue = Queue(queue, connection=self.redis, serializer=JSONSerializer)
         self.result_ttl = result_ttl
         self.retries = retries
@@ -84,7 +93,8 @@ class Client:
         messages: list[dict[str, Any]] | None = None,
         **fields: Any,
     ) -> str:
-        """Enqueue one job and return its id; with `custom_id`, resubmitting returns the same id."""
+        """Enqueue one job and return its id; with `custom_id`, resubmitting the same request
+        returns the same id (a different request under that custom_id is a new job)."""
         if prompt is not None:
             fields["prompt"] = prompt
         if messages is not None:
@@ -134,10 +144,10 @@ class Client:
         Raises JobFailedError (carrying the job's error), JobCanceledError, JobNotFoundError,
         or TimeoutError after `timeout` seconds.
         """
-        result = read_result(self.redis, job_id)
+        result = self._retry(lambda: read_result(self.redis, job_id), f"reading job {job_id}")
         if result is None:
             *_, final = self._entries(job_id, timeout)
-            result = final_result(self.redis, job_id, final)
+            result = self._final_result(job_id, final)
         return raise_for_status(result)
 
     def stream(self, job_id: str, timeout: float | None = None) -> Iterator[str]:
@@ -149,7 +159,7 @@ class Client:
         seen_tokens = False
         for entry in self._entries(job_id, timeout):
             if is_final(entry):
-                result = raise_for_status(final_result(self.redis, job_id, entry))
+                result = raise_for_status(self._final_result(job_id, entry))
                 if not seen_tokens and result.text:
                     yield result.text
             elif entry.get("event") == "token" and entry.get("delta"):
@@ -164,10 +174,18 @@ class Client:
             block_s = 3600.0 if deadline is None else deadline - time.monotonic()
             if block_s <= 0:
                 raise TimeoutError(f"job {job_id} did not end within {timeout} s")
-            for _, entry in follower.read(block_s):
+            events = self._retry(lambda b=block_s: follower.read(b), f"following job {job_id}")
+            for _, entry in events:
                 yield entry
                 if is_final(entry):
                     return
+
+    def _retry(self, fn, what: str):
+        return call_with_retry(fn, what, max_wait_s=self.outage_timeout)
+
+    def _final_result(self, job_id: str, entry: dict[str, str]) -> GenerationResult:
+        read = lambda: final_result(self.redis, job_id, entry)
+        return self._retry(read, f"reading job {job_id}")
 
     def cancel(self, job_id: str) -> bool:
         """Ask for a job's cancellation; True if it was queued or running, False if it had ended.

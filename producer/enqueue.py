@@ -29,6 +29,19 @@ return 1
 RERUN_STATUSES = {"failed", "canceled", "stopped"}
 
 
+def request_job_id(
+    request: GenerationRequest,
+    queue_name: str,
+    id_namespace: str | None = None,
+    payload: dict | None = None,
+) -> str:
+    """The job id `build_job` gives a request (a fresh uuid4 hex when it has no custom_id)."""
+    key = request.custom_id
+    if key is not None and id_namespace is not None:
+        key = f"{id_namespace}/{key}"
+    return job_id_for(key, queue_name, request.payload() if payload is None else payload)
+
+
 def build_job(
     queue: Queue,
     request: GenerationRequest,
@@ -40,16 +53,15 @@ def build_job(
 ) -> Job:
     """The RQ job for one request, ready to be saved (status queued, enqueued now).
 
-    With `id_namespace` (bulk files: custom_ids are unique only within one file) the job id
-    derives from "{id_namespace}/{custom_id}" instead of the bare custom_id.
+    The job id derives from the custom_id and the request itself (see `job_id_for`), so an
+    edited request under an old custom_id is a new job. With `id_namespace` (bulk files:
+    custom_ids are unique only within one file) "{id_namespace}/{custom_id}" stands for it.
     """
-    key = request.custom_id
-    if key is not None and id_namespace is not None:
-        key = f"{id_namespace}/{key}"
-    job_id = job_id_for(key, queue.name)
+    payload = request.payload()
+    job_id = request_job_id(request, queue.name, id_namespace, payload)
     job = queue.create_job(
         GENERATE_FUNC,
-        args=[request.payload()],
+        args=[payload],
         job_id=job_id,
         result_ttl=result_ttl,
         failure_ttl=result_ttl,

@@ -282,6 +282,8 @@ class Choice(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    # The text of each token id in `logprobs` (tokenizer.decode([id])), for OpenAI's `token`.
+    token_texts: dict[int, str] | None = None
 
 
 class GenerationResult(BaseModel):
@@ -296,6 +298,7 @@ class GenerationResult(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    token_texts: dict[int, str] | None = None
     choices: list[Choice] = Field(default_factory=list)
     usage: Usage = Field(default_factory=Usage)
     timings: Timings = Field(default_factory=Timings)
@@ -314,5 +317,6 @@ class GenerationResult(BaseModel):
                 token_ids=self.token_ids,
                 finish_reason=self.finish_reason,
                 logprobs=self.logprobs,
+                token_texts=self.token_texts,
             )
         ]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from producer.errors import InvalidRequestError
-from producer.keys import job_id_for, result_key, stream_key, worker_key
+from producer.keys import job_id_for, request_digest, result_key, stream_key, worker_key
 from producer.schema import GENERATE_FUNC, GenerationRequest, GenerationResult
 
 
@@ -156,6 +158,20 @@ def test_job_ids_derive_from_queue_and_custom_id():
     # "pq-" + sha256("pagedq:a").hexdigest()[:32]
     assert job_id_for("a") == "pq-2ed1ff2c6a404254bf7fd26d0ecd7636"
     assert job_id_for(None) != job_id_for(None) and len(job_id_for(None)) == 32
+
+
+def test_job_ids_with_a_payload_change_with_the_request():
+    payload = GenerationRequest(prompt="x", custom_id="a").payload()
+    same = GenerationRequest(prompt="x", custom_id="a", n=1).payload()
+    edited = GenerationRequest(prompt="y", custom_id="a").payload()
+    assert job_id_for("a", "pagedq", payload) == job_id_for("a", "pagedq", same)
+    assert job_id_for("a", "pagedq", payload) != job_id_for("a", "pagedq", edited)
+    assert job_id_for("a", "pagedq", payload) != job_id_for("a")
+    # "pq-" + sha256("pagedq:a:" + request_digest(payload)).hexdigest()[:32]
+    digest = request_digest(payload)
+    assert digest == request_digest({**payload, "custom_id": "other"})
+    expected = hashlib.sha256(f"pagedq:a:{digest}".encode()).hexdigest()[:32]
+    assert job_id_for("a", "pagedq", payload) == "pq-" + expected
 
 
 def test_key_names_are_the_contract_ones():
