@@ -1,0 +1,405 @@
+"""The only module that knows RQ's key layout and entry formats (with rq_scripts.py, its Lua).
+
+A worker talks to RQ's state only through `RQAdapter`: each call is one EVALSHA of a fenced
+script (rq_scripts.py), or builds one for a batch. Nothing here calls RQ code that could import
+a callback, follow a dependency or send a webhook: RQ's classes are used only to read job data
+as JSON (`Job` with `JSONSerializer`, never fetched) and to format dates as RQ does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import zlib
+from base64 import b64encode
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+from rq.utils import utcformat
+
+from producer.keys import STREAM_MAXLEN, worker_key
+from worker.rq_scripts import SCRIPTS
+
+# How many stale queue entries one dequeue call may skip before it gives up for this round.
+MAX_POPS_PER_DEQUEUE = 32
+# How many expired leases one reaper call handles per queue (the rest on the next call).
+REAP_LIMIT = 100
+# RQ's Job wants a connection even to read its data; this one is never connected.
+_NEVER_USED = redis.Redis(host="never-used.invalid")
+# RQ's Result.Type values.
+RESULT_SUCCESSFUL, RESULT_FAILED = 1, 2
+# Where RQ's registries are named in end scripts, by final status.
+REGISTRY = {"finished": "finished", "failed": "failed", "canceled": "canceled"}
+
+
+def rq_date(t: float) -> str:
+    """A Unix time in RQ's job-hash date format."""
+    return utcformat(datetime.fromtimestamp(t, UTC))
+
+
+def rq_exc_string(message: str) -> str:
+    """An error message as RQ stores `exc_string` in its result stream (zlib, then base64)."""
+    return b64encode(zlib.compress(message.encode())).decode()
+
+
+def queue_key(name: str) -> str:
+    """RQ's list key of a queue."""
+    return f"rq:queue:{name}"
+
+
+@dataclass(slots=True)
+class Claim:
+    """A job this worker dequeued and holds under a lease: its fencing token is `execution`."""
+
+    job_id: str
+    queue: str
+    execution: str
+    attempt: int
+    data: bytes
+    enqueued_at: str
+    timeout: str
+    canceled: bool
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def member(self) -> str:
+        """The job's entry in RQ's started registry (`job_id:execution_id`)."""
+        return f"{self.job_id}:{self.execution}"
+
+    def rq_job(self) -> Job:
+        """An unsaved RQ Job carrying this claim's data, to read its function and arguments.
+
+        The data is JSON (RQ's JSONSerializer), zlib-compressed or not as RQ writes it.
+        """
+        try:
+            data = zlib.decompress(self.data)
+        except zlib.error:
+            data = self.data
+        job = Job(id=self.job_id, connection=_NEVER_USED, serializer=JSONSerializer)
+        job.data = data
+        return job
+
+    def timeout_s(self, limit: float) -> float:
+        """The job's wall-clock `timeout` in seconds (RQ's field: 90, "90s", "10m", "1h"),
+        capped at `limit`; `limit` when absent, malformed, or not positive (RQ's -1 = none)."""
+        raw = self.timeout.strip().lower()
+        units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+        scale = units.get(raw[-1:], 0) if raw else 0
+        try:
+            value = float(raw[:-1]) * scale if scale else float(raw)
+        except ValueError:
+            return limit
+        return min(value, limit) if value > 0 else limit
+
+    def enqueued_time(self) -> float:
+        """When the job was enqueued (Unix time); ValueError when the hash's field is malformed."""
+        for fmt in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):
+            try:
+                return datetime.strptime(self.enqueued_at, fmt).replace(tzinfo=UTC).timestamp()
+            except ValueError:
+                continue
+        raise ValueError(f"enqueued_at: {self.enqueued_at!r} is not an RQ date")
+
+
+@dataclass(slots=True)
+class ScriptCall:
+    """One EVALSHA to run, alone or in a batch; `name` is a key of rq_scripts.SCRIPTS."""
+
+    name: str
+    keys: list[str]
+    args: list[Any]
+
+
+@dataclass(slots=True)
+class Command:
+    """One plain Redis command to run in a batch (e.g. a cancel-key check)."""
+
+    name: str
+    args: list[Any]
+
+
+class ScriptRunner:
+    """Runs scripts by EVALSHA; reloads them when Redis answers NOSCRIPT (e.g. after a restart)."""
+
+    def __init__(self, connection: redis.Redis) -> None:
+        self.connection = connection
+        self.shas = {name: _sha1(source) for name, source in SCRIPTS.items()}
+
+    def load(self) -> None:
+        """SCRIPT LOAD every script (idempotent)."""
+        for name, source in SCRIPTS.items():
+            self.shas[name] = self.connection.script_load(source)
+
+    def call(self, call: ScriptCall) -> Any:
+        """Run one script now."""
+        return self.run([call])[0]
+
+    def run(self, calls: list[ScriptCall | Command]) -> list[Any]:
+        """Run a batch in one MULTI/EXEC (all or nothing on a lost connection); the replies.
+
+        A script refused with NOSCRIPT did not run, so it is reloaded and run again alone.
+        Other errors are raised. Connection errors propagate (the caller retries the batch).
+        """
+        if len(calls) == 1:
+            return [self._one(calls[0])]
+        with self.connection.pipeline(transaction=True) as pipe:
+            for c in calls:
+                self._queue(pipe, c)
+            replies = pipe.execute(raise_on_error=False)
+        for i, reply in enumerate(replies):
+            if isinstance(reply, redis.exceptions.NoScriptError):
+                replies[i] = self._one(calls[i])
+            elif isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    def _one(self, c: ScriptCall | Command) -> Any:
+        if isinstance(c, Command):
+            return self.connection.execute_command(c.name, *c.args)
+        try:
+            return self.connection.evalsha(self.shas[c.name], len(c.keys), *c.keys, *c.args)
+        except redis.exceptions.NoScriptError:
+            self.load()
+            return self.connection.evalsha(self.shas[c.name], len(c.keys), *c.keys, *c.args)
+
+    def _queue(self, pipe: Any, c: ScriptCall | Command) -> None:
+        if isinstance(c, Command):
+            pipe.execute_command(c.name, *c.args)
+        else:
+            pipe.evalsha(self.shas[c.name], len(c.keys), *c.keys, *c.args)
+
+
+def _sha1(source: str) -> str:
+    import hashlib
+
+    return hashlib.sha1(source.encode()).hexdigest()
+
+
+class RQAdapter:
+    """RQ's view of one worker: registration, dequeue, leases, job endings, the reaper."""
+
+    def __init__(
+        self,
+        connection: redis.Redis,
+        name: str,
+        queues: list[str],
+        *,
+        lease_ttl: int,
+        result_ttl: int,
+        stream_ttl: int,
+        max_crashes: int,
+    ) -> None:
+        self.connection = connection
+        self.name = name
+        self.queues = queues
+        self.lease_ttl = lease_ttl
+        self.result_ttl = result_ttl
+        self.stream_ttl = stream_ttl
+        self.max_crashes = max_crashes
+        self.scripts = ScriptRunner(connection)
+        self.key = f"rq:worker:{name}"
+        self._execution_seq = 0
+        self._execution_prefix = os.urandom(6).hex()
+
+    # --- registration -------------------------------------------------------------------------
+
+    def register(self) -> bool:
+        """Register in `rq:workers` (what `rq info` lists); False if a live worker has the name."""
+        t = time.time()
+        fields = {
+            "birth": rq_date(t),
+            "last_heartbeat": rq_date(t),
+            "pagedq_heartbeat": t,
+            "queues": ",".join(self.queues),
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "ip_address": "",
+            "version": "pagedq",
+            "python_version": sys.version,
+            "state": "idle",
+        }
+        pairs = [x for kv in fields.items() for x in kv]
+        keys = [self.key, "rq:workers", *(f"rq:workers:{q}" for q in self.queues)]
+        args = [t, self.lease_ttl, self.worker_ttl, *pairs, "--", *map(queue_key, self.queues)]
+        return bool(self.scripts.call(ScriptCall("register", keys, args)))
+
+    @property
+    def worker_ttl(self) -> int:
+        """Seconds the worker's registration outlives its last heartbeat."""
+        return self.lease_ttl + 60
+
+    def unregister(self) -> None:
+        """Remove the worker from RQ's registry and its pagedq status key."""
+        with self.connection.pipeline(transaction=True) as pipe:
+            pipe.srem("rq:workers", self.key)
+            for q in self.queues:
+                pipe.srem(f"rq:workers:{q}", self.key)
+            pipe.delete(self.key, worker_key(self.name))
+            pipe.execute()
+
+    # --- dequeue ------------------------------------------------------------------------------
+
+    def dequeue(self) -> Claim | None:
+        """Pop the first runnable job of the worker's queues and mark it started, atomically."""
+        self._execution_seq += 1
+        execution = f"{self._execution_prefix}{self._execution_seq:x}"
+        t = time.time()
+        keys = [queue_key(q) for q in self.queues]
+        args = [t, self.lease_ttl, self.name, execution, rq_date(t), MAX_POPS_PER_DEQUEUE]
+        reply = self.scripts.call(ScriptCall("dequeue", keys, args))
+        if not reply:
+            return None
+        queue, job_id, attempt, data, enqueued_at, timeout, canceled = reply
+        return Claim(
+            job_id=job_id.decode(),
+            queue=queue.decode(),
+            execution=execution,
+            attempt=int(attempt),
+            data=data,
+            enqueued_at=enqueued_at.decode(errors="replace"),
+            timeout=timeout.decode(errors="replace"),
+            canceled=bool(canceled),
+            started_at=t,
+        )
+
+    # --- ending jobs (fenced) -----------------------------------------------------------------
+
+    def end_call(
+        self,
+        claim: Claim,
+        status: str,
+        result: dict[str, Any],
+        final_entry: dict[str, str],
+        summary: dict[str, Any] | None = None,
+    ) -> ScriptCall:
+        """The fenced script that ends a held job as finished, failed or canceled.
+
+        RQ's result entry gets a small `summary` (finished) or the error (failed); the full
+        result JSON goes to `pagedq:result:{id}` only. Reply 1 = ended, 0 = lease lost.
+        """
+        t = time.time()
+        args = [claim.job_id, claim.queue, claim.execution]
+        args += self._end_args(claim, status, result, final_entry, summary, t)
+        return ScriptCall("end", [], args)
+
+    def requeue_call(
+        self, claim: Claim, *, count_crash: bool, result: dict[str, Any], reason: str
+    ) -> ScriptCall:
+        """The fenced script that puts a held job back at the front of its queue.
+
+        With `count_crash`, the job's crash count grows; at `max_crashes` it fails instead,
+        with `reason`. Reply 1 = requeued, 2 = failed, 0 = lease lost.
+        """
+        t = time.time()
+        final = {"event": "error", "error": reason}
+        failed = {**result, "status": "failed", "error": reason}
+        args = [claim.job_id, claim.queue, claim.execution, int(count_crash), self.max_crashes]
+        args += self._end_args(claim, "failed", failed, final, None, t)
+        return ScriptCall("requeue", [], args)
+
+    def _end_args(
+        self,
+        claim: Claim,
+        status: str,
+        result: dict[str, Any],
+        final_entry: dict[str, str],
+        summary: dict[str, Any] | None,
+        t: float,
+    ) -> list[Any]:
+        rq_fields: dict[str, Any] = {}
+        if status == "finished":
+            value = b64encode(JSONSerializer.dumps(summary or {})).decode()
+            rq_fields = {"type": RESULT_SUCCESSFUL, "return_value": value}
+        elif status == "failed":
+            error = result.get("error") or "failed"
+            rq_fields = {"type": RESULT_FAILED, "exc_string": rq_exc_string(error)}
+        if rq_fields:
+            rq_fields |= {
+                "worker_name": self.name,
+                "execution_id": claim.execution,
+                "execution_started_at": claim.started_at,
+                "execution_ended_at": t,
+            }
+        rq_pairs = [x for kv in rq_fields.items() for x in kv]
+        final_pairs = [x for kv in final_entry.items() for x in kv]
+        return [
+            status,
+            REGISTRY[status],
+            rq_date(t),
+            t + self.result_ttl,
+            self.result_ttl,
+            json.dumps(result),
+            self.stream_ttl,
+            STREAM_MAXLEN,
+            len(rq_pairs),
+            len(final_pairs),
+            *rq_pairs,
+            *final_pairs,
+        ]
+
+    def stream_call(self, entries: list[tuple[Claim, dict[str, str], bool]]) -> ScriptCall:
+        """One fenced script appending a step's entries: (claim, fields, set_ttl) per job.
+
+        Reply: the job ids whose lease was lost (their entries were not written).
+        """
+        args: list[Any] = [STREAM_MAXLEN, self.stream_ttl]
+        for claim, fields, set_ttl in entries:
+            pairs = [x for kv in fields.items() for x in kv]
+            args += [claim.job_id, claim.execution, int(set_ttl), len(pairs), *pairs]
+        return ScriptCall("stream", [], args)
+
+    def cancel_check(self, job_ids: list[str]) -> Command:
+        """MGET of the cancel keys of `job_ids` (a fallback for missed cancel messages)."""
+        return Command("MGET", [f"pagedq:cancel:{j}" for j in job_ids])
+
+    # --- leases -------------------------------------------------------------------------------
+
+    def heartbeat_call(self, claims: list[Claim], state: str, status: dict[str, Any]) -> ScriptCall:
+        """Renew every held lease and the worker's registration; reply: members whose lease is
+        gone (another worker's reaper took the job)."""
+        t = time.time()
+        args: list[Any] = [
+            t + self.lease_ttl,
+            self.worker_ttl,
+            t,
+            rq_date(t),
+            state,
+            json.dumps(status),
+        ]
+        for c in claims:
+            args += [c.queue, c.member]
+        return ScriptCall("heartbeat", [self.key, worker_key(self.name)], args)
+
+    def reap(self) -> tuple[list[str], list[str]]:
+        """Requeue (or fail, after max_crashes) jobs whose lease expired; (requeued, failed)."""
+        t = time.time()
+        reason = crash_reason(self.max_crashes)
+        args = [
+            t,
+            self.max_crashes,
+            rq_date(t),
+            self.result_ttl,
+            rq_exc_string(reason),
+            reason,
+            self.stream_ttl,
+            STREAM_MAXLEN,
+            REAP_LIMIT,
+        ]
+        keys = [f"rq:wip:{q}" for q in self.queues]
+        requeued, failed = self.scripts.call(ScriptCall("reap", keys, args))
+        return [j.decode() for j in requeued], [j.decode() for j in failed]
+
+
+def crash_reason(max_crashes: int) -> str:
+    """The error of a job failed because workers kept dying while it ran."""
+    return (
+        f"job was in flight during {max_crashes} worker crashes (--max-crashes {max_crashes}); "
+        "not retried"
+    )
