@@ -47,7 +47,8 @@ def build_job(
     """The RQ job for one request, ready to be saved (status queued, enqueued now).
 
     A request naming a `model` goes to that model's queue, `{queue}@{canonical model}`, which
-    only workers serving the model read (producer.keys.model_queue). With `id_namespace` (bulk files: custom_ids are unique only within one file) the job id
+    only workers serving the model read (producer.keys.model_queue). With `id_namespace`
+    (bulk files: custom_ids are unique only within one file) the job id
     derives from "{id_namespace}/{custom_id}" instead of the bare custom_id.
     """
     key = request.custom_id

@@ -230,6 +230,14 @@ class RQAdapter:
         args = [t, self.lease_ttl, self.worker_ttl, *pairs, "--", *map(queue_key, self.queues)]
         return bool(self.scripts.call(ScriptCall("register", keys, args)))
 
+    def name_in_use(self) -> bool:
+        """True when a live worker (heartbeat younger than a lease) is registered under the
+        name: the same test the register script makes, read-only, to fail fast at start-up."""
+        death, heartbeat = self.connection.hmget(self.key, "death", "pagedq_heartbeat")
+        if not self.connection.exists(self.key) or death is not None:
+            return False
+        return heartbeat is None or time.time() - float(heartbeat) < self.lease_ttl
+
     @property
     def worker_ttl(self) -> int:
         """Seconds the worker's registration outlives its last heartbeat."""

@@ -105,6 +105,9 @@ def run_worker(config: WorkerConfig) -> int:
             )
             return EXIT_ERROR
         log.info("metrics served", host=config.metrics_host, port=config.metrics_port)
+    name = config.name or uuid.uuid4().hex
+    if _name_in_use(connection, name, config):
+        return EXIT_ERROR
     t0 = time.monotonic()
     log.info("loading model", model=config.model, device=config.device, dtype=config.dtype)
     engine = build_engine(config)
@@ -112,13 +115,34 @@ def run_worker(config: WorkerConfig) -> int:
 
     from worker.batch_worker import ControlLoop, WorkerNameTaken
 
-    name = config.name or uuid.uuid4().hex
     loop = ControlLoop(config, engine, connection, metrics, name=name)
     try:
         return loop.run(burst=config.burst)
     except WorkerNameTaken:
-        log.error(
-            "a live worker already has this name (its heartbeat is younger than --lease-ttl)",
-            worker=name,
-        )
+        _log_name_taken(name)
         return EXIT_ERROR
+
+
+def _name_in_use(connection: redis.Redis, name: str, config: WorkerConfig) -> bool:
+    from worker.rq_adapter import RQAdapter
+
+    probe = RQAdapter(
+        connection,
+        name,
+        [],
+        lease_ttl=config.lease_ttl,
+        result_ttl=config.result_ttl,
+        stream_ttl=config.stream_ttl,
+        max_crashes=config.max_crashes,
+    )
+    if probe.name_in_use():
+        _log_name_taken(name)
+        return True
+    return False
+
+
+def _log_name_taken(name: str) -> None:
+    log.error(
+        "a live worker already has this name (its heartbeat is younger than --lease-ttl)",
+        worker=name,
+    )

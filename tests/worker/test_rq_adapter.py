@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
-from rq import Queue, Worker
+from rq import Worker
 from rq.job import Job
 from rq.registry import (
     CanceledJobRegistry,
@@ -88,7 +88,8 @@ def test_finish_writes_rq_state_the_result_key_and_the_final_entry_in_one_script
     adapter = _adapter(redis_client)
     claim = adapter.dequeue()
     summary = {"job_id": job_id, "status": "finished", "result_key": f"pagedq:result:{job_id}"}
-    end = adapter.end_call(claim, "finished", _result("finished", job_id), {"event": "done"}, summary)
+    done = {"event": "done"}
+    end = adapter.end_call(claim, "finished", _result("finished", job_id), done, summary)
 
     assert adapter.scripts.call(end) == 1
     job = _fetch(redis_client, job_id)
