@@ -186,7 +186,13 @@ class ControlLoop:
                     self._idle_poll_s = IDLE_POLL_S[0]
                     if self._test_sleep:
                         time.sleep(self._test_sleep)
-                    self._start(claim)
+                    try:
+                        self._start(claim)
+                    except Exception as exc:  # noqa: BLE001 - one bad job must not stop the loop
+                        log.exception("job could not start", job_id=claim.job_id)
+                        if self.in_flight.pop(claim.job_id, None) is not None:
+                            self.loop.abort(claim.job_id)
+                        self._end_claim(claim, f"invalid job: {type(exc).__name__}: {exc}")
         finally:
             self.loop.wait_for_admission = not self._queue_empty and not self._stopping
             self.loop.admitted()

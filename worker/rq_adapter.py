@@ -67,6 +67,7 @@ class Claim:
     timeout: str
     canceled: bool
     started_at: float = field(default_factory=time.time)
+    status_was: str = "queued"
 
     @property
     def member(self) -> str:
@@ -99,7 +100,9 @@ class Claim:
         return min(value, limit) if value > 0 else limit
 
     def enqueued_time(self) -> float:
-        """When the job was enqueued (Unix time); ValueError when the hash's field is malformed."""
+        """When the job was enqueued (Unix time); ValueError when the hash is malformed."""
+        if self.status_was != "queued":
+            raise ValueError(f"status: {self.status_was!r}, a queued job has status 'queued'")
         for fmt in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):
             try:
                 return datetime.strptime(self.enqueued_at, fmt).replace(tzinfo=UTC).timestamp()
@@ -264,7 +267,7 @@ class RQAdapter:
         reply = self.scripts.call(ScriptCall("dequeue", keys, args))
         if not reply:
             return None
-        queue, job_id, attempt, data, enqueued_at, timeout, canceled = reply
+        queue, job_id, attempt, data, enqueued_at, timeout, canceled, status = reply
         return Claim(
             job_id=job_id.decode(),
             queue=queue.decode(),
@@ -275,6 +278,7 @@ class RQAdapter:
             timeout=timeout.decode(errors="replace"),
             canceled=bool(canceled),
             started_at=t,
+            status_was=status.decode(errors="replace"),
         )
 
     # --- ending jobs (fenced) -----------------------------------------------------------------

@@ -46,7 +46,7 @@ end
 # ARGV: now, lease_ttl, worker_name, execution, started_at (RQ's date format), max_pops.
 # Pops the first runnable job id and marks it started under a lease, in one step: a worker
 # killed at any instant leaves the job either queued or visible in the started registry.
-# Returns {queue, job_id, attempt, data, enqueued_at, timeout, canceled} or false.
+# Returns {queue, job_id, attempt, data, enqueued_at, timeout, canceled, prior status} or false.
 DEQUEUE = """
 local now, lease = tonumber(ARGV[1]), tonumber(ARGV[2])
 local pops, max_pops = 0, tonumber(ARGV[6])
@@ -65,7 +65,8 @@ for _, qkey in ipairs(KEYS) do
                 'last_heartbeat', ARGV[5], 'worker_name', ARGV[3], 'pagedq_execution', ARGV[4])
             redis.call('ZADD', 'rq:wip:' .. queue, now + lease, job_id .. ':' .. ARGV[4])
             local canceled = redis.call('EXISTS', 'pagedq:cancel:' .. job_id)
-            return {queue, job_id, attempt, f[2] or '', f[3] or '', f[4] or '', canceled}
+            return {queue, job_id, attempt, f[2] or '', f[3] or '', f[4] or '', canceled,
+                f[1] or ''}
         end
         -- Anything else is a stale entry (job gone, canceled, or already run): drop it.
     end

@@ -332,3 +332,27 @@ def _count_ended(server: PrivateRedis, job_ids: list[str]) -> int:
             return sum(s == b"finished" for s in pipe.execute())
     except redis.ConnectionError:
         return 0
+
+
+def test_malformed_job_hashes_fail_alone_with_a_reason(workers, client):
+    smol = f"rq:queue:{SMOL_QUEUE}"
+    data = json.dumps([GENERATE_FUNC, None, [{"prompt": "hi", "max_tokens": 2}], {}])
+    now = "2026-01-01T00:00:00.000000Z"
+    hashes = {
+        "bad-enqueued-at": {"data": data, "status": "queued", "enqueued_at": "yesterday"},
+        "no-data": {"status": "queued", "enqueued_at": now},
+        "not-json": {"data": "\x80\x04pickle", "status": "queued", "enqueued_at": now},
+        "no-status": {"data": data, "enqueued_at": now},
+    }
+    for job_id, fields in hashes.items():
+        client.redis.hset(f"rq:job:{job_id}", mapping={"origin": SMOL_QUEUE, **fields})
+        client.redis.rpush(smol, job_id)
+    good = client.submit(prompt="Hi", model="smollm2", max_tokens=4)
+
+    assert client.result(good, timeout=120).status == "finished"
+    _wait(lambda: all(_status(client, j) == "failed" for j in hashes), 60, "4 failures")
+    for job_id in hashes:
+        error = json.loads(client.redis.get(f"pagedq:result:{job_id}"))["error"]
+        assert error, job_id
+    assert "enqueued_at" in json.loads(client.redis.get("pagedq:result:bad-enqueued-at"))["error"]
+    assert workers["R"].process.poll() is None
