@@ -29,7 +29,7 @@ from worker.job_endings import JobEnder
 from worker.jobs import JobRejected, parse_job, sampling_kwargs
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
-from worker.redis_link import RedisLink
+from worker.redis_link import FIRST_BACKOFF_S, MAX_BACKOFF_S, UNAVAILABLE, RedisLink
 from worker.rq_adapter import Claim, RQAdapter, ScriptCall
 from worker.streams import StreamState
 
@@ -107,7 +107,7 @@ class ControlLoop:
     def run(self, burst: bool = False) -> int:
         """Serve until stopped (or, with burst, until the queue is empty and nothing is in
         flight); returns the process exit code (1 after an engine crash)."""
-        if not self.adapter.register():
+        if not self._register():
             raise WorkerNameTaken(self.name)
         self.cancels.start()
         signal.signal(signal.SIGINT, self._on_stop_signal)
@@ -141,6 +141,17 @@ class ControlLoop:
             self._unregister()
             log.info("worker stopped", worker=self.name, jobs_ended=self.num_ended)
         return self.exit_code
+
+    def _register(self) -> bool:
+        """Register with RQ, waiting (with backoff) while Redis is unreachable."""
+        backoff = FIRST_BACKOFF_S
+        while True:
+            try:
+                return self.adapter.register()
+            except UNAVAILABLE as exc:
+                log.warning("redis unreachable, retrying", retry_in_s=backoff, error=str(exc))
+                time.sleep(backoff)
+                backoff = min(MAX_BACKOFF_S, backoff * 2)
 
     def _on_stop_signal(self, signum: int, frame: Any) -> None:
         if self._stop_at is None:

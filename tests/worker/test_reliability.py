@@ -1,8 +1,9 @@
 """Real worker processes against a real redis-server (AOF, an ACL user): what must survive.
 
-One module, few processes (each loads a model): R serves smollm2 as an ACL user; K1 and K2
-sleep right after their dequeue script (a test-only hook) so they can be killed there; M serves
-a tiny random Llama on the same queue. Tests run in file order and share these workers.
+One module, few processes (each loads a model): R serves smollm2 as an ACL user; M serves a
+tiny random Llama on the same queue; K1 and K2 serve the tiny model too but sleep right after
+their dequeue script (a test-only hook) so they can be killed there. Tests run in file order
+and share these workers.
 """
 
 from __future__ import annotations
@@ -86,13 +87,15 @@ def workers(server, hooks, tmp_path_factory, tiny_llama_dir):
     started = {
         "R": WorkerProcess(acl_url, QUEUE, "rel-r", log_dir, "--metrics-port", str(METRICS_PORT),
                            env=env, lease_ttl=2),
-        "K1": WorkerProcess(server.url, QUEUE, "rel-k1", log_dir, env=hook, lease_ttl=2),
-        "K2": WorkerProcess(server.url, QUEUE, "rel-k2", log_dir, env=hook, lease_ttl=2),
+        "K1": WorkerProcess(server.url, QUEUE, "rel-k1", log_dir, env=hook, lease_ttl=2,
+                            model=tiny_llama_dir),
+        "K2": WorkerProcess(server.url, QUEUE, "rel-k2", log_dir, env=hook, lease_ttl=2,
+                            model=tiny_llama_dir),
         "M": WorkerProcess(server.url, QUEUE, "rel-m", log_dir, env=env, lease_ttl=2,
                            model=tiny_llama_dir),
     }  # fmt: skip
     for w in started.values():
-        w.wait_ready()
+        w.wait_ready(timeout=900)  # four models load at once on a shared 2-core machine
     yield started
     for w in started.values():
         w.stop(timeout=15)
@@ -144,23 +147,24 @@ def _status(client, job_id: str) -> str | None:
 
 
 def test_a_worker_killed_right_after_dequeue_leaves_its_job_visible_and_it_reruns(
-    workers, client, hooks
+    workers, client, hooks, tiny_llama_dir
 ):
-    r, k1, k2 = workers["R"], workers["K1"], workers["K2"]
+    m, k1, k2 = workers["M"], workers["K1"], workers["K2"]
     with k2.paused():
-        with r.paused():
-            job_id = client.submit(prompt="Name three colors.", model="smollm2", max_tokens=8,
-                                   temperature=0.0)  # fmt: skip
+        with m.paused():
+            job_id = client.submit(prompt="Name three colors.", model=tiny_llama_dir,
+                                   max_tokens=8, temperature=0.0)  # fmt: skip
             _arm(client, job_id, hooks)
             _wait(lambda: _status(client, job_id) == "started", what="K1 to take the job")
             k1.kill()
             # Killed between dequeue and anything else: RQ shows the job started, held by K1.
-            registry = StartedJobRegistry(SMOL_QUEUE, connection=client.redis)
+            tiny_queue = model_queue(QUEUE, tiny_llama_dir)
+            registry = StartedJobRegistry(tiny_queue, connection=client.redis)
             assert registry.get_job_ids(cleanup=False) == [job_id]
             assert client.redis.hget(f"rq:job:{job_id}", "worker_name") == b"rel-k1"
-        result = client.result(job_id, timeout=120)  # R reaps the lease and re-runs the job
+        result = client.result(job_id, timeout=120)  # M reaps the lease and re-runs the job
 
-    assert result.status == "finished" and result.worker == "rel-r"
+    assert result.status == "finished" and result.worker == "rel-m"
     entries = [f for _, f in client.redis.xrange(f"pagedq:stream:{job_id}")]
     assert entries[0] == {b"event": b"restart"}
     assert "".join(client.stream(job_id, timeout=10)) == result.text
@@ -168,11 +172,11 @@ def test_a_worker_killed_right_after_dequeue_leaves_its_job_visible_and_it_rerun
 
 
 def test_a_job_in_flight_during_max_crashes_worker_crashes_fails_with_the_reason(
-    workers, client, hooks
+    workers, client, hooks, tiny_llama_dir
 ):
-    r, k2 = workers["R"], workers["K2"]
-    with r.paused():
-        job_id = client.submit(prompt="Hello", model="smollm2", max_tokens=4)
+    m, k2 = workers["M"], workers["K2"]
+    with m.paused():
+        job_id = client.submit(prompt="Hello", model=tiny_llama_dir, max_tokens=4)
         _arm(client, job_id, hooks)
         # One crash already happened to this job (counted by the reaper as for any crash).
         client.redis.hset(f"rq:job:{job_id}", "pagedq_crashes", 1)
