@@ -299,7 +299,7 @@ class RQAdapter:
         t = time.time()
         args = [claim.job_id, claim.queue, claim.execution]
         args += self._end_args(claim, status, result, final_entry, summary, t)
-        return ScriptCall("end", [], args)
+        return ScriptCall("end", [self.key], args)
 
     def requeue_call(
         self, claim: Claim, *, count_crash: bool, result: dict[str, Any], reason: str
@@ -314,7 +314,7 @@ class RQAdapter:
         failed = {**result, "status": "failed", "error": reason}
         args = [claim.job_id, claim.queue, claim.execution, int(count_crash), self.max_crashes]
         args += self._end_args(claim, "failed", failed, final, None, t)
-        return ScriptCall("requeue", [], args)
+        return ScriptCall("requeue", [self.key], args)
 
     def _end_args(
         self,

@@ -16,10 +16,13 @@ local function held(jkey, execution)
     return f[1] == 'started' and f[2] == execution
 end
 
--- Ends a started job: RQ status, registries, RQ result entry, pagedq result key, final entry.
+-- Ends a started job: RQ status, registries, RQ result entry, pagedq result key, final entry,
+-- and the ending worker's RQ counters (worker_key '' for the reaper: the worker is dead).
 local function end_job(job_id, queue, member, status, registry, ended_at, score, ttl,
-                       result_json, rq_fields, final_fields, stream_ttl, maxlen)
+                       result_json, rq_fields, final_fields, stream_ttl, maxlen, worker_key)
     local jkey = 'rq:job:' .. job_id
+    local counter = ({finished = 'successful_job_count', failed = 'failed_job_count'})[status]
+    if worker_key ~= '' and counter then redis.call('HINCRBY', worker_key, counter, 1) end
     redis.call('ZREM', 'rq:wip:' .. queue, member)
     redis.call('HSET', jkey, 'status', status, 'ended_at', ended_at)
     redis.call('EXPIRE', jkey, ttl)
@@ -74,6 +77,7 @@ end
 return false
 """
 
+# KEYS[1]: the worker's RQ hash (its job counters).
 # ARGV: job_id, queue, execution, status, registry, ended_at, score, ttl, result_json,
 #       stream_ttl, maxlen, n_rq, n_final, rq field/value pairs..., final field/value pairs...
 # Returns 1 when the job was ended, 0 when this execution no longer holds it (nothing written).
@@ -84,11 +88,13 @@ local job_id, queue, execution = ARGV[1], ARGV[2], ARGV[3]
 if not held('rq:job:' .. job_id, execution) then return 0 end
 local n_rq, n_final = tonumber(ARGV[12]), tonumber(ARGV[13])
 end_job(job_id, queue, job_id .. ':' .. execution, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8],
-    ARGV[9], slice(ARGV, 14, n_rq), slice(ARGV, 14 + n_rq, n_final), ARGV[10], ARGV[11])
+    ARGV[9], slice(ARGV, 14, n_rq), slice(ARGV, 14 + n_rq, n_final), ARGV[10], ARGV[11],
+    KEYS[1])
 return 1
 """
 )
 
+# KEYS[1]: the worker's RQ hash.
 # ARGV: job_id, queue, execution, count_crash (0/1), max_crashes, then END's ARGV[4..] for the
 # failure written when the crash count reaches max_crashes.
 # Puts a held job back at the front of its queue (a graceful stop, or an engine crash that
@@ -105,7 +111,7 @@ if ARGV[4] == '1' then
         local n_rq, n_final = tonumber(ARGV[14]), tonumber(ARGV[15])
         end_job(job_id, queue, job_id .. ':' .. execution, 'failed', 'failed', ARGV[8], ARGV[9],
             ARGV[10], ARGV[11], slice(ARGV, 16, n_rq), slice(ARGV, 16 + n_rq, n_final),
-            ARGV[12], ARGV[13])
+            ARGV[12], ARGV[13], KEYS[1])
         return 2
     end
 end
@@ -187,7 +193,7 @@ for _, wip in ipairs(KEYS) do
                     end_job(job_id, queue, member, 'failed', 'failed', ARGV[3],
                         now + tonumber(ARGV[4]), ARGV[4], result,
                         {'type', '2', 'worker_name', '', 'exc_string', ARGV[5]},
-                        {'event', 'error', 'error', ARGV[6]}, ARGV[7], ARGV[8])
+                        {'event', 'error', 'error', ARGV[6]}, ARGV[7], ARGV[8], '')
                     failed[#failed + 1] = job_id
                 else
                     redis.call('HSET', jkey, 'status', 'queued')
