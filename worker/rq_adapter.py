@@ -384,6 +384,7 @@ class RQAdapter:
             rq_date(t),
             state,
             json.dumps(status),
+            max(5, self.lease_ttl),
         ]
         for c in claims:
             args += [c.queue, c.member]

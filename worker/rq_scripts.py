@@ -148,12 +148,12 @@ return lost
 
 # KEYS[1]: the worker's RQ hash; KEYS[2]: the pagedq status key.
 # ARGV: lease_deadline, worker_ttl, now, last_heartbeat (RQ format), state, status_json,
-#       then (queue, member) pairs of every held execution.
+#       status_ttl, then (queue, member) pairs of every held execution.
 # Renews every lease (ZADD XX CH: 0 means the entry is gone, the lease was lost) and the
 # worker's registration. Returns the members whose lease was lost.
 HEARTBEAT = """
 local lost = {}
-for i = 7, #ARGV, 2 do
+for i = 8, #ARGV, 2 do
     if redis.call('ZADD', 'rq:wip:' .. ARGV[i], 'XX', 'CH', ARGV[1], ARGV[i + 1]) == 0 then
         lost[#lost + 1] = ARGV[i + 1]
     end
@@ -161,7 +161,7 @@ end
 redis.call('HSET', KEYS[1], 'last_heartbeat', ARGV[4], 'pagedq_heartbeat', ARGV[3],
     'state', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('SET', KEYS[2], ARGV[6], 'EX', ARGV[2])
+redis.call('SET', KEYS[2], ARGV[6], 'EX', ARGV[7])
 return lost
 """
 

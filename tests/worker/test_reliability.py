@@ -286,15 +286,18 @@ def test_name_takeover_refusal_and_clean_start_errors(workers, server, tmp_path,
         assert "wrong-pw-123" not in log, what
     assert "already has this name" in cases["live name"][1]
 
-    # K1 died (SIGKILL) earlier: a new process under its name takes its registration over.
+    # K1 died (SIGKILL): a new process under its name takes its stale registration over.
+    workers["K1"].kill()
+    assert server.client().exists("rq:worker:rel-k1")
     takeover = WorkerProcess(server.url, QUEUE, "rel-k1", tmp_path, model=tiny_llama_dir,
                              lease_ttl=2)  # fmt: skip
     try:
-        takeover.wait_ready()
+        pid = str(takeover.process.pid).encode()
+        _wait(lambda: server.client().hget("rq:worker:rel-k1", "pid") == pid, 600, "takeover")
         workers_set = {m.decode() for m in server.client().smembers("rq:workers")}
         assert "rq:worker:rel-k1" in workers_set
     finally:
-        assert takeover.stop() == 0
+        assert takeover.stop() == 0, takeover.log_tail()
 
 
 def test_metrics_bind_to_localhost_and_the_password_is_never_logged(workers):
