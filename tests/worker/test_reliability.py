@@ -94,11 +94,13 @@ def workers(server, hooks, tmp_path_factory, tiny_llama_dir):
         "M": WorkerProcess(server.url, QUEUE, "rel-m", log_dir, env=env, lease_ttl=2,
                            model=tiny_llama_dir),
     }  # fmt: skip
-    for w in started.values():
-        w.wait_ready(timeout=900)  # four models load at once on a shared 2-core machine
-    yield started
-    for w in started.values():
-        w.stop(timeout=15)
+    try:
+        for w in started.values():
+            w.wait_ready(timeout=900)  # four models load at once on a shared 2-core machine
+        yield started
+    finally:
+        for w in started.values():
+            w.stop(timeout=15)
 
 
 @pytest.fixture(scope="module")
@@ -288,6 +290,7 @@ def test_name_takeover_refusal_and_clean_start_errors(workers, server, tmp_path,
 
     # K1 died (SIGKILL): a new process under its name takes its stale registration over.
     workers["K1"].kill()
+    time.sleep(2.5)  # its last heartbeat is now older than its lease
     assert server.client().exists("rq:worker:rel-k1")
     takeover = WorkerProcess(server.url, QUEUE, "rel-k1", tmp_path, model=tiny_llama_dir,
                              lease_ttl=2)  # fmt: skip
