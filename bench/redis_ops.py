@@ -13,6 +13,7 @@ short jobs with the producer `Client`, waits for every result, and reports:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import tempfile
 import threading
@@ -28,6 +29,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 from worker_process import WorkerProcess  # noqa: E402
 
 from producer.client import Client  # noqa: E402
+from producer.enqueue import ENQUEUE_IF_ABSENT  # noqa: E402
 from worker.redis_server import PrivateRedis  # noqa: E402
 from worker.rq_adapter import ScriptRunner  # noqa: E402
 
@@ -58,8 +60,8 @@ class Monitor:
         while not self._stop.is_set():
             try:
                 m = self._monitor.next_command()
-            except (redis.ConnectionError, OSError):
-                return
+            except (redis.RedisError, OSError, ValueError):
+                return  # the monitor connection was closed
             if m is None:
                 continue
             parts = (m["command"] or "").split(" ", 2)
@@ -132,6 +134,7 @@ def main() -> None:
             w.stop()
     n = args.jobs
     names = {sha: name for name, sha in ScriptRunner(admin).shas.items()}
+    names[hashlib.sha1(ENQUEUE_IF_ABSENT.encode()).hexdigest()] = "producer enqueue"
     producer_c, worker_c, stream_c, lua_c = split(monitor.lines, addrs, names)
     stats = after - before
     stats.pop("config|resetstat", None)
@@ -149,9 +152,10 @@ def main() -> None:
     p_total = show("producer, commands sent", producer_c)
     w_total = show("worker, commands sent (without stream entries)", worker_c)
     show("stream entries (token script calls and what runs inside them)", stream_c)
-    show("inside the worker's other scripts (run by Redis, not round trips)", lua_c)
+    lua_total = show("inside the other scripts (run by Redis, not round trips)", lua_c)
     show("INFO commandstats, everything Redis executed", stats)
-    print(f"\nproducer + worker commands per finished job: {p_total + w_total:.2f}")
+    print(f"\nproducer + worker commands sent per finished job: {p_total + w_total:.2f}")
+    print(f"... plus the commands run inside their scripts: {p_total + w_total + lua_total:.2f}")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,9 @@ class JobEnder:
             "result_key": result_key(item.job_id),
         }
         final = {"event": "done", "finish_reason": reason}
-        return self.adapter.end_call(item.claim, "finished", result, final, summary)
+        return self.adapter.end_call(
+            item.claim, "finished", result, final, summary, stream_ttl_set=item.stream.ttl_set
+        )
 
     def fail(self, item: InFlight, message: str) -> ScriptCall:
         """End a job as failed for good (the error is in the job, not the worker)."""

@@ -290,15 +290,20 @@ class RQAdapter:
         result: dict[str, Any],
         final_entry: dict[str, str],
         summary: dict[str, Any] | None = None,
+        *,
+        stream_ttl_set: bool = False,
     ) -> ScriptCall:
         """The fenced script that ends a held job as finished, failed or canceled.
 
         RQ's result entry gets a small `summary` (finished) or the error (failed); the full
-        result JSON goes to `pagedq:result:{id}` only. Reply 1 = ended, 0 = lease lost.
+        result JSON goes to `pagedq:result:{id}` only. `stream_ttl_set`: this run's entries
+        already gave the stream its TTL. Reply 1 = ended, 0 = lease lost.
         """
         t = time.time()
         args = [claim.job_id, claim.queue, claim.execution]
         args += self._end_args(claim, status, result, final_entry, summary, t)
+        if stream_ttl_set:
+            args[9] = 0  # END's ARGV[10], stream_ttl
         return ScriptCall("end", [self.key], args)
 
     def requeue_call(

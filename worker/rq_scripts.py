@@ -35,7 +35,8 @@ local function end_job(job_id, queue, member, status, registry, ended_at, score,
     redis.call('SET', 'pagedq:result:' .. job_id, result_json, 'EX', ttl)
     local skey = 'pagedq:stream:' .. job_id
     redis.call('XADD', skey, 'MAXLEN', '~', maxlen, '*', unpack(final_fields))
-    redis.call('EXPIRE', skey, stream_ttl)
+    -- stream_ttl '0': the stream's TTL was set with its first entry of this run.
+    if stream_ttl ~= '0' then redis.call('EXPIRE', skey, stream_ttl) end
 end
 
 local function slice(t, first, count)
@@ -60,12 +61,14 @@ for _, qkey in ipairs(KEYS) do
         if not job_id then break end
         pops = pops + 1
         local jkey = 'rq:job:' .. job_id
-        local f = redis.call('HMGET', jkey, 'status', 'data', 'enqueued_at', 'timeout')
+        local f = redis.call('HMGET', jkey, 'status', 'data', 'enqueued_at', 'timeout',
+            'pagedq_attempts')
         -- A hash without status but with data is started too, so that it fails with a reason.
         if f[1] == 'queued' or (not f[1] and f[2]) then
-            local attempt = redis.call('HINCRBY', jkey, 'pagedq_attempts', 1)
+            local attempt = (tonumber(f[5]) or 0) + 1
             redis.call('HSET', jkey, 'status', 'started', 'started_at', ARGV[5],
-                'last_heartbeat', ARGV[5], 'worker_name', ARGV[3], 'pagedq_execution', ARGV[4])
+                'last_heartbeat', ARGV[5], 'worker_name', ARGV[3], 'pagedq_execution', ARGV[4],
+                'pagedq_attempts', attempt)
             redis.call('ZADD', 'rq:wip:' .. queue, now + lease, job_id .. ':' .. ARGV[4])
             local canceled = redis.call('EXISTS', 'pagedq:cancel:' .. job_id)
             return {queue, job_id, attempt, f[2] or '', f[3] or '', f[4] or '', canceled,
