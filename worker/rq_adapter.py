@@ -27,6 +27,8 @@ from rq.utils import utcformat
 from producer.keys import STREAM_MAXLEN, worker_key
 from worker.rq_scripts import SCRIPTS
 
+# Largest job data a worker inflates (RQ zlib-compresses job data).
+MAX_JOB_DATA_BYTES = 16 * 1024 * 1024
 # How many stale queue entries one dequeue call may skip before it gives up for this round.
 MAX_POPS_PER_DEQUEUE = 32
 # How many expired leases one reaper call handles per queue (the rest on the next call).
@@ -77,10 +79,14 @@ class Claim:
     def rq_job(self) -> Job:
         """An unsaved RQ Job carrying this claim's data, to read its function and arguments.
 
-        The data is JSON (RQ's JSONSerializer), zlib-compressed or not as RQ writes it.
+        The data is JSON (RQ's JSONSerializer), zlib-compressed or not as RQ writes it;
+        ValueError when it inflates past MAX_JOB_DATA_BYTES (a zip bomb).
         """
         try:
-            data = zlib.decompress(self.data)
+            inflater = zlib.decompressobj()
+            data = inflater.decompress(self.data, MAX_JOB_DATA_BYTES)
+            if inflater.unconsumed_tail:
+                raise ValueError(f"data: over {MAX_JOB_DATA_BYTES} bytes once decompressed")
         except zlib.error:
             data = self.data
         job = Job(id=self.job_id, connection=_NEVER_USED, serializer=JSONSerializer)

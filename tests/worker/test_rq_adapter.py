@@ -290,3 +290,14 @@ def test_callbacks_and_webhooks_named_by_a_job_hash_are_never_called(
     server.shutdown()
     assert _Recorder.requests == []
     assert not (tmp_path / "called").exists()
+
+
+def test_job_data_is_read_compressed_or_not_and_a_zip_bomb_is_refused():
+    import zlib
+
+    payload = json.dumps(["pagedq.generate", None, [{"prompt": "hi"}], {}]).encode()
+    for data in (payload, zlib.compress(payload)):
+        assert Claim("j", QUEUE, "e", 1, data, "", "", False).rq_job().args == [{"prompt": "hi"}]
+    bomb = zlib.compress(b"[" + b" " * (64 * 1024 * 1024) + b"]")
+    with pytest.raises(ValueError, match="decompressed"):
+        Claim("j", QUEUE, "e", 1, bomb, "", "", False).rq_job()
