@@ -193,9 +193,11 @@ class Client:
         no worker will); a running one is aborted by its worker via the cancel key and channel.
         """
         pipe = self.redis.pipeline()
+        pipe.hget(Job.key_for(job_id), "status")
         pipe.set(cancel_key(job_id), "1", ex=DEFAULT_CANCEL_TTL)
         pipe.publish(CANCEL_CHANNEL, job_id)
-        pipe.execute()
+        # The status before the publish: its worker may cancel the job before we look again.
+        was_started = pipe.execute()[0] == b"started"
         try:
             job = Job.fetch(job_id, connection=self.redis, serializer=JSONSerializer)
         except NoSuchJobError:
@@ -206,7 +208,7 @@ class Client:
                     pipe.watch(job.key)
                     status = (pipe.hget(job.key, "status") or b"").decode()
                     if status not in QUEUED_STATUSES:
-                        return status == "started"
+                        return status == "started" or was_started
                     pipe.multi()
                     job.cancel(pipeline=pipe)
                     self._write_canceled(pipe, job)
