@@ -1,4 +1,5 @@
-"""The only module that knows RQ's key layout and entry formats (with rq_scripts.py, its Lua).
+"""The only place that knows RQ's key layout and entry formats, with rq_scripts.py (its Lua),
+rq_claim.py (a dequeued job's raw fields) and rq_calls.py (how scripts are sent).
 
 A worker talks to RQ's state only through `RQAdapter`: each call is one EVALSHA of a fenced
 script (rq_scripts.py), or builds one for a batch. Nothing here calls RQ code that could import
@@ -15,26 +16,23 @@ import sys
 import time
 import zlib
 from base64 import b64encode
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import redis
-from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import utcformat
 
 from producer.keys import STREAM_MAXLEN, worker_key
-from worker.rq_scripts import SCRIPTS
+from worker.rq_calls import Command, ScriptCall, ScriptRunner
+from worker.rq_claim import Claim
 
-# Largest job data a worker inflates (RQ zlib-compresses job data).
-MAX_JOB_DATA_BYTES = 16 * 1024 * 1024
+__all__ = ["Claim", "Command", "RQAdapter", "ScriptCall", "ScriptRunner", "crash_reason"]
+
 # How many stale queue entries one dequeue call may skip before it gives up for this round.
 MAX_POPS_PER_DEQUEUE = 32
 # How many expired leases one reaper call handles per queue (the rest on the next call).
 REAP_LIMIT = 100
-# RQ's Job wants a connection even to read its data; this one is never connected.
-_NEVER_USED = redis.Redis(host="never-used.invalid")
 # RQ's Result.Type values.
 RESULT_SUCCESSFUL, RESULT_FAILED = 1, 2
 # Where RQ's registries are named in end scripts, by final status.
@@ -54,141 +52,6 @@ def rq_exc_string(message: str) -> str:
 def queue_key(name: str) -> str:
     """RQ's list key of a queue."""
     return f"rq:queue:{name}"
-
-
-@dataclass(slots=True)
-class Claim:
-    """A job this worker dequeued and holds under a lease: its fencing token is `execution`."""
-
-    job_id: str
-    queue: str
-    execution: str
-    attempt: int
-    data: bytes
-    enqueued_at: str
-    timeout: str
-    canceled: bool
-    started_at: float = field(default_factory=time.time)
-    status_was: str = "queued"
-
-    @property
-    def member(self) -> str:
-        """The job's entry in RQ's started registry (`job_id:execution_id`)."""
-        return f"{self.job_id}:{self.execution}"
-
-    def rq_job(self) -> Job:
-        """An unsaved RQ Job carrying this claim's data, to read its function and arguments.
-
-        The data is JSON (RQ's JSONSerializer), zlib-compressed or not as RQ writes it;
-        ValueError when it inflates past MAX_JOB_DATA_BYTES (a zip bomb).
-        """
-        try:
-            inflater = zlib.decompressobj()
-            data = inflater.decompress(self.data, MAX_JOB_DATA_BYTES)
-            if inflater.unconsumed_tail:
-                raise ValueError(f"data: over {MAX_JOB_DATA_BYTES} bytes once decompressed")
-        except zlib.error:
-            data = self.data
-        job = Job(id=self.job_id, connection=_NEVER_USED, serializer=JSONSerializer)
-        job.data = data
-        return job
-
-    def timeout_s(self, limit: float) -> float:
-        """The job's wall-clock `timeout` in seconds (RQ's field: 90, "90s", "10m", "1h"),
-        capped at `limit`; `limit` when absent, malformed, or not positive (RQ's -1 = none)."""
-        raw = self.timeout.strip().lower()
-        units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-        scale = units.get(raw[-1:], 0) if raw else 0
-        try:
-            value = float(raw[:-1]) * scale if scale else float(raw)
-        except ValueError:
-            return limit
-        return min(value, limit) if value > 0 else limit
-
-    def enqueued_time(self) -> float:
-        """When the job was enqueued (Unix time); ValueError when the hash is malformed."""
-        if self.status_was != "queued":
-            raise ValueError(f"status: {self.status_was!r}, a queued job has status 'queued'")
-        for fmt in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):
-            try:
-                return datetime.strptime(self.enqueued_at, fmt).replace(tzinfo=UTC).timestamp()
-            except ValueError:
-                continue
-        raise ValueError(f"enqueued_at: {self.enqueued_at!r} is not an RQ date")
-
-
-@dataclass(slots=True)
-class ScriptCall:
-    """One EVALSHA to run, alone or in a batch; `name` is a key of rq_scripts.SCRIPTS."""
-
-    name: str
-    keys: list[str]
-    args: list[Any]
-
-
-@dataclass(slots=True)
-class Command:
-    """One plain Redis command to run in a batch (e.g. a cancel-key check)."""
-
-    name: str
-    args: list[Any]
-
-
-class ScriptRunner:
-    """Runs scripts by EVALSHA; reloads them when Redis answers NOSCRIPT (e.g. after a restart)."""
-
-    def __init__(self, connection: redis.Redis) -> None:
-        self.connection = connection
-        self.shas = {name: _sha1(source) for name, source in SCRIPTS.items()}
-
-    def load(self) -> None:
-        """SCRIPT LOAD every script (idempotent)."""
-        for name, source in SCRIPTS.items():
-            self.shas[name] = self.connection.script_load(source)
-
-    def call(self, call: ScriptCall) -> Any:
-        """Run one script now."""
-        return self.run([call])[0]
-
-    def run(self, calls: list[ScriptCall | Command]) -> list[Any]:
-        """Run a batch in one MULTI/EXEC (all or nothing on a lost connection); the replies.
-
-        A script refused with NOSCRIPT did not run, so it is reloaded and run again alone.
-        Other errors are raised. Connection errors propagate (the caller retries the batch).
-        """
-        if len(calls) == 1:
-            return [self._one(calls[0])]
-        with self.connection.pipeline(transaction=True) as pipe:
-            for c in calls:
-                self._queue(pipe, c)
-            replies = pipe.execute(raise_on_error=False)
-        for i, reply in enumerate(replies):
-            if isinstance(reply, redis.exceptions.NoScriptError):
-                replies[i] = self._one(calls[i])
-            elif isinstance(reply, Exception):
-                raise reply
-        return replies
-
-    def _one(self, c: ScriptCall | Command) -> Any:
-        if isinstance(c, Command):
-            return self.connection.execute_command(c.name, *c.args)
-        try:
-            return self.connection.evalsha(self.shas[c.name], len(c.keys), *c.keys, *c.args)
-        except redis.exceptions.NoScriptError:
-            self.load()
-            return self.connection.evalsha(self.shas[c.name], len(c.keys), *c.keys, *c.args)
-
-    def _queue(self, pipe: Any, c: ScriptCall | Command) -> None:
-        if isinstance(c, Command):
-            pipe.execute_command(c.name, *c.args)
-        else:
-            pipe.evalsha(self.shas[c.name], len(c.keys), *c.keys, *c.args)
-
-
-def _sha1(source: str) -> str:
-    import hashlib
-
-    return hashlib.sha1(source.encode()).hexdigest()
 
 
 class RQAdapter:
