@@ -57,6 +57,13 @@ STATUS_NAMES = {
 RequestLike = GenerationRequest | dict[str, Any]
 
 
+class StreamRestart(str):
+    """What `Client.stream()` yields when the job re-ran: drop the text read so far."""
+
+
+RESTART = StreamRestart("")
+
+
 class Client:
     """Submits jobs to a pagedq queue (RQ 3, JSON serializer) and reads results and streams.
 
@@ -154,17 +161,33 @@ class Client:
         """Yield the job's text deltas from its first token on, as the worker produces them.
 
         Ends when the job finishes; raises like `result()` when it fails or is canceled. When
-        the stream expired before the result did, the whole text comes as one delta.
+        the stream expired before the result did, the whole text comes as one delta. A job
+        re-run after its worker died restarts its stream (an `event=restart` entry): reading
+        starts at the last restart, and a restart met after deltas were yielded yields
+        `RESTART` (an empty string marker) before the new run's deltas.
         """
+        restarts_to_skip = self._count_restarts(job_id)
         seen_tokens = False
         for entry in self._entries(job_id, timeout):
+            event = entry.get("event")
+            if restarts_to_skip:
+                restarts_to_skip -= event == "restart"
+                if not is_final(entry):
+                    continue
             if is_final(entry):
                 result = raise_for_status(self._final_result(job_id, entry))
                 if not seen_tokens and result.text:
                     yield result.text
-            elif entry.get("event") == "token" and entry.get("delta"):
+            elif event == "restart" and seen_tokens:
+                seen_tokens = False
+                yield RESTART
+            elif event == "token" and entry.get("delta"):
                 seen_tokens = True
                 yield entry["delta"]
+
+    def _count_restarts(self, job_id: str) -> int:
+        entries = self.redis.xrange(stream_key(job_id))
+        return sum(fields.get(b"event") == b"restart" for _, fields in entries)
 
     def _entries(self, job_id: str, timeout: float | None) -> Iterator[dict[str, str]]:
         """The job's stream entries, up to and including its (possibly synthetic) final one."""
@@ -194,9 +217,11 @@ class Client:
         no worker will); a running one is aborted by its worker via the cancel key and channel.
         """
         pipe = self.redis.pipeline()
+        pipe.hget(Job.key_for(job_id), "status")
         pipe.set(cancel_key(job_id), "1", ex=DEFAULT_CANCEL_TTL)
         pipe.publish(CANCEL_CHANNEL, job_id)
-        pipe.execute()
+        # The status before the publish: its worker may cancel the job before we look again.
+        was_started = pipe.execute()[0] == b"started"
         job = job_shell(self.redis, job_id)  # never Job.fetch: nothing stored is deserialized
         if job is None:
             return False
@@ -206,7 +231,7 @@ class Client:
                     pipe.watch(job.key)
                     status = (pipe.hget(job.key, "status") or b"").decode()
                     if status not in QUEUED_STATUSES:
-                        return status == "started"
+                        return status == "started" or was_started
                     pipe.multi()
                     job.cancel(pipeline=pipe)
                     self._write_canceled(pipe, job)

@@ -9,7 +9,14 @@ from rq import Queue, Retry
 from rq.job import Job
 from rq.utils import now
 
-from producer.keys import GENERATE_FUNC, cancel_key, job_id_for, result_key, stream_key
+from producer.keys import (
+    GENERATE_FUNC,
+    cancel_key,
+    job_id_for,
+    model_queue,
+    result_key,
+    stream_key,
+)
 from producer.results import job_shell
 from producer.schema import GenerationRequest, GenerationResult
 
@@ -56,10 +63,16 @@ def build_job(
     The job id derives from the custom_id and the request itself (see `job_id_for`), so an
     edited request under an old custom_id is a new job. With `id_namespace` (bulk files:
     custom_ids are unique only within one file) "{id_namespace}/{custom_id}" stands for it.
+    A request naming a `model` goes to that model's queue, `{queue}@{canonical model}`, which
+    only workers serving the model read (producer.keys.model_queue).
     """
     payload = request.payload()
     job_id = request_job_id(request, queue.name, id_namespace, payload)
-    job = queue.create_job(
+    target = queue
+    if request.model is not None:
+        name = model_queue(queue.name, request.model)
+        target = Queue(name, connection=queue.connection, serializer=queue.serializer)
+    job = target.create_job(
         GENERATE_FUNC,
         args=[payload],
         job_id=job_id,
@@ -82,14 +95,20 @@ def _hset_args(job: Job) -> list[bytes | str]:
 
 
 def enqueue_jobs(connection: Redis, queue: Queue, jobs: Sequence[Job]) -> list[bool]:
-    """Save and push each job unless it (or its result) exists; one round trip. True = created."""
+    """Save and push each job (to its origin queue: `queue` or a model's queue) unless it or
+    its result exists; one round trip. True = created."""
     script = connection.register_script(ENQUEUE_IF_ABSENT)
+    queue_keys = sorted({queue.key} | {_queue_key(job.origin) for job in jobs})
     pipe = connection.pipeline(transaction=False)
-    pipe.sadd(Queue.redis_queues_keys, queue.key)
+    pipe.sadd(Queue.redis_queues_keys, *queue_keys)
     for job in jobs:
-        keys = [job.key, queue.key, result_key(job.id)]
+        keys = [job.key, _queue_key(job.origin), result_key(job.id)]
         script(keys=keys, args=[job.id, *_hset_args(job)], client=pipe)
     return [bool(created) for created in pipe.execute()[1:]]
+
+
+def _queue_key(name: str) -> str:
+    return Queue.redis_queue_namespace_prefix + name
 
 
 def ended_status(connection: Redis, job_id: str) -> str | None:

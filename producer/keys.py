@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import uuid
 from typing import Any
 
@@ -19,6 +21,38 @@ STREAM_MAXLEN = 10_000
 KEY_PREFIX = "pagedq"
 CANCEL_CHANNEL = f"{KEY_PREFIX}:cancel"
 WORKER_KEY_PATTERN = f"{KEY_PREFIX}:worker:*"
+
+# Short names of models, and the Hugging Face id each stands for.
+MODEL_ALIASES = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+# A quantization or precision tag at the end of a weights file name (".Q4_1", "-f16", ...).
+_WEIGHTS_TAG = re.compile(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16|fp16|fp32)$", re.IGNORECASE)
+
+
+def canonical_model(model: str) -> str:
+    """One lower-case name per model, so aliases, GGUF paths and hub ids of a model match.
+
+    `smollm2`, `.../SmolLM2-135M-Instruct.Q4_1.gguf` and `HuggingFaceTB/SmolLM2-135M-Instruct`
+    all give `huggingfacetb/smollm2-135m-instruct`; a path to another model gives its real path.
+    """
+    name = model.strip()
+    known = {alias: hub.lower() for alias, hub in MODEL_ALIASES.items()}
+    by_stem = {hub.split("/")[-1].lower(): hub.lower() for hub in MODEL_ALIASES.values()}
+    if name.lower() in known:
+        return known[name.lower()]
+    stem = os.path.basename(name.rstrip("/"))
+    if stem.lower().endswith(".gguf"):
+        stem = _WEIGHTS_TAG.sub("", stem[: -len(".gguf")])
+    if stem.lower() in by_stem:
+        return by_stem[stem.lower()]
+    is_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
+    if is_hub_id and not os.path.exists(name):
+        return name.lower()
+    return os.path.realpath(os.path.expanduser(name))
+
+
+def model_queue(queue: str, model: str | None) -> str:
+    """The RQ queue of a job: `{queue}@{canonical model}` when it asks for a model, else `queue`."""
+    return queue if model is None else f"{queue}@{canonical_model(model)}"
 
 
 def request_digest(payload: dict[str, Any]) -> str:

@@ -57,7 +57,7 @@ def test_status_reports_queue_registries_and_workers(served, capsys):
     before = json.loads(run(capsys, *argv)[1])["counts"]
     with served.client() as client:
         ok = client.submit_many([{"prompt": f"s{i}", "max_tokens": 2} for i in range(2)])
-        bad = client.submit(prompt="x", model="other")
+        bad = client.submit(prompt=[100] * 100_000)  # longer than the context: fails
         assert [client.result(job_id, timeout=30).status for job_id in ok] == ["finished"] * 2
         with pytest.raises(JobFailedError):
             client.result(bad, timeout=30)
@@ -73,7 +73,7 @@ def test_status_reports_queue_registries_and_workers(served, capsys):
 def test_result_prints_text_or_json_and_fails_with_the_error(served, capsys):
     with served.client() as client:
         ok = client.submit(prompt="a", max_tokens=4, ignore_eos=True)
-        bad = client.submit(prompt="b", model="other")
+        bad = client.submit(prompt=[100] * 100_000)  # longer than the context: fails
         result = client.result(ok, timeout=30)
     url = ("--redis-url", served.url, "--queue", served.queue)
     assert run(capsys, "result", ok, *url)[1] == result.text + "\n"
@@ -82,7 +82,7 @@ def test_result_prints_text_or_json_and_fails_with_the_error(served, capsys):
     assert len(result.token_ids) == 4
     assert run(capsys, "result", ok, "--stream", *url)[1] == result.text + "\n"
     code, _, err = run(capsys, "result", bad, "--timeout", "30", *url)
-    assert code == 1 and "job asks for 'other'" in err
+    assert code == 1 and "invalid request" in err
     code, _, err = run(capsys, "result", "nope", "--timeout", "1", *url)
     assert code == 1 and "no job 'nope'" in err
 
