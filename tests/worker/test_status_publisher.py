@@ -1,0 +1,156 @@
+"""The worker status key against a real redis-server: fresh, rate-limited, safe when Redis dies."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from engine import SamplingParams
+from engine.llm_engine import LLMEngine
+from producer.client import Client
+from producer.schema import worker_key
+from producer.status import queue_status
+from worker.engine_loop import AddRequest, EngineLoop, StepOutputs
+from worker.health import WorkerHealth
+from worker.status_publisher import StatusPublisher
+
+NAME = "w-status"
+
+
+@dataclass
+class Stats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
+@pytest.fixture
+def redis_conn(private_redis):
+    private_redis.start()  # a no-op unless a test killed it
+    conn = private_redis.client()
+    conn.flushall()
+    yield conn
+    conn.close()
+
+
+def make_publisher(conn, stats: Stats, in_flight: list[int], **kwargs) -> StatusPublisher:
+    return StatusPublisher(
+        conn, NAME, "tiny", "q-status", lambda: stats, lambda: in_flight[0], **kwargs
+    )
+
+
+def read(conn) -> dict:
+    return json.loads(conn.get(worker_key(NAME)))
+
+
+def test_one_set_with_an_expiry_and_every_field(redis_conn):
+    stats = Stats(num_running=3, num_waiting=2, kv_cache_usage=0.125)
+    publisher = make_publisher(
+        redis_conn, stats, [5], ttl_s=7, extra_fn=lambda: {"preemptions": {"swap": 1}}
+    )
+    before = time.time()
+    assert publisher.maybe_publish(now=100.0)
+    status = read(redis_conn)
+    assert before <= status.pop("updated_at") <= time.time()
+    assert status == {
+        "preemptions": {"swap": 1},
+        "in_flight": 5,
+        "running": 3,
+        "waiting": 2,
+        "kv_cache_usage": 0.125,
+        "model": "tiny",
+        "queue": "q-status",
+    }
+    assert 0 < redis_conn.ttl(worker_key(NAME)) <= 7
+
+
+def test_at_most_once_per_interval_but_at_once_when_the_worker_empties(redis_conn):
+    stats, in_flight = Stats(num_running=2, kv_cache_usage=0.5), [2]
+    publisher = make_publisher(redis_conn, stats, in_flight, interval_s=0.5)
+    assert publisher.maybe_publish(now=10.0)
+    stats.num_running = 1
+    assert not publisher.maybe_publish(now=10.2)  # within the interval: no write
+    assert read(redis_conn)["running"] == 2
+    assert publisher.maybe_publish(now=10.5)
+    assert read(redis_conn)["running"] == 1
+
+    in_flight[0] = 0  # the last job ended (or every job was canceled)
+    assert publisher.maybe_publish(now=10.6)  # written at once, not at 11.0
+    assert read(redis_conn)["in_flight"] == 0
+    stats.num_running, stats.kv_cache_usage = 0, 0.0  # the engine applied the abort
+    assert publisher.maybe_publish(now=10.65)
+    assert read(redis_conn)["running"] == 0 and read(redis_conn)["kv_cache_usage"] == 0.0
+    assert not publisher.maybe_publish(now=10.7)  # nothing fell to zero: the interval again
+    assert publisher.num_published == 4  # at 10.0, 10.5, 10.6 and 10.65
+
+
+def test_a_dead_redis_is_reported_to_health_not_raised(private_redis, redis_conn):
+    clock = [1000.0]
+    health = WorkerHealth("tiny", lambda: True, redis_grace_s=30, clock=lambda: clock[0])
+    publisher = make_publisher(redis_conn, Stats(), [0], health=health)
+    assert publisher.maybe_publish(now=1.0)
+    private_redis.kill()
+    try:
+        assert not publisher.maybe_publish(now=2.0)
+        report = health.report()
+        assert report["redis_connected"] is False and report["status"] == "ok"
+        assert "Error" in report["redis_error"]
+        clock[0] += 31
+        assert not publisher.maybe_publish(now=3.0)
+        assert health.report()["status"] == "unhealthy"
+    finally:
+        private_redis.start()
+    assert publisher.maybe_publish(now=4.0)
+    assert health.report()["status"] == "ok"
+    assert read(redis_conn)["in_flight"] == 0
+
+
+def test_pagedq_status_sees_the_engine_empty_within_a_second(
+    private_redis, redis_conn, tiny_llama_dir
+):
+    """A control loop as the worker runs it: engine thread, events, maybe_publish each turn."""
+    engine = LLMEngine(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory="16MiB")
+    loop = EngineLoop(engine)
+    loop.wait_for_admission = False
+    in_flight: set[str] = set()
+    publisher = StatusPublisher(
+        redis_conn,
+        NAME,
+        "tiny",
+        "q-status",
+        lambda: loop.stats,
+        lambda: len(in_flight),
+        interval_s=0.5,
+    )
+    loop.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        for i in range(6):
+            in_flight.add(f"r{i}")
+            loop.add(AddRequest(f"r{i}", list(range(50 + i, 80 + i)), params))
+        deadline = time.monotonic() + 120
+        while in_flight and time.monotonic() < deadline:
+            try:
+                event = loop.events.get(timeout=0.02)
+            except queue.Empty:
+                event = None
+            if isinstance(event, StepOutputs):
+                in_flight -= {o.request_id for o in event.outputs if o.finished}
+            publisher.maybe_publish()
+        ended_at = time.time()
+        assert not in_flight
+
+        # What `pagedq status` shows right after the last job ended, with no heartbeat between.
+        client = Client(private_redis.url, queue="q-status")
+        (worker,) = queue_status(client)["workers"]
+        client.close()
+        assert worker["in_flight"] == 0
+        assert worker["running"] == 0 and worker["waiting"] == 0
+        assert worker["kv_cache_usage"] == 0.0
+        assert abs(worker["updated_at"] - ended_at) < 1.0
+    finally:
+        loop.stop()
