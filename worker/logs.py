@@ -8,6 +8,7 @@ object (`logger: "stderr"`), so a log shipper never sees a bare line.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import io
 import json
@@ -16,12 +17,15 @@ import os
 import sys
 import threading
 from collections.abc import Mapping
+from datetime import datetime, timezone
 from typing import Any, TextIO
 
 import structlog
 
 log = structlog.get_logger("pagedq.worker")
 
+# RQ's own per-job line; pagedq logs one line per job end itself (`log_job_end`).
+RQ_JOB_END_PREFIX = "Successfully completed "
 # Read by huggingface_hub, tqdm (4.66+: TQDM_* env vars set its defaults) and transformers.
 PROGRESS_BAR_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
 
@@ -58,11 +62,20 @@ def configure_logging(log_format: str = "console", level: str = "INFO") -> None:
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
         )
     )
+    handler.addFilter(_drop_rq_job_end)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
     if log_format == "json":
         _json_only(stream)
+
+
+def _drop_rq_job_end(record: logging.LogRecord) -> bool:
+    return not (
+        record.name == "rq.worker"
+        and isinstance(record.msg, str)
+        and record.msg.startswith(RQ_JOB_END_PREFIX)
+    )
 
 
 def _json_only(stream: TextIO) -> None:
@@ -79,7 +92,8 @@ def _json_only(stream: TextIO) -> None:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
-    sys.stderr = JsonLineWriter(stream)
+    sys.stderr = writer = JsonLineWriter(stream)
+    atexit.register(writer.close_line)
     sys.excepthook = _log_uncaught
     threading.excepthook = lambda args: _log_uncaught(
         args.exc_type, args.exc_value, args.exc_traceback, getattr(args.thread, "name", "?")
@@ -121,7 +135,11 @@ class JsonLineWriter(io.TextIOBase):
         return len(text)
 
     def flush(self) -> None:
-        """Write a pending partial line, then flush the target."""
+        """Flush the target; a partial line waits for its end (a bar redraws it with a \r)."""
+        self.target.flush()
+
+    def close_line(self) -> None:
+        """Write a pending partial line (at exit)."""
         with self._lock:
             if self._buffer:
                 self._emit(self._buffer)
@@ -140,7 +158,8 @@ class JsonLineWriter(io.TextIOBase):
             else:
                 self.target.write(line + "\n")
                 return
-        record = {"event": line, "level": "warning", "logger": "stderr"}
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        record = {"event": line, "level": "warning", "logger": "stderr", "timestamp": now}
         self.target.write(json.dumps(record) + "\n")
         self.target.flush()
 
