@@ -32,7 +32,10 @@ PREEMPTION_FIELDS = {"recompute": "num_preemptions_recompute", "swap": "num_pree
 
 
 class EngineStatsCollector(Collector):
-    """Gauges and engine counters built from one `stats_fn()` snapshot per scrape."""
+    """Gauges and engine counters built from one `stats_fn()` snapshot per scrape.
+
+    While `stats_fn()` returns None (the model is still loading) only `jobs_in_flight` is shown.
+    """
 
     def __init__(
         self,
@@ -58,6 +61,13 @@ class EngineStatsCollector(Collector):
         """One consistent snapshot of the engine, read now."""
         s = self.stats_fn()
         yield self._gauge(
+            "pagedq:jobs_in_flight",
+            "RQ jobs this worker has started and not yet ended.",
+            self.in_flight_fn(),
+        )
+        if s is None:
+            return
+        yield self._gauge(
             "pagedq:num_requests_running", "Requests in the running batch.", s.num_running
         )
         yield self._gauge(
@@ -74,11 +84,6 @@ class EngineStatsCollector(Collector):
             "pagedq:kv_cache_usage_perc",
             "KV-cache usage: fraction of blocks held by requests, 1 means 100 percent.",
             s.kv_cache_usage,
-        )
-        yield self._gauge(
-            "pagedq:jobs_in_flight",
-            "RQ jobs this worker has started and not yet ended.",
-            self.in_flight_fn(),
         )
         yield self._counter(
             "pagedq:prefix_cache_queries",
@@ -131,7 +136,9 @@ class WorkerMetrics(LegacyMetricsMixin):
     """A worker's metrics in a registry of their own: engine state plus per-request figures.
 
     `stats_fn` returns an `EngineStats`-like snapshot (the engine loop's latest, refreshed every
-    step); `in_flight_fn` the number of started RQ jobs; `health_fn` the /healthz body.
+    step) or None before the engine exists; `in_flight_fn` the number of started RQ jobs;
+    `health_fn` the /healthz body. Both callables can be given later with `attach()`, so that
+    the port is bound (and a busy port reported) before the model loads.
     """
 
     def __init__(
@@ -141,15 +148,14 @@ class WorkerMetrics(LegacyMetricsMixin):
         in_flight_fn: Callable[[], int] | None = None,
         health_fn: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
-        if stats_fn is None:  # TEMPORARY: the unwired control loop (see worker/metrics_legacy.py)
-            stats_fn, in_flight_fn = self._legacy_stats_fn, lambda: self._legacy_in_flight
-        in_flight_fn = in_flight_fn or (lambda: 0)
         # vLLM's exposition has no `_created` series; this is process-wide in prometheus_client.
         disable_created_metrics()
         self.model_name = model_name
         self.health_fn = health_fn
+        self._stats_fn = stats_fn
+        self._in_flight_fn = in_flight_fn
         self.registry = r = CollectorRegistry()
-        r.register(EngineStatsCollector(model_name, stats_fn, in_flight_fn))
+        r.register(EngineStatsCollector(model_name, self._stats, self._in_flight))
         labels = ["model_name"]
 
         def histogram(name: str, doc: str, buckets: tuple) -> Any:
@@ -204,6 +210,20 @@ class WorkerMetrics(LegacyMetricsMixin):
             "From enqueue in Redis to the end of the job.",
             LATENCY_BUCKETS,
         )
+
+    def attach(self, stats_fn: Callable[[], Any], in_flight_fn: Callable[[], int]) -> None:
+        """Give the engine stats and in-flight callables once the engine loop exists."""
+        self._stats_fn, self._in_flight_fn = stats_fn, in_flight_fn
+
+    def _stats(self) -> Any:
+        if self._stats_fn is None:
+            return self._legacy_stats  # TEMPORARY (worker/metrics_legacy.py); None otherwise
+        return self._stats_fn()
+
+    def _in_flight(self) -> int:
+        if self._in_flight_fn is None:
+            return self._legacy_in_flight  # TEMPORARY (worker/metrics_legacy.py); 0 otherwise
+        return self._in_flight_fn()
 
     # --- called by the control loop ----------------------------------------------------------
 

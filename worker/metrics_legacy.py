@@ -33,13 +33,8 @@ class LegacyMetricsMixin:
     _legacy_stats: Any = None
     _legacy_in_flight: int = 0
 
-    def _legacy_stats_fn(self) -> Any:
-        from engine.llm_engine import EngineStats
-
-        return self._legacy_stats or EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0.0, 0, 0, 0)
-
     def observe_stats(self, stats: Any, in_flight: int) -> None:
-        """Old: copy a stats snapshot in (used only when no stats_fn was given)."""
+        """Old: copy a stats snapshot in (shown only while no stats_fn is attached)."""
         self._legacy_stats, self._legacy_in_flight = stats, in_flight
 
     def observe_tokens(self, num_new: int, seconds_since_last: float | None) -> None:

@@ -286,3 +286,27 @@ def test_a_busy_port_raises_one_clear_error():
     message = str(busy.value)
     assert f"metrics port {port} on 127.0.0.1 is already in use" in message
     assert "\n" not in message
+
+
+def test_before_the_engine_is_attached_the_port_answers_starting():
+    health = WorkerHealth(MODEL_NAME)
+    metrics = WorkerMetrics(MODEL_NAME, health_fn=health.report)
+    server = metrics.serve(0)
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        code, body = get(url + "/healthz")
+        assert code == 503
+        assert json.loads(body)["status"] == "starting"
+        code, text = get(url + "/metrics")
+        assert code == 200 and "pagedq:jobs_in_flight" in text
+        assert "pagedq:num_requests_running" not in text
+
+        stats = EngineStats(0, 0, 0.0, 8, 8, 0, 0, 0.0, 0, 0, 0)
+        metrics.attach(lambda: stats, lambda: 0)
+        health.attach(engine_alive=lambda: True, last_step_at=lambda: None)
+        assert get(url + "/healthz")[0] == 200
+        assert (
+            'pagedq:num_requests_running{model_name="tiny-llama"} 0.0' in get(url + "/metrics")[1]
+        )
+    finally:
+        server.stop()
