@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import queue
 import time
+import urllib.request
 from dataclasses import dataclass
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine import SamplingParams
 from engine.llm_engine import LLMEngine
@@ -16,6 +18,7 @@ from producer.schema import worker_key
 from producer.status import queue_status
 from worker.engine_loop import AddRequest, EngineLoop, StepOutputs
 from worker.health import WorkerHealth
+from worker.redis_server import free_port
 from worker.status_publisher import StatusPublisher
 
 NAME = "w-status"
@@ -154,3 +157,62 @@ def test_pagedq_status_sees_the_engine_empty_within_a_second(
         assert abs(worker["updated_at"] - ended_at) < 1.0
     finally:
         loop.stop()
+
+
+# --- a real worker process (needs the lead's wiring, docs/OPERATIONS.md) ----------------------
+
+NEEDS_WIRING = pytest.mark.xfail(
+    strict=True, reason="needs StatusPublisher and the collector wired into worker/ (lead)"
+)
+
+
+def _scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+@pytest.mark.slow
+@NEEDS_WIRING
+def test_a_worker_shows_zero_one_second_after_its_last_job(private_redis, worker_factory):
+    port = free_port()
+    worker = worker_factory("q-fresh", "w-fresh", "--metrics-port", str(port))
+    worker.wait_ready()
+    client = Client(private_redis.url, queue="q-fresh", check_interval=0.5)
+    job_ids = client.submit_many({"prompt": f"Count to {i}", "max_tokens": 8} for i in range(8))
+    for job_id in job_ids:
+        client.result(job_id, timeout=240)
+    time.sleep(1.0)
+    m = _scrape(port)
+    assert m["pagedq:num_requests_running"] == 0
+    assert m["pagedq:num_requests_waiting"] == 0
+    assert m["pagedq:kv_cache_usage_perc"] == 0
+    assert m["pagedq:jobs_in_flight"] == 0
+    ended = m["pagedq:request_success_total{finished_reason=length}"]
+    assert ended + m["pagedq:request_success_total{finished_reason=stop}"] == 8
+    assert m["pagedq:time_to_first_token_seconds_count"] == 8
+    status = worker.status()
+    assert status["in_flight"] == 0 and status["running"] == 0
+    assert time.time() - status["updated_at"] < 1.5
+
+    # Cancel a long backlog: `pagedq status` says 0 in flight within a second.
+    long_ids = client.submit_many(
+        {"prompt": f"Write a story {i}", "max_tokens": 400, "ignore_eos": True} for i in range(12)
+    )
+    deadline = time.monotonic() + 60
+    while worker.status()["in_flight"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for job_id in long_ids:
+        client.cancel(job_id)
+    canceled_at = time.monotonic()
+    while worker.status()["in_flight"] != 0 and time.monotonic() < canceled_at + 10:
+        time.sleep(0.05)
+    assert worker.status()["in_flight"] == 0
+    assert time.monotonic() - canceled_at < 1.0
+    health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz").read())
+    assert health["status"] == "ok" and health["engine_alive"] and health["redis_connected"]
+    client.close()
