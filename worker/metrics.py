@@ -104,16 +104,16 @@ class EngineStatsCollector(Collector):
         yield self._counter("pagedq:engine_steps", "Engine iterations run.", s.num_steps)
         yield from self._preemptions(s)
         yield self._counter(
-            "pagedq:swapped_bytes",
+            "pagedq:swapped_out_bytes",
             "Bytes of KV cache copied out to the CPU swap pool.",
-            getattr(s, "swapped_bytes", 0),
+            getattr(s, "swapped_out_bytes", 0),
         )
         tenants = CounterMetricFamily(
-            "pagedq:tenant_tokens",
-            "Tokens (prompt and generated) served per tenant.",
+            "pagedq:tenant_generation_tokens",
+            "Tokens generated per tenant.",
             labels=["model_name", "tenant"],
         )
-        for tenant, n in sorted((getattr(s, "tenant_tokens", None) or {}).items()):
+        for tenant, n in sorted((getattr(s, "tenant_generated_tokens", None) or {}).items()):
             tenants.add_metric([self.model_name, str(tenant)], n)
         yield tenants
 

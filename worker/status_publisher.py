@@ -30,9 +30,11 @@ ERROR_LOG_INTERVAL_S = 30.0
 class StatusPublisher:
     """Writes one worker's status JSON in one SET with an expiry, often enough to stay fresh.
 
-    `extra_fn` (e.g. engine-sched's `build_status`) returns more fields to merge in; it must not
-    override the base fields. A Redis error is logged (rate-limited) and reported to `health`,
-    never raised: the control loop handles Redis outages itself.
+    `extra_fn(stats)` returns more fields to merge in, from the same stats snapshot (e.g.
+    `lambda stats: build_status(stats, worker.in_flight, config_summary)` from
+    worker/status_report.py); the base fields below win over its keys of the same name. A Redis
+    error is logged (rate-limited) and reported to `health`, never raised: the control loop
+    handles Redis outages itself.
     """
 
     def __init__(
@@ -43,7 +45,7 @@ class StatusPublisher:
         queue: str,
         stats_fn: Callable[[], Any],
         in_flight_fn: Callable[[], int],
-        extra_fn: Callable[[], dict[str, Any]] | None = None,
+        extra_fn: Callable[[Any], dict[str, Any]] | None = None,
         interval_s: float = DEFAULT_INTERVAL_S,
         ttl_s: int = DEFAULT_TTL_S,
         health: WorkerHealth | None = None,
@@ -67,7 +69,7 @@ class StatusPublisher:
         """The status JSON as it would be written now (from `stats`, default a fresh snapshot)."""
         s = self.stats_fn() if stats is None else stats
         return {
-            **(self.extra_fn() if self.extra_fn else {}),
+            **(self.extra_fn(s) if self.extra_fn else {}),
             "in_flight": self.in_flight_fn(),
             "running": s.num_running,
             "waiting": s.num_waiting,

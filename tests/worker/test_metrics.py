@@ -187,8 +187,8 @@ def test_engine_sched_fields_are_read_when_present():
         "num_preemptions_recompute": 3,
         "num_preemptions_swap": 2,
         "num_swapped": 1,
-        "swapped_bytes": 4096,
-        "tenant_tokens": {"team-a": 120, "team-b": 30},
+        "swapped_out_bytes": 4096,
+        "tenant_generated_tokens": {"team-a": 120, "team-b": 30},
     }
 
     class Stats:
@@ -199,9 +199,9 @@ def test_engine_sched_fields_are_read_when_present():
     assert value(m, "pagedq:num_preemptions_total", kind="recompute") == 3
     assert value(m, "pagedq:num_preemptions_total", kind="swap") == 2
     assert value(m, "pagedq:num_requests_swapped") == 1
-    assert value(m, "pagedq:swapped_bytes_total") == 4096
-    assert value(m, "pagedq:tenant_tokens_total", tenant="team-a") == 120
-    assert value(m, "pagedq:tenant_tokens_total", tenant="team-b") == 30
+    assert value(m, "pagedq:swapped_out_bytes_total") == 4096
+    assert value(m, "pagedq:tenant_generation_tokens_total", tenant="team-a") == 120
+    assert value(m, "pagedq:tenant_generation_tokens_total", tenant="team-b") == 30
 
 
 # --- HTTP: /metrics and /healthz ----------------------------------------------------------------

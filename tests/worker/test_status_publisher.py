@@ -53,7 +53,15 @@ def read(conn) -> dict:
 def test_one_set_with_an_expiry_and_every_field(redis_conn):
     stats = Stats(num_running=3, num_waiting=2, kv_cache_usage=0.125)
     publisher = make_publisher(
-        redis_conn, stats, [5], ttl_s=7, extra_fn=lambda: {"preemptions": {"swap": 1}}
+        redis_conn,
+        stats,
+        [5],
+        ttl_s=7,
+        extra_fn=lambda s: {
+            "preemptions": {"swap": 1},
+            "running": -1,
+            "waiting_seen": s.num_waiting,
+        },
     )
     before = time.time()
     assert publisher.maybe_publish(now=100.0)
@@ -61,6 +69,7 @@ def test_one_set_with_an_expiry_and_every_field(redis_conn):
     assert before <= status.pop("updated_at") <= time.time()
     assert status == {
         "preemptions": {"swap": 1},
+        "waiting_seen": 2,
         "in_flight": 5,
         "running": 3,
         "waiting": 2,
