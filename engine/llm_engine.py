@@ -46,6 +46,8 @@ class EngineStats:
     num_steps: int
     num_prompt_tokens: int
     num_generated_tokens: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
 class _ParentRequest:
@@ -406,4 +408,6 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
         )

@@ -192,17 +192,17 @@ def test_metrics_endpoint_reports_batch_and_latency(service, client):
     text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics").read().decode()
 
     def value(name: str) -> float:
-        match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+        match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
         assert match, f"{name} missing from /metrics"
         return float(match.group(1))
 
-    assert value("pagedq_generation_tokens_total") > 0
-    assert value("pagedq_time_to_first_token_seconds_count") > 0
-    assert value("pagedq_inter_token_latency_seconds_count") > 0
-    assert value("pagedq_e2e_request_latency_seconds_count") > 0
-    for gauge in ("pagedq_requests_running", "pagedq_requests_waiting",
-                  "pagedq_kv_cache_usage_ratio", "pagedq_prefix_cache_hit_rate",
-                  "pagedq_preemptions_total"):  # fmt: skip
+    assert value("pagedq:generation_tokens_total") > 0
+    assert value("pagedq:time_to_first_token_seconds_count") > 0
+    assert value("pagedq:inter_token_latency_seconds_count") > 0
+    assert value("pagedq:e2e_request_latency_seconds_count") > 0
+    for gauge in ("pagedq:num_requests_running", "pagedq:num_requests_waiting",
+                  "pagedq:kv_cache_usage_perc", "pagedq:prefix_cache_hits_total",
+                  "pagedq:num_preemptions_total"):  # fmt: skip
         value(gauge)
 
 
