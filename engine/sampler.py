@@ -6,6 +6,8 @@ import torch
 
 from engine.request import Request
 
+MIN_TEMPERATURE = 1e-5
+
 
 class Sampler:
     """Picks one token per row of logits, each row under its own request's parameters."""
@@ -84,10 +86,13 @@ class Sampler:
         if not rows:
             return logits
         logits = logits.clone()
+        vocab = logits.shape[1]
         for i in rows:
             banned = set(requests[i].params.stop_token_ids or [])
             if not requests[i].params.ignore_eos:
                 banned |= eos_ids
+            # A stop id outside the vocabulary can never be sampled: nothing to ban.
+            banned = [t for t in banned if 0 <= t < vocab]
             if banned:
                 logits[i, list(banned)] = float("-inf")
         return logits
@@ -95,7 +100,8 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         device = logits.device
         temps = torch.tensor([r.params.temperature for r in requests], device=device)
-        logits = logits / temps[:, None]
+        # A tiny temperature would overflow the scaled logits to inf (NaN probabilities).
+        logits = logits / temps.clamp(min=MIN_TEMPERATURE)[:, None]
         top_k = [r.params.top_k for r in requests]
         top_p = [r.params.top_p for r in requests]
         if any(top_k) or any(p < 1.0 for p in top_p):
@@ -131,7 +137,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=logits.device)
+    # top_k of 0, or past the vocabulary, keeps every token.
+    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k], device=logits.device)
     sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
     p = torch.tensor(top_p, device=logits.device)
     probs = sorted_logits.softmax(dim=-1)

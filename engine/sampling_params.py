@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Past these the sampler would overflow int64 tensors or the engine would never finish a request.
+MAX_N = 1024
+MAX_LOGPROBS = 20
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
@@ -10,11 +16,25 @@ def _check(ok: bool, name: str, value: object, allowed: str) -> None:
         raise ValueError(f"{name}={value!r} is invalid: must be {allowed}")
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _int_in(name: str, value: object, lo: int, hi: int) -> None:
+    _check(_is_int(value) and lo <= value <= hi, name, value, f"an integer in [{lo}, {hi}]")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to sample one prompt's completions (names and defaults follow vLLM).
 
-    ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` switch those filters off.
+    ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` switch those filters off. A
+    ``top_k`` above the vocabulary is the same as 0. Every value the sampler could not use
+    (non-finite floats, bools for numbers, integers past 64 bits) is refused here.
     """
 
     n: int = 1
@@ -36,15 +56,13 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _int_in("n", self.n, 1, MAX_N)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_real(value), name, value, "a finite number")
         _check(self.temperature >= 0, "temperature", self.temperature, ">= 0")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
-        _check(
-            isinstance(self.top_k, int) and self.top_k >= 0,
-            "top_k",
-            self.top_k,
-            "an integer >= 0 (0 disables it)",
-        )
+        _int_in("top_k", self.top_k, 0, INT64_MAX)
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
         _check(
             -2 <= self.presence_penalty <= 2,
@@ -58,44 +76,37 @@ class SamplingParams:
             self.frequency_penalty,
             "in [-2, 2]",
         )
-        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
         _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-            "max_tokens",
-            self.max_tokens,
-            "an integer >= 1",
+            _is_real(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "a finite number > 0",
         )
+        _int_in("max_tokens", self.max_tokens, 1, INT64_MAX)
+        _int_in("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.logprobs is not None:
+            _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.seed is not None:
+            # Sample k of n is seeded with seed + k: that must stay inside torch's 64-bit range.
+            _int_in("seed", self.seed, INT64_MIN, INT64_MAX - MAX_N)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "a boolean")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         _check(
-            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
-            "min_tokens",
-            self.min_tokens,
-            f"an integer in [0, max_tokens={self.max_tokens}]",
-        )
-        _check(
-            self.logprobs is None or 0 <= self.logprobs <= 20,
-            "logprobs",
-            self.logprobs,
-            "None or an integer in [0, 20]",
-        )
-        _check(
-            self.seed is None or isinstance(self.seed, int), "seed", self.seed, "None or an integer"
-        )
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        _check(
-            all(isinstance(s, str) and s for s in stop),
+            isinstance(stop, list | tuple) and all(isinstance(s, str) and s for s in stop),
             "stop",
             self.stop,
             "a non-empty string or a list of non-empty strings",
         )
-        self.stop_strings = stop
-        ids = list(self.stop_token_ids or [])
+        self.stop_strings = list(stop)
+        ids = self.stop_token_ids or []
         _check(
-            all(isinstance(t, int) and t >= 0 for t in ids),
+            isinstance(ids, list | tuple) and all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids),
             "stop_token_ids",
             self.stop_token_ids,
-            "a list of token ids >= 0",
+            f"a list of token ids in [0, {INT64_MAX}]",
         )
-        self.stop_token_ids = ids
+        self.stop_token_ids = list(ids)
 
     @property
     def greedy(self) -> bool:

@@ -1,33 +1,68 @@
-"""The `pagedq` command: submit, status, result, cancel (producer); worker, demo (worker extra)."""
+"""The producer commands of `pagedq`: submit, status, result, cancel (never imports worker/).
+
+`pagedq worker` and `pagedq demo` are dispatched by the `pagedq` entry module (pagedq_cli.py),
+which loads worker/ only for them.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
 
-from producer.bulk import run_bulk
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from producer.bulk import BadInputFileError, StaleOutputError, run_bulk
 from producer.client import DEFAULT_REDIS_URL, Client
 from producer.errors import JobCanceledError, JobFailedError, JobNotFoundError
 from producer.keys import DEFAULT_QUEUE, DEFAULT_RESULT_TTL
+from producer.retry import redact_url
 from producer.status import format_status, queue_status
 
 WORKER_COMMANDS = ("worker", "demo")
+# Exit codes: 1 = a job or line failed / an id is unknown / Redis unreachable; 2 = bad usage
+# or a refused input file (argparse's code); 130 = interrupted; 141 = stdout closed (SIGPIPE).
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 1, 2, 130, 141
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `pagedq` console script; returns the exit code."""
+    """Run one producer subcommand; returns the exit code (never a traceback for Redis down)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in WORKER_COMMANDS:
-        return _worker_command(argv[0], argv[1:])
+        print(
+            f"`{argv[0]}` is a worker command: run it as `pagedq {argv[0]}` "
+            "(needs pip install 'pagedq[worker]')",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="pagedq: %(message)s", stream=sys.stderr)
     try:
         return args.func(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return _stdout_closed()
+    except (RedisConnectionError, RedisTimeoutError) as exc:  # auth errors included
+        print(f"pagedq: cannot reach Redis at {redact_url(args.redis_url)}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except RedisError as exc:  # e.g. something else than Redis listens there
+        print(f"pagedq: Redis at {redact_url(args.redis_url)} failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _stdout_closed() -> int:
+    # The reader went away (`pagedq result ID --json | head`): point stdout at /dev/null so
+    # the interpreter's final flush does not raise again, and exit like SIGPIPE would.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return EXIT_BROKEN_PIPE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,51 +71,74 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--redis-url",
         default=os.environ.get("PAGEDQ_REDIS_URL", DEFAULT_REDIS_URL),
-        help="Redis URL (env PAGEDQ_REDIS_URL; default %(default)s)",
+        help="Redis URL (env PAGEDQ_REDIS_URL; default: %(default)s)",
     )
     common.add_argument(
         "--queue",
         default=os.environ.get("PAGEDQ_QUEUE", DEFAULT_QUEUE),
-        help="queue name (env PAGEDQ_QUEUE; default %(default)s)",
+        help="queue name (env PAGEDQ_QUEUE; default: %(default)s)",
     )
     parser = argparse.ArgumentParser(prog="pagedq", description="Batch LLM inference over Redis.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("submit", parents=[common], help="bulk-generate a JSONL file (resumable)")
     p.add_argument("input", help='JSONL: OpenAI Batch API lines or plain {"prompt": ...} lines')
-    p.add_argument("-o", "--output", required=True, help="JSONL in OpenAI batch output format")
-    p.add_argument("--window", type=int, default=1024, help="max jobs in flight (default 1024)")
-    p.add_argument("--chunk-size", type=int, default=256, help="jobs per Redis round trip")
-    p.add_argument("--model", help="pin the model (refused by a worker serving another one)")
-    p.add_argument("--batch-id", help="job-id namespace (default: the input file's path)")
-    p.add_argument("--retries", type=int, default=3, help="RQ retries per job (default 3)")
-    p.add_argument("--result-ttl", type=int, default=DEFAULT_RESULT_TTL, help="seconds")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "-o", "--output", required=True, help="JSONL in OpenAI batch output format (appended)"
+    )
+    p.add_argument("--window", type=int, default=1024, help="max jobs in flight (default: 1024)")
+    p.add_argument(
+        "--chunk-size", type=int, default=256, help="jobs per Redis round trip (default: 256)"
+    )
+    p.add_argument(
+        "--model",
+        help="pin the model; a worker serving another one fails the job (default: any)",
+    )
+    p.add_argument("--batch-id", help="job-id namespace (default: from the input file's path)")
+    p.add_argument("--retries", type=int, default=3, help="RQ retries per job (default: 3)")
+    p.add_argument(
+        "--result-ttl",
+        type=int,
+        default=DEFAULT_RESULT_TTL,
+        help="seconds results stay in Redis (default: %(default)s = 7 days)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
     p.set_defaults(func=_submit)
 
     p = sub.add_parser("status", parents=[common], help="queue depth, job counts, workers")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--json", action="store_true", help="print JSON (default: a table)")
     p.set_defaults(func=_status)
 
     p = sub.add_parser("result", parents=[common], help="wait for a job and print its result")
-    p.add_argument("job_id")
+    p.add_argument("job_id", help="the job id printed by submit (or derived from custom_id)")
     p.add_argument("--timeout", type=float, help="seconds to wait (default: forever)")
-    p.add_argument("--json", action="store_true", help="print the whole result as JSON")
-    p.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    p.add_argument(
+        "--json", action="store_true", help="print the whole result as JSON (default: the text)"
+    )
+    p.add_argument(
+        "--stream", action="store_true", help="print the text as it is generated (default: off)"
+    )
     p.set_defaults(func=_result)
 
     p = sub.add_parser("cancel", parents=[common], help="cancel a queued or running job")
-    p.add_argument("job_id")
+    p.add_argument("job_id", help="the job to cancel")
     p.set_defaults(func=_cancel)
 
-    for name in WORKER_COMMANDS:  # parsed by worker.cli; listed here for --help
+    for name in WORKER_COMMANDS:  # run by the `pagedq` entry module; listed here for --help
         what = "run a worker" if name == "worker" else "run a local demo"
         sub.add_parser(name, help=f"{what} (needs pagedq[worker])", add_help=False)
     return parser
 
 
+def _connect(args: argparse.Namespace, **options) -> Client:
+    """A Client whose Redis answered a PING (raises RedisConnectionError within seconds)."""
+    client = Client(args.redis_url, args.queue, **options)
+    client.redis.ping()
+    return client
+
+
 def _submit(args: argparse.Namespace) -> int:
-    client = Client(args.redis_url, args.queue, result_ttl=args.result_ttl, retries=args.retries)
+    client = _connect(args, result_ttl=args.result_ttl, retries=args.retries)
     try:
         s = run_bulk(
             client,
@@ -92,31 +150,34 @@ def _submit(args: argparse.Namespace) -> int:
             batch_id=args.batch_id,
             progress=not args.no_progress,
         )
+    except (BadInputFileError, StaleOutputError, OSError) as exc:
+        if isinstance(exc, BrokenPipeError):
+            raise
+        print(f"pagedq submit: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print(
             f"interrupted; run the same command again to resume into {args.output}", file=sys.stderr
         )
-        return 130
+        return EXIT_INTERRUPTED
     print(
-        f"{s.finished} finished, {s.failed} failed, {s.invalid} invalid lines, "
-        f"{s.skipped} already in {args.output}; {s.completion_tokens} tokens in "
-        f"{s.elapsed_s:.1f} s",
+        f"{s.finished} finished ({s.reused} already computed), {s.failed} failed, "
+        f"{s.invalid} invalid lines, {s.skipped} already in {args.output}; "
+        f"{s.completion_tokens} tokens generated in {s.elapsed_s:.1f} s "
+        f"({s.tokens_per_s:.1f} tok/s)",
         file=sys.stderr,
     )
-    if s.duplicates:
-        shown = ", ".join(s.duplicates[:5])
-        print(f"{len(s.duplicates)} duplicate custom_id line(s) skipped: {shown}", file=sys.stderr)
-    return 0
+    return 0 if s.ok else EXIT_FAILED
 
 
 def _status(args: argparse.Namespace) -> int:
-    status = queue_status(Client(args.redis_url, args.queue))
+    status = queue_status(_connect(args))
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0
 
 
 def _result(args: argparse.Namespace) -> int:
-    client = Client(args.redis_url, args.queue)
+    client = _connect(args)
     try:
         if args.stream:
             for delta in client.stream(args.job_id, timeout=args.timeout):
@@ -126,29 +187,22 @@ def _result(args: argparse.Namespace) -> int:
         result = client.result(args.job_id, timeout=args.timeout)
     except (JobFailedError, JobCanceledError, JobNotFoundError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     print(result.model_dump_json(indent=2) if args.json else result.text)
     return 0
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    if Client(args.redis_url, args.queue).cancel(args.job_id):
+    client = _connect(args)
+    status = client.status(args.job_id)
+    if status == "unknown":
+        print(f"error: {JobNotFoundError(args.job_id)}", file=sys.stderr)
+        return EXIT_FAILED
+    if client.cancel(args.job_id):
         print(f"cancel requested for {args.job_id}")
     else:
-        print(f"{args.job_id} was not queued or running; nothing to cancel")
+        print(f"{args.job_id} already ended ({client.status(args.job_id)}); nothing to cancel")
     return 0
-
-
-def _worker_command(name: str, argv: list[str]) -> int:
-    try:
-        from worker.cli import demo_main, worker_main
-    except ImportError as exc:
-        print(
-            f"`pagedq {name}` needs the worker extra: pip install 'pagedq[worker]' ({exc})",
-            file=sys.stderr,
-        )
-        return 1
-    return (worker_main if name == "worker" else demo_main)(argv) or 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from typing import Any
 
 from redis import Redis, WatchError
 from rq import Queue
-from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -26,11 +25,21 @@ from producer.keys import (
     result_key,
     stream_key,
 )
-from producer.results import final_result, is_final, raise_for_status, read_result
+from producer.results import (
+    final_result,
+    is_final,
+    job_shell,
+    raise_for_status,
+    read_job_payload,
+    read_result,
+)
+from producer.retry import DEFAULT_OUTAGE_S, call_with_retry
 from producer.schema import GenerationRequest, GenerationResult
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_JOB_TIMEOUT = 3600
+# A refused or unroutable Redis is reported within seconds, not after the OS's ~2 min.
+CONNECT_TIMEOUT_S = 3.0
 QUEUED_STATUSES = {"queued", "deferred", "scheduled", "created", "rate_limited"}
 STATUS_NAMES = {
     "queued": "queued",
@@ -48,11 +57,20 @@ STATUS_NAMES = {
 RequestLike = GenerationRequest | dict[str, Any]
 
 
+class StreamRestart(str):
+    """What `Client.stream()` yields when the job re-ran: drop the text read so far."""
+
+
+RESTART = StreamRestart("")
+
+
 class Client:
     """Submits jobs to a pagedq queue (RQ 3, JSON serializer) and reads results and streams.
 
     `retries` is RQ's retry count for a job whose execution fails (e.g. its worker died);
     `result_ttl` keeps the RQ job and its result that many seconds after it ends.
+    `result()` and `stream()` wait out a Redis outage of up to `outage_timeout` seconds
+    (None: forever), retrying with backoff and logging each attempt, instead of raising.
     """
 
     def __init__(
@@ -64,8 +82,12 @@ class Client:
         job_timeout: int = DEFAULT_JOB_TIMEOUT,
         check_interval: float = 2.0,
         connection: Redis | None = None,
+        outage_timeout: float | None = DEFAULT_OUTAGE_S,
     ) -> None:
-        self.redis = connection if connection is not None else Redis.from_url(redis_url)
+        if connection is None:
+            connection = Redis.from_url(redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S)
+        self.redis = connection
+        self.outage_timeout = outage_timeout
         self.queue = Queue(queue, connection=self.redis, serializer=JSONSerializer)
         self.result_ttl = result_ttl
         self.retries = retries
@@ -78,7 +100,8 @@ class Client:
         messages: list[dict[str, Any]] | None = None,
         **fields: Any,
     ) -> str:
-        """Enqueue one job and return its id; with `custom_id`, resubmitting returns the same id."""
+        """Enqueue one job and return its id; with `custom_id`, resubmitting the same request
+        returns the same id (a different request under that custom_id is a new job)."""
         if prompt is not None:
             fields["prompt"] = prompt
         if messages is not None:
@@ -128,27 +151,43 @@ class Client:
         Raises JobFailedError (carrying the job's error), JobCanceledError, JobNotFoundError,
         or TimeoutError after `timeout` seconds.
         """
-        result = read_result(self.redis, job_id)
+        result = self._retry(lambda: read_result(self.redis, job_id), f"reading job {job_id}")
         if result is None:
             *_, final = self._entries(job_id, timeout)
-            result = final_result(self.redis, job_id, final)
+            result = self._final_result(job_id, final)
         return raise_for_status(result)
 
     def stream(self, job_id: str, timeout: float | None = None) -> Iterator[str]:
         """Yield the job's text deltas from its first token on, as the worker produces them.
 
         Ends when the job finishes; raises like `result()` when it fails or is canceled. When
-        the stream expired before the result did, the whole text comes as one delta.
+        the stream expired before the result did, the whole text comes as one delta. A job
+        re-run after its worker died restarts its stream (an `event=restart` entry): reading
+        starts at the last restart, and a restart met after deltas were yielded yields
+        `RESTART` (an empty string marker) before the new run's deltas.
         """
+        restarts_to_skip = self._count_restarts(job_id)
         seen_tokens = False
         for entry in self._entries(job_id, timeout):
+            event = entry.get("event")
+            if restarts_to_skip:
+                restarts_to_skip -= event == "restart"
+                if not is_final(entry):
+                    continue
             if is_final(entry):
-                result = raise_for_status(final_result(self.redis, job_id, entry))
+                result = raise_for_status(self._final_result(job_id, entry))
                 if not seen_tokens and result.text:
                     yield result.text
-            elif entry.get("event") == "token" and entry.get("delta"):
+            elif event == "restart" and seen_tokens:
+                seen_tokens = False
+                yield RESTART
+            elif event == "token" and entry.get("delta"):
                 seen_tokens = True
                 yield entry["delta"]
+
+    def _count_restarts(self, job_id: str) -> int:
+        entries = self.redis.xrange(stream_key(job_id))
+        return sum(fields.get(b"event") == b"restart" for _, fields in entries)
 
     def _entries(self, job_id: str, timeout: float | None) -> Iterator[dict[str, str]]:
         """The job's stream entries, up to and including its (possibly synthetic) final one."""
@@ -158,10 +197,18 @@ class Client:
             block_s = 3600.0 if deadline is None else deadline - time.monotonic()
             if block_s <= 0:
                 raise TimeoutError(f"job {job_id} did not end within {timeout} s")
-            for _, entry in follower.read(block_s):
+            events = self._retry(lambda b=block_s: follower.read(b), f"following job {job_id}")
+            for _, entry in events:
                 yield entry
                 if is_final(entry):
                     return
+
+    def _retry(self, fn, what: str):
+        return call_with_retry(fn, what, max_wait_s=self.outage_timeout)
+
+    def _final_result(self, job_id: str, entry: dict[str, str]) -> GenerationResult:
+        read = lambda: final_result(self.redis, job_id, entry)
+        return self._retry(read, f"reading job {job_id}")
 
     def cancel(self, job_id: str) -> bool:
         """Ask for a job's cancellation; True if it was queued or running, False if it had ended.
@@ -170,12 +217,13 @@ class Client:
         no worker will); a running one is aborted by its worker via the cancel key and channel.
         """
         pipe = self.redis.pipeline()
+        pipe.hget(Job.key_for(job_id), "status")
         pipe.set(cancel_key(job_id), "1", ex=DEFAULT_CANCEL_TTL)
         pipe.publish(CANCEL_CHANNEL, job_id)
-        pipe.execute()
-        try:
-            job = Job.fetch(job_id, connection=self.redis, serializer=JSONSerializer)
-        except NoSuchJobError:
+        # The status before the publish: its worker may cancel the job before we look again.
+        was_started = pipe.execute()[0] == b"started"
+        job = job_shell(self.redis, job_id)  # never Job.fetch: nothing stored is deserialized
+        if job is None:
             return False
         with self.redis.pipeline() as pipe:
             while True:
@@ -183,7 +231,7 @@ class Client:
                     pipe.watch(job.key)
                     status = (pipe.hget(job.key, "status") or b"").decode()
                     if status not in QUEUED_STATUSES:
-                        return status == "started"
+                        return status == "started" or was_started
                     pipe.multi()
                     job.cancel(pipeline=pipe)
                     self._write_canceled(pipe, job)
@@ -193,13 +241,14 @@ class Client:
                     continue
 
     def _write_canceled(self, pipe: Any, job: Job) -> None:
-        payload = job.args[0] if job.args and isinstance(job.args[0], dict) else {}
+        payload = read_job_payload(self.redis, job.id)
+        custom_id, metadata = payload.get("custom_id"), payload.get("metadata")
         result = GenerationResult(
             job_id=job.id,
-            custom_id=payload.get("custom_id"),
+            custom_id=custom_id if isinstance(custom_id, str) else None,
             status="canceled",
             error="canceled",
-            metadata=payload.get("metadata"),
+            metadata=metadata if isinstance(metadata, dict) else None,
         )
         pipe.set(result_key(job.id), result.model_dump_json(), ex=self.result_ttl)
         pipe.xadd(

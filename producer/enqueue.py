@@ -9,7 +9,15 @@ from rq import Queue, Retry
 from rq.job import Job
 from rq.utils import now
 
-from producer.keys import GENERATE_FUNC, cancel_key, job_id_for, result_key, stream_key
+from producer.keys import (
+    GENERATE_FUNC,
+    cancel_key,
+    job_id_for,
+    model_queue,
+    result_key,
+    stream_key,
+)
+from producer.results import job_shell
 from producer.schema import GenerationRequest, GenerationResult
 
 # RQ's own unique enqueue (Queue.enqueue_job(unique=True)) cannot run inside a pipeline, and
@@ -28,6 +36,19 @@ return 1
 RERUN_STATUSES = {"failed", "canceled", "stopped"}
 
 
+def request_job_id(
+    request: GenerationRequest,
+    queue_name: str,
+    id_namespace: str | None = None,
+    payload: dict | None = None,
+) -> str:
+    """The job id `build_job` gives a request (a fresh uuid4 hex when it has no custom_id)."""
+    key = request.custom_id
+    if key is not None and id_namespace is not None:
+        key = f"{id_namespace}/{key}"
+    return job_id_for(key, queue_name, request.payload() if payload is None else payload)
+
+
 def build_job(
     queue: Queue,
     request: GenerationRequest,
@@ -39,16 +60,21 @@ def build_job(
 ) -> Job:
     """The RQ job for one request, ready to be saved (status queued, enqueued now).
 
-    With `id_namespace` (bulk files: custom_ids are unique only within one file) the job id
-    derives from "{id_namespace}/{custom_id}" instead of the bare custom_id.
+    The job id derives from the custom_id and the request itself (see `job_id_for`), so an
+    edited request under an old custom_id is a new job. With `id_namespace` (bulk files:
+    custom_ids are unique only within one file) "{id_namespace}/{custom_id}" stands for it.
+    A request naming a `model` goes to that model's queue, `{queue}@{canonical model}`, which
+    only workers serving the model read (producer.keys.model_queue).
     """
-    key = request.custom_id
-    if key is not None and id_namespace is not None:
-        key = f"{id_namespace}/{key}"
-    job_id = job_id_for(key, queue.name)
-    job = queue.create_job(
+    payload = request.payload()
+    job_id = request_job_id(request, queue.name, id_namespace, payload)
+    target = queue
+    if request.model is not None:
+        name = model_queue(queue.name, request.model)
+        target = Queue(name, connection=queue.connection, serializer=queue.serializer)
+    job = target.create_job(
         GENERATE_FUNC,
-        args=[request.payload()],
+        args=[payload],
         job_id=job_id,
         result_ttl=result_ttl,
         failure_ttl=result_ttl,
@@ -69,14 +95,20 @@ def _hset_args(job: Job) -> list[bytes | str]:
 
 
 def enqueue_jobs(connection: Redis, queue: Queue, jobs: Sequence[Job]) -> list[bool]:
-    """Save and push each job unless it (or its result) exists; one round trip. True = created."""
+    """Save and push each job (to its origin queue: `queue` or a model's queue) unless it or
+    its result exists; one round trip. True = created."""
     script = connection.register_script(ENQUEUE_IF_ABSENT)
+    queue_keys = sorted({queue.key} | {_queue_key(job.origin) for job in jobs})
     pipe = connection.pipeline(transaction=False)
-    pipe.sadd(Queue.redis_queues_keys, queue.key)
+    pipe.sadd(Queue.redis_queues_keys, *queue_keys)
     for job in jobs:
-        keys = [job.key, queue.key, result_key(job.id)]
+        keys = [job.key, _queue_key(job.origin), result_key(job.id)]
         script(keys=keys, args=[job.id, *_hset_args(job)], client=pipe)
     return [bool(created) for created in pipe.execute()[1:]]
+
+
+def _queue_key(name: str) -> str:
+    return Queue.redis_queue_namespace_prefix + name
 
 
 def ended_status(connection: Redis, job_id: str) -> str | None:
@@ -92,6 +124,8 @@ def ended_status(connection: Redis, job_id: str) -> str | None:
 
 def clear_job(connection: Redis, job_id: str) -> None:
     """Delete an ended job and everything pagedq wrote for it, so it can be enqueued afresh."""
-    if Job.exists(job_id, connection):
-        Job.fetch(job_id, connection=connection).delete(remove_from_queue=True)
+    # Not Job.fetch: its default serializer is pickle, and the hash is anyone's to write.
+    job = job_shell(connection, job_id)
+    if job is not None:
+        job.delete(remove_from_queue=True)
     connection.delete(result_key(job_id), stream_key(job_id), cancel_key(job_id))

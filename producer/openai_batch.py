@@ -1,59 +1,95 @@
-"""OpenAI Batch API lines in, OpenAI batch output lines out (plus plain {"prompt": ...} lines)."""
+"""OpenAI Batch API input lines (plus plain {"prompt": ...} lines): parsing and file checks.
+
+A file OpenAI would refuse at upload (a line that is not JSON or not an object, an OpenAI line
+without `custom_id`, another method or url, an unknown top-level field, a repeated
+`custom_id`) is refused whole, before any job is queued. A line whose body has bad fields
+becomes a 400 error line, as OpenAI answers such a request.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
-import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from producer.errors import InvalidRequestError
-from producer.schema import GenerationRequest, GenerationResult
+from producer.openai_output import CHAT_URL, COMPLETIONS_URL
+from producer.schema import GenerationRequest
 
-CHAT_URL = "/v1/chat/completions"
-COMPLETIONS_URL = "/v1/completions"
+__all__ = [
+    "CHAT_URL",
+    "COMPLETIONS_URL",
+    "FileFormatError",
+    "FileScan",
+    "ParsedLine",
+    "parse_line",
+    "scan_file",
+]
+
 # Body fields of OpenAI requests that mean nothing here: the model is the worker's (use
 # `pagedq submit --model` to pin it), a batch never streams, and the rest is bookkeeping.
 IGNORED_BODY_FIELDS = ("model", "user", "store", "stream", "stream_options", "service_tier")
+MAX_REPORTED_ERRORS = 20
+
+
+class FileFormatError(ValueError):
+    """A line that makes the whole file invalid, as OpenAI's batch upload check would."""
 
 
 @dataclass(slots=True)
 class ParsedLine:
-    """One input line: its custom_id, and either a valid request or the reason it was refused."""
+    """One input line: its custom_id, and either a valid request or why its body was refused."""
 
     line_no: int
     custom_id: str
     url: str
     request: GenerationRequest | None = None
     error: str | None = None
+    raw_digest: str = ""
+
+    @property
+    def top_logprobs(self) -> int | None:
+        """The request's `logprobs` top-k (None when no log-probabilities were asked for)."""
+        return self.request.logprobs if self.request is not None else None
 
 
 def parse_line(raw: str, line_no: int, model: str | None = None) -> ParsedLine:
-    """Parse one JSONL line; a bad line yields a ParsedLine with `error` set, never an exception."""
-    custom_id = f"line-{line_no}"
+    """Parse one JSONL line; raises FileFormatError for a line OpenAI would refuse at upload.
+
+    A body with bad fields yields a ParsedLine with `error` set (a 400 line in the output).
+    """
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
-        return ParsedLine(
-            line_no, custom_id, CHAT_URL, error=f"line {line_no}: invalid JSON: {exc}"
-        )
+        raise FileFormatError(f"line {line_no}: invalid JSON: {exc}") from None
     if not isinstance(obj, dict):
-        return ParsedLine(line_no, custom_id, CHAT_URL, error=f"line {line_no}: not a JSON object")
+        raise FileFormatError(f"line {line_no}: not a JSON object")
+    is_openai = any(k in obj for k in ("body", "url", "method"))
     if "custom_id" in obj:
         if not isinstance(obj["custom_id"], str) or not obj["custom_id"]:
-            error = f"line {line_no}: custom_id must be a non-empty str, got {obj['custom_id']!r}"
-            return ParsedLine(line_no, custom_id, CHAT_URL, error=error)
+            raise FileFormatError(
+                f"line {line_no}: custom_id must be a non-empty str, got {obj['custom_id']!r}"
+            )
         custom_id = obj["custom_id"]
-    is_openai = any(k in obj for k in ("body", "url", "method"))
+    elif is_openai:
+        raise FileFormatError(f"line {line_no}: custom_id is required on OpenAI batch lines")
+    else:
+        custom_id = f"line-{line_no}"
+    digest = hashlib.sha256(raw.strip().encode()).hexdigest()
+    fields, url = _openai_fields(obj, line_no) if is_openai else _plain_fields(obj)
     try:
-        fields, url = _openai_fields(obj) if is_openai else _plain_fields(obj)
+        if is_openai:
+            fields = _openai_body(fields, url)
         fields["custom_id"] = custom_id
         if model is not None:
             fields["model"] = model
-        return ParsedLine(line_no, custom_id, url, request=GenerationRequest.parse(fields))
+        request = GenerationRequest.parse(fields)
+        return ParsedLine(line_no, custom_id, url, request=request, raw_digest=digest)
     except (InvalidRequestError, ValueError) as exc:
-        url = obj.get("url") if isinstance(obj.get("url"), str) else CHAT_URL
-        return ParsedLine(line_no, custom_id, url, error=f"line {line_no}: {exc}")
+        error = f"line {line_no}: {exc}"
+        return ParsedLine(line_no, custom_id, url, error=error, raw_digest=digest)
 
 
 def _plain_fields(obj: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -61,21 +97,27 @@ def _plain_fields(obj: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return fields, CHAT_URL if "messages" in fields else COMPLETIONS_URL
 
 
-def _openai_fields(obj: dict[str, Any]) -> tuple[dict[str, Any], str]:
+def _openai_fields(obj: dict[str, Any], line_no: int) -> tuple[dict[str, Any], str]:
     extra = set(obj) - {"custom_id", "method", "url", "body"}
     if extra:
-        raise ValueError(
-            f"unknown top-level field(s) {sorted(extra)}; allowed: custom_id, method, url, body"
+        raise FileFormatError(
+            f"line {line_no}: unknown top-level field(s) {sorted(extra)}; "
+            "allowed: custom_id, method, url, body"
         )
     if obj.get("method", "POST") != "POST":
-        raise ValueError(f"method must be POST, got {obj.get('method')!r}")
+        raise FileFormatError(f"line {line_no}: method must be POST, got {obj.get('method')!r}")
     body = obj.get("body")
     if not isinstance(body, dict):
-        raise ValueError("body must be a JSON object")
-    url = obj.get("url") or (CHAT_URL if "messages" in body else COMPLETIONS_URL)
+        raise FileFormatError(f"line {line_no}: body must be a JSON object, got {body!r:.80}")
+    url = obj.get("url", CHAT_URL if "messages" in body else COMPLETIONS_URL)
     if url not in (CHAT_URL, COMPLETIONS_URL):
-        raise ValueError(f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}")
-    fields = {k: v for k, v in body.items() if k not in IGNORED_BODY_FIELDS}
+        raise FileFormatError(
+            f"line {line_no}: url must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}"
+        )
+    return {k: v for k, v in body.items() if k not in IGNORED_BODY_FIELDS}, url
+
+
+def _openai_body(fields: dict[str, Any], url: str) -> dict[str, Any]:
     if "max_completion_tokens" in fields:
         if "max_tokens" in fields:
             raise ValueError("give max_tokens or max_completion_tokens, not both")
@@ -85,54 +127,51 @@ def _openai_fields(obj: dict[str, Any]) -> tuple[dict[str, Any], str]:
         wanted, top = fields.pop("logprobs", False), fields.pop("top_logprobs", 0)
         if wanted is True:
             fields["logprobs"] = top
-    return fields, url
+    return fields
 
 
-def result_line(custom_id: str, url: str, result: GenerationResult) -> dict[str, Any]:
-    """The OpenAI batch output line of an ended job (an `error` line unless it finished)."""
-    job_id = result.job_id
-    if result.status != "finished":
-        code = "canceled" if result.status == "canceled" else "job_failed"
-        return _line(job_id, custom_id, None, {"code": code, "message": result.error or code})
-    chat = url == CHAT_URL
-    choices = []
-    for c in result.all_choices():
-        choice: dict[str, Any] = {"index": c.index}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
-        else:
-            choice["text"] = c.text
-        choice.update(logprobs=None, finish_reason=c.finish_reason, token_ids=c.token_ids)
-        if c.logprobs is not None:
-            choice["token_logprobs"] = [{str(k): v for k, v in d.items()} for d in c.logprobs]
-        choices.append(choice)
-    usage = result.usage
-    body = {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{job_id}",
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": result.model,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens,
-        },
-    }
-    response = {"status_code": 200, "request_id": job_id, "body": body}
-    return _line(job_id, custom_id, response, None)
+@dataclass(slots=True)
+class FileScan:
+    """What a first pass over an input file found: its problems, and each line's output id."""
+
+    lines: int = 0
+    errors: list[str] = field(default_factory=list)
+    num_errors: int = 0
+    # custom_id -> the id its output line must carry (a job id, or "invalid-<digest>").
+    line_ids: dict[str, str] = field(default_factory=dict)
+
+    def refuse(self, message: str) -> None:
+        """Record a problem (only the first MAX_REPORTED_ERRORS are kept for display)."""
+        self.num_errors += 1
+        if len(self.errors) < MAX_REPORTED_ERRORS:
+            self.errors.append(message)
 
 
-def error_line(parsed: ParsedLine) -> dict[str, Any]:
-    """The OpenAI batch output line of an input line that could not become a job."""
-    error = {"code": "invalid_request", "message": parsed.error}
-    return _line(f"line{parsed.line_no}", parsed.custom_id, None, error)
+def scan_file(path: str, model: str | None, line_id: Callable[[ParsedLine], str]) -> FileScan:
+    """Check every line of IN without queuing anything; `line_id` names each line's output."""
+    scan = FileScan()
+    first_line: dict[str, int] = {}
+    with open(path, encoding="utf-8") as fin:
+        for line_no, raw in enumerate(fin, 1):
+            if not raw.strip():
+                continue
+            scan.lines += 1
+            try:
+                parsed = parse_line(raw, line_no, model)
+            except FileFormatError as exc:
+                scan.refuse(str(exc))
+                continue
+            if parsed.custom_id in first_line:
+                scan.refuse(
+                    f"line {line_no}: duplicate custom_id {parsed.custom_id!r} "
+                    f"(first on line {first_line[parsed.custom_id]})"
+                )
+                continue
+            first_line[parsed.custom_id] = line_no
+            scan.line_ids[parsed.custom_id] = line_id(parsed)
+    return scan
 
 
-def _line(job_id: str, custom_id: str, response: Any, error: Any) -> dict[str, Any]:
-    return {
-        "id": f"batch_req_{job_id}",
-        "custom_id": custom_id,
-        "response": response,
-        "error": error,
-    }
+def invalid_line_id(parsed: ParsedLine) -> str:
+    """The output id of a line refused for its body: it changes when the line is edited."""
+    return f"invalid-{parsed.raw_digest[:24]}"

@@ -1,17 +1,31 @@
-"""Reading a job's end from Redis: the result key, final stream entries, RQ's own state."""
+"""Reading a job's end from Redis: the result key, final stream entries, RQ's own state.
+
+Everything here reads raw Redis values and parses them as JSON, never through RQ's
+`Job.fetch` / `Job.restore` / `Result`: those take a serializer that defaults to pickle, and
+inflate zlib data without a bound. Anyone who can write Redis writes what is read here.
+"""
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import time
+from typing import Any
 
+from pydantic import ValidationError
 from redis import Redis
-from rq.exceptions import NoSuchJobError
 from rq.job import Job
+from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from producer.errors import JobCanceledError, JobFailedError, JobNotFoundError
+from producer.job_data import PayloadTooLargeError, inflate, load_job_data
 from producer.keys import result_key
 from producer.schema import GenerationResult
+
+# Largest result, error text or job payload a reader inflates or parses.
+MAX_READ_BYTES = 16 * 2**20
 
 FINAL_EVENTS = ("done", "error")
 # How long a reader waits for the result key after the final stream entry: the contract has
@@ -30,9 +44,78 @@ def is_final(entry: dict[str, str]) -> bool:
 
 
 def read_result(connection: Redis, job_id: str) -> GenerationResult | None:
-    """The job's result key, parsed, or None when absent."""
+    """The job's result key, parsed as JSON, or None when absent.
+
+    A value that is not a GenerationResult (written by someone else) reads as a failed result
+    saying so, instead of raising in every reader.
+    """
     raw = connection.get(result_key(job_id))
-    return None if raw is None else GenerationResult.model_validate_json(raw)
+    if raw is None:
+        return None
+    return _parse_result(job_id, raw[: MAX_READ_BYTES + 1])
+
+
+def _parse_result(job_id: str, raw: bytes | str) -> GenerationResult:
+    if len(raw) > MAX_READ_BYTES:
+        return _unreadable(job_id, f"result is over {MAX_READ_BYTES} bytes")
+    try:
+        return GenerationResult.model_validate_json(raw)
+    except ValidationError as exc:
+        return _unreadable(job_id, f"result is not a pagedq result ({exc.error_count()} errors)")
+
+
+def _unreadable(job_id: str, why: str) -> GenerationResult:
+    return GenerationResult(job_id=job_id, status="failed", error=f"unreadable result: {why}")
+
+
+def job_shell(connection: Redis, job_id: str) -> Job | None:
+    """An RQ Job for `job_id` that knows only its id and queue (one HGET), for RQ's own
+    write operations (cancel, delete); None when the job hash does not exist.
+
+    Unlike `Job.fetch`, nothing stored in the hash is deserialized.
+    """
+    origin = connection.hget(Job.key_for(job_id), "origin")
+    if origin is None:
+        return None
+    job = Job(job_id, connection=connection, serializer=JSONSerializer)
+    job.origin = origin.decode(errors="replace")
+    return job
+
+
+def read_job_payload(connection: Redis, job_id: str) -> dict[str, Any]:
+    """The job's payload object (its single argument), read as bounded JSON; {} if unreadable."""
+    raw = connection.hget(Job.key_for(job_id), "data")
+    if raw is None:
+        return {}
+    try:
+        _, _, args, _ = load_job_data(raw, MAX_READ_BYTES)
+    except ValueError:
+        return {}
+    if isinstance(args, list) and len(args) == 1 and isinstance(args[0], dict):
+        return args[0]
+    return {}
+
+
+def latest_rq_result(connection: Redis, job_id: str) -> dict[str, Any] | None:
+    """RQ's latest result entry of a job, with `return_value` parsed as JSON (None when it is
+    not JSON) and `exc_string` inflated (bounded); None when there is no entry."""
+    reply = connection.xrevrange(Result.get_key(job_id), "+", "-", count=1)
+    if not reply:
+        return None
+    fields = {k.decode(): v for k, v in reply[0][1].items()}
+    out: dict[str, Any] = {"type": fields.get("type", b"").decode(errors="replace")}
+    try:
+        value = base64.b64decode(fields.get("return_value") or b"", validate=True)
+        out["return_value"] = json.loads(value) if value else None
+    except (binascii.Error, ValueError):
+        out["return_value"] = None
+    try:
+        raw_exc = base64.b64decode(fields.get("exc_string") or b"", validate=True)
+        text = inflate(raw_exc, MAX_READ_BYTES) if raw_exc else b""
+        out["exc_string"] = text.decode(errors="replace")
+    except (binascii.Error, PayloadTooLargeError):
+        out["exc_string"] = ""
+    return out
 
 
 def rq_end(connection: Redis, job_id: str, status: str | None) -> dict[str, str] | None:
@@ -50,13 +133,10 @@ def rq_end(connection: Redis, job_id: str, status: str | None) -> dict[str, str]
     if status != "failed":
         return None
     message = "failed (no message recorded)"
-    try:
-        latest = Job.fetch(job_id, connection=connection, serializer=JSONSerializer).latest_result()
-    except NoSuchJobError:
-        latest = None
-    if latest is not None and latest.exc_string:
-        lines = [line for line in latest.exc_string.strip().splitlines() if line.strip()]
-        message = lines[-1] if lines else message
+    latest = latest_rq_result(connection, job_id)
+    if latest is not None and latest["exc_string"]:
+        lines = [line for line in latest["exc_string"].strip().splitlines() if line.strip()]
+        message = lines[-1][:2000] if lines else message
     return {"event": "error", "error": message, "status": "failed"}
 
 
@@ -80,13 +160,13 @@ def final_result(connection: Redis, job_id: str, entry: dict[str, str]) -> Gener
 
 
 def _rq_return_value(connection: Redis, job_id: str) -> GenerationResult:
-    try:
-        job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
-        value = job.return_value()
-    except NoSuchJobError:
-        value = None
+    latest = latest_rq_result(connection, job_id)
+    value = latest["return_value"] if latest is not None else None
     if isinstance(value, dict):
-        return GenerationResult.model_validate(value)
+        try:
+            return GenerationResult.model_validate(value)
+        except ValidationError:
+            return _unreadable(job_id, "RQ's return value is not a pagedq result")
     return GenerationResult(job_id=job_id, status="failed", error="finished without a result")
 
 

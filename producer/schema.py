@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -40,6 +40,22 @@ __all__ = [
 ROLES = ("system", "developer", "user", "assistant", "tool")
 JobStatus = Literal["finished", "failed", "canceled"]
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Hard limits of the wire schema: past them no worker could run the job. A worker applies its
+# own, lower limits too (worker/limits.py, `JobLimits`): e.g. n <= 16 and a 1 MiB payload.
+MAX_N = 128
+MAX_TOKENS = 1_048_576
+MAX_TOKEN_ID = 2**31 - 1
+MAX_STOP = 16
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 64
+MAX_PROMPT_CHARS = 8 * 2**20
+MAX_PROMPT_TOKENS = 2**20
+MAX_MESSAGES = 4096
+MAX_ID_CHARS = 512
+# The seed of sample k of n is seed + k, which must stay a 64-bit integer.
+MAX_SEED = INT64_MAX - 1024
+
 # field -> (low, low_inclusive, high, high_inclusive); None = unbounded on that side.
 RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "n": (1, True, None, False),
@@ -53,7 +69,13 @@ RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "max_tokens": (1, True, None, False),
     "min_tokens": (0, True, None, False),
     "logprobs": (0, True, 20, True),
+    "seed": (INT64_MIN, True, MAX_SEED, True),
+    "priority": (INT64_MIN, True, INT64_MAX, True),
 }
+# Upper limits of otherwise one-sided ranges: sizes no worker could serve.
+CAPS = {"n": MAX_N, "top_k": INT64_MAX, "max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS}
+# Errors quote at most this much of a refused value (a refused prompt can be megabytes).
+MAX_QUOTED_CHARS = 80
 
 
 def _allowed(lo: float | None, lo_inc: bool, hi: float | None, hi_inc: bool) -> str:
@@ -64,13 +86,24 @@ def _allowed(lo: float | None, lo_inc: bool, hi: float | None, hi_inc: bool) -> 
     return f"in {'[' if lo_inc else '('}{lo}, {hi}{']' if hi_inc else ')'}"
 
 
+def _check_token_ids(ids: list[int]) -> None:
+    bad = [t for t in ids if not 0 <= t <= MAX_TOKEN_ID]
+    if bad:
+        raise ValueError(f"token ids must be in [0, {MAX_TOKEN_ID}], got {_quote(bad[:3])}")
+
+
+def _quote(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= MAX_QUOTED_CHARS else text[: MAX_QUOTED_CHARS - 3] + "..."
+
+
 class ChatMessage(BaseModel):
     """One chat turn; OpenAI-style content parts [{"type": "text", "text": ...}] are joined."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -83,9 +116,13 @@ class ChatMessage(BaseModel):
 
 
 class GenerationRequest(BaseModel):
-    """A job: `prompt` (text or token ids) or chat `messages`, plus the engine's sampling fields."""
+    """A job: `prompt` (text or token ids) or chat `messages`, plus the engine's sampling fields.
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    Types are strict (no "16" or 16.0 for an int, no bool for a number), floats must be finite
+    and every size is bounded (see the MAX_* constants).
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
@@ -105,9 +142,9 @@ class GenerationRequest(BaseModel):
     min_tokens: int = 0
     logprobs: int | None = None
     priority: int = 0
-    custom_id: str | None = None
+    custom_id: Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = None
     metadata: dict[str, Any] | None = None
-    model: str | None = None
+    model: Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = None
 
     @field_validator(*RANGES)
     @classmethod
@@ -117,8 +154,11 @@ class GenerationRequest(BaseModel):
         lo, lo_inc, hi, hi_inc = RANGES[info.field_name]
         too_low = lo is not None and (v < lo if lo_inc else v <= lo)
         too_high = hi is not None and (v > hi if hi_inc else v >= hi)
-        if too_low or too_high or (isinstance(v, float) and math.isnan(v)):
+        if too_low or too_high or (isinstance(v, float) and not math.isfinite(v)):
             raise ValueError(f"must be {_allowed(lo, lo_inc, hi, hi_inc)}, got {v!r}")
+        cap = CAPS.get(info.field_name)
+        if cap is not None and v > cap:
+            raise ValueError(f"must be <= {cap}, got {v!r}")
         return v
 
     @field_validator("prompt")
@@ -126,8 +166,12 @@ class GenerationRequest(BaseModel):
     def _prompt_not_empty(cls, v: str | list[int] | None) -> str | list[int] | None:
         if v is not None and len(v) == 0:
             raise ValueError("must not be empty")
-        if isinstance(v, list) and any(t < 0 for t in v):
-            raise ValueError("token ids must be >= 0")
+        if isinstance(v, str) and len(v) > MAX_PROMPT_CHARS:
+            raise ValueError(f"must be at most {MAX_PROMPT_CHARS} characters, got {len(v)}")
+        if isinstance(v, list):
+            if len(v) > MAX_PROMPT_TOKENS:
+                raise ValueError(f"must be at most {MAX_PROMPT_TOKENS} token ids, got {len(v)}")
+            _check_token_ids(v)
         return v
 
     @field_validator("messages")
@@ -135,20 +179,32 @@ class GenerationRequest(BaseModel):
     def _messages_not_empty(cls, v: list[ChatMessage] | None) -> list[ChatMessage] | None:
         if v is not None and len(v) == 0:
             raise ValueError("must hold at least one message")
+        if v is not None and len(v) > MAX_MESSAGES:
+            raise ValueError(f"must hold at most {MAX_MESSAGES} messages, got {len(v)}")
         return v
 
     @field_validator("stop")
     @classmethod
     def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if v is not None and any(s == "" for s in ([v] if isinstance(v, str) else v)):
+        stops = [] if v is None else [v] if isinstance(v, str) else v
+        if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(
+                f"stop strings must be at most {MAX_STOP_CHARS} characters, got {longest}"
+            )
         return v
 
     @field_validator("stop_token_ids")
     @classmethod
     def _token_ids_valid(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and any(t < 0 for t in v):
-            raise ValueError("token ids must be >= 0")
+        if v is not None:
+            if len(v) > MAX_STOP_TOKEN_IDS:
+                raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(v)}")
+            _check_token_ids(v)
         return v
 
     @field_validator("custom_id")
@@ -193,7 +249,7 @@ def format_validation_error(exc: ValidationError) -> str:
         elif err["type"] == "missing":
             msg = "field required"
         elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
-            msg = f"{msg}, got {err['input']!r}"
+            msg = f"{msg}, got {_quote(err['input'])}"
         lines.append(f"{loc}: {msg}")
     return "invalid request: " + "; ".join(lines)
 
@@ -226,6 +282,8 @@ class Choice(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    # The text of each token id in `logprobs` (tokenizer.decode([id])), for OpenAI's `token`.
+    token_texts: dict[int, str] | None = None
 
 
 class GenerationResult(BaseModel):
@@ -240,6 +298,7 @@ class GenerationResult(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    token_texts: dict[int, str] | None = None
     choices: list[Choice] = Field(default_factory=list)
     usage: Usage = Field(default_factory=Usage)
     timings: Timings = Field(default_factory=Timings)
@@ -258,5 +317,6 @@ class GenerationResult(BaseModel):
                 token_ids=self.token_ids,
                 finish_reason=self.finish_reason,
                 logprobs=self.logprobs,
+                token_texts=self.token_texts,
             )
         ]

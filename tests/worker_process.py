@@ -21,7 +21,8 @@ MODEL = os.environ.get("PAGEDQ_TEST_MODEL", "smollm2")
 # Small KV budget and short leases keep the tests quick on a 2-core CPU.
 KV_CACHE_MEMORY = "64MiB"
 LEASE_TTL = 4
-WORKER_READY_TIMEOUT = 240.0
+# Model loads take minutes when helpers share the 2 cores.
+WORKER_READY_TIMEOUT = 900.0
 
 
 class WorkerProcess:

@@ -1,12 +1,15 @@
-"""The RQ batch worker: many jobs in flight in one engine batch, each ended through RQ itself.
+"""The worker's control loop: many jobs in flight in one engine batch, RQ state via fenced scripts.
 
-All RQ and Redis calls run on the control thread (the thread that calls `work()`); the engine
-steps on its own thread (`EngineLoop`). Jobs are dequeued only while the engine can admit one
-more request, and each is marked started (execution + started registry) as it is dequeued.
+All Redis calls run on the control thread (the one in `ControlLoop.run`); the engine steps on
+its own thread (`EngineLoop`). Jobs are dequeued only while the engine can admit one more
+request; each is popped and marked started in one script (rq_adapter). Every write that ends or
+streams a job is fenced, so a worker that lost a lease (frozen, cut off) writes nothing for it.
+While Redis is unreachable the engine keeps stepping and the writes wait in `RedisLink`.
 """
 
 from __future__ import annotations
 
+import os
 import queue as queue_mod
 import signal
 import time
@@ -14,52 +17,45 @@ from typing import Any
 
 import redis
 import structlog
-from rq.exceptions import DequeueTimeout
-from rq.executions import Execution
-from rq.job import Job, JobStatus
-from rq.queue import Queue
-from rq.serializers import JSONSerializer
-from rq.worker import BaseWorker, WorkerStatus
 
-from producer.schema import (
-    CANCEL_CHANNEL,
-    GenerationRequest,
-    cancel_key,
-    stream_key,
-    worker_key,
-)
+import worker.engine_loop as engine_loop
+from producer.keys import canonical_model, model_queue
+from producer.schema import GenerationRequest
+from worker.cancels import CancelListener
 from worker.config import WorkerConfig
 from worker.engine_loop import AddFailed, AddRequest, EngineCrashed, EngineLoop, StepOutputs
 from worker.inflight import InFlight
-from worker.job_endings import JobEndingsMixin
+from worker.job_endings import JobEnder
 from worker.jobs import JobRejected, parse_job, sampling_kwargs
-from worker.leases import LeasesMixin
+from worker.leases import Leases
 from worker.metrics import WorkerMetrics
-from worker.streams import StreamState, xadd
+from worker.redis_link import FIRST_BACKOFF_S, MAX_BACKOFF_S, UNAVAILABLE, RedisLink
+from worker.rq_adapter import Claim, RQAdapter, ScriptCall
+from worker.streams import StreamState
 
 log = structlog.get_logger("pagedq.worker")
 
-# How long the control loop waits for engine events when there is nothing else to do.
+# How long the control loop waits for engine events when jobs are in flight.
 EVENT_WAIT_S = 0.02
-# After an empty non-blocking dequeue with jobs in flight, wait this long before asking again.
+# With jobs in flight and the queue empty, ask the queue again after this long.
 EMPTY_QUEUE_BACKOFF_S = 0.1
-# An idle worker blocks on the queue this long per call (BLMOVE), so signals are seen soon.
-IDLE_DEQUEUE_TIMEOUT_S = 1
+# An idle worker polls the queue, backing off from the first to the second value.
+IDLE_POLL_S = (0.01, 0.25)
 CANCEL_POLL_S = 1.0
-# A queue entry whose job is in one of these states is stale (or a duplicate): never run it.
-NOT_RUNNABLE = {
-    JobStatus.STARTED,
-    JobStatus.FINISHED,
-    JobStatus.FAILED,
-    JobStatus.CANCELED,
-    JobStatus.STOPPED,
-}
 # Longest time the engine waits between two steps while jobs are being admitted.
 ADMISSION_BURST_S = 0.05
+# Set only by tests: seconds to sleep right after the dequeue script (to kill the worker there).
+SLEEP_AFTER_DEQUEUE_ENV = "PAGEDQ_TEST_SLEEP_AFTER_DEQUEUE"
+# engine_loop may define RequestFailed (a request the engine dropped after isolating it).
+RequestFailed = getattr(engine_loop, "RequestFailed", None)
 
 
-class BatchWorker(JobEndingsMixin, LeasesMixin, BaseWorker):
-    """An RQ 3 worker that runs every job of one queue through a continuously batching engine."""
+class WorkerNameTaken(Exception):
+    """Another live worker is registered under this name."""
+
+
+class ControlLoop:
+    """Runs a worker: admission, engine events, endings, leases, cancels, Redis outages."""
 
     def __init__(
         self,
@@ -67,111 +63,107 @@ class BatchWorker(JobEndingsMixin, LeasesMixin, BaseWorker):
         engine: Any,
         connection: redis.Redis,
         metrics: WorkerMetrics | None = None,
+        *,
+        name: str,
     ) -> None:
-        super().__init__(
-            [config.queue],
-            name=config.name,
-            connection=connection,
-            serializer=JSONSerializer,
-            default_result_ttl=config.result_ttl,
-            job_monitoring_interval=max(1, config.lease_ttl // 3),
-            log_job_description=False,
-        )
         self.config = config
         self.engine = engine
+        self.model = canonical_model(config.model)
+        queues = [model_queue(config.queue, config.model), config.queue]
+        self.adapter = RQAdapter(
+            connection,
+            name,
+            queues,
+            lease_ttl=config.lease_ttl,
+            result_ttl=config.result_ttl,
+            stream_ttl=config.stream_ttl,
+            max_crashes=config.max_crashes,
+        )
+        self.link = RedisLink(self.adapter.scripts)
         self.loop = EngineLoop(engine)
         self.metrics = metrics or WorkerMetrics()
+        self.ender = JobEnder(self.adapter, engine.model_name)
+        self.leases = Leases(config.lease_ttl)
+        self.cancels = CancelListener(connection)
         self.in_flight: dict[str, InFlight] = {}
-        self._cancels: queue_mod.SimpleQueue[str] = queue_mod.SimpleQueue()
-        self._next_dequeue_at = 0.0
-        self._next_heartbeat_at = 0.0
-        self._next_reap_at = 0.0
-        self._next_cancel_poll_at = 0.0
+        self.num_ended = 0
+        self.exit_code = 0
+        self._stopping = False
         self._stop_at: float | None = None
         self._force_stop = False
         self._queue_empty = False
-        self.num_ended = 0
+        self._next_dequeue_at = 0.0
+        self._idle_poll_s = IDLE_POLL_S[0]
+        self._next_cancel_poll_at = 0.0
+        self._test_sleep = float(os.environ.get(SLEEP_AFTER_DEQUEUE_ENV) or 0)
 
-    # --- RQ hooks -----------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The worker's name in RQ (`rq:worker:{name}`) and in pagedq:worker:{name}."""
+        return self.adapter.name
 
-    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
-        """Every execution holds a lease of lease_ttl seconds, renewed by each heartbeat."""
-        return self.config.lease_ttl
+    # --- lifecycle ----------------------------------------------------------------------------
 
-    def subscribe(self) -> None:
-        """Listen for RQ worker commands and for pagedq cancels on one pub/sub connection."""
-        self.pubsub = self.connection.pubsub()
-        self.pubsub.subscribe(
-            **{
-                self.pubsub_channel_name: self.handle_payload,
-                CANCEL_CHANNEL: self._on_cancel_message,
-            }
-        )
-        self.pubsub_thread = self.pubsub.run_in_thread(
-            sleep_time=1, daemon=True, exception_handler=self._pubsub_exception_handler
-        )
-
-    def request_stop_execution(self, execution_id: str) -> None:
-        """RQ's `stop-execution` command (pub/sub thread): cancel that job on the control thread."""
-        for job_id, item in list(self.in_flight.items()):
-            if item.execution.id == execution_id:
-                self._cancels.put(job_id)
-
-    def _install_signal_handlers(self) -> None:
+    def run(self, burst: bool = False) -> int:
+        """Serve until stopped (or, with burst, until the queue is empty and nothing is in
+        flight); returns the process exit code (1 after an engine crash)."""
+        if not self._register():
+            raise WorkerNameTaken(self.name)
+        self.cancels.start()
         signal.signal(signal.SIGINT, self._on_stop_signal)
         signal.signal(signal.SIGTERM, self._on_stop_signal)
+        self.loop.start()
+        log.info("worker started", worker=self.name, queues=self.adapter.queues, model=self.model)
+        try:
+            while True:
+                if self._stopping and self._should_exit():
+                    break
+                if not self.link.up and self.link.poll():
+                    self.leases.now()
+                if self.link.up and not self._stopping:
+                    self._admit()
+                if not self._handle_events(EVENT_WAIT_S if self.in_flight else 0):
+                    break
+                self._handle_cancels()
+                self._enforce_timeouts()
+                self._maintain()
+                if not self.in_flight and not self._stopping and self._queue_empty:
+                    time.sleep(
+                        min(self._idle_poll_s, max(0.0, self._next_dequeue_at - time.monotonic()))
+                    )
+                if burst and self._queue_empty and not self.in_flight and not self.link.outbox:
+                    log.info("burst done: queue empty, nothing in flight", worker=self.name)
+                    break
+        finally:
+            self._requeue_all("worker stopping", count_crash=False)
+            self.loop.stop()
+            self.cancels.stop()
+            self._unregister()
+            log.info("worker stopped", worker=self.name, jobs_ended=self.num_ended)
+        return self.exit_code
+
+    def _register(self) -> bool:
+        """Register with RQ, waiting (with backoff) while Redis is unreachable."""
+        backoff = FIRST_BACKOFF_S
+        while True:
+            try:
+                return self.adapter.register()
+            except UNAVAILABLE as exc:
+                log.warning("redis unreachable, retrying", retry_in_s=backoff, error=str(exc))
+                time.sleep(backoff)
+                backoff = min(MAX_BACKOFF_S, backoff * 2)
 
     def _on_stop_signal(self, signum: int, frame: Any) -> None:
         if self._stop_at is None:
             # Warm stop: take no new jobs; in-flight ones get drain_timeout to finish.
-            self._stop_requested = True
+            self._stopping = True
             self.loop.wait_for_admission = False
             self.loop.admitted()
             self._stop_at = time.monotonic() + self.config.drain_timeout
         else:
             self._force_stop = True
 
-    def _on_cancel_message(self, message: dict) -> None:
-        data = message.get("data")
-        self._cancels.put(data.decode() if isinstance(data, bytes) else str(data))
-
-    # --- main loop ----------------------------------------------------------------------------
-
-    def work(self, burst: bool = False, **kwargs: Any) -> bool:
-        """Run until stopped (or, with burst, until the queue is empty and nothing is in flight)."""
-        self.register_birth()
-        self.subscribe()
-        self.set_state(WorkerStatus.IDLE)
-        self._install_signal_handlers()
-        self.loop.start()
-        log.info(
-            "worker started",
-            worker=self.name,
-            queue=self.config.queue,
-            model=self.engine.model_name,
-        )
-        try:
-            while True:
-                if self._stop_requested and self._should_exit_on_stop():
-                    break
-                if not self._stop_requested:
-                    self._admit()
-                if self._handle_events(EVENT_WAIT_S if self.in_flight else 0) is False:
-                    break
-                self._handle_cancels()
-                self._maintain()
-                if burst and self._queue_empty and not self.in_flight:
-                    log.info("burst done: queue empty, nothing in flight", worker=self.name)
-                    break
-        finally:
-            self._requeue_all("worker stopping")
-            self.loop.stop()
-            self.connection.delete(worker_key(self.name))
-            self.teardown()
-            log.info("worker stopped", worker=self.name, jobs_ended=self.num_ended)
-        return self.num_ended > 0
-
-    def _should_exit_on_stop(self) -> bool:
+    def _should_exit(self) -> bool:
         if not self.in_flight:
             return True
         if self._force_stop or (self._stop_at is not None and time.monotonic() > self._stop_at):
@@ -179,100 +171,78 @@ class BatchWorker(JobEndingsMixin, LeasesMixin, BaseWorker):
             return True
         return False
 
-    def _maintain(self) -> None:
-        t = time.monotonic()
-        if t >= self._next_heartbeat_at:
-            self._heartbeat_all()
-            self._next_heartbeat_at = t + max(0.5, self.config.lease_ttl / 3)
-        if t >= self._next_reap_at:
-            self._reap_expired_leases()
-            self._next_reap_at = t + max(1.0, self.config.lease_ttl / 2)
-        if t >= self._next_cancel_poll_at and self.in_flight:
-            self._poll_cancel_keys()
-            self._next_cancel_poll_at = t + CANCEL_POLL_S
-        if self.should_run_maintenance_tasks:
-            self.run_maintenance_tasks()
+    def _unregister(self) -> None:
+        if not self.link.up:
+            self.link.poll()
+        self.link.flush()
+        self.link.attempt(self.adapter.unregister)
 
     # --- admission ----------------------------------------------------------------------------
 
     def _admit(self) -> None:
         """Take jobs while the engine can admit them, all between two engine steps."""
+        if time.monotonic() < self._next_dequeue_at:
+            return
         try:
-            if time.monotonic() < self._next_dequeue_at:
-                return
             with self.loop.paused():
-                # Idle, the engine has nothing to step: block on the queue for the first job.
-                if not self.in_flight and self.loop.can_admit():
-                    if not self._start_next(IDLE_DEQUEUE_TIMEOUT_S):
-                        return
                 deadline = time.monotonic() + ADMISSION_BURST_S
-                while time.monotonic() < deadline and self.loop.can_admit():
-                    if not self._start_next(None):
+                first = True
+                while (first or time.monotonic() < deadline) and self.loop.can_admit():
+                    first = False
+                    ok, claim = self.link.attempt(self.adapter.dequeue)
+                    if not ok or claim is None:
+                        self._on_empty_queue(ok)
                         return
+                    self._queue_empty = False
+                    self._idle_poll_s = IDLE_POLL_S[0]
+                    if self._test_sleep:
+                        time.sleep(self._test_sleep)
+                    try:
+                        self._start(claim)
+                    except Exception as exc:  # noqa: BLE001 - one bad job must not stop the loop
+                        log.exception("job could not start", job_id=claim.job_id)
+                        if self.in_flight.pop(claim.job_id, None) is not None:
+                            self.loop.abort(claim.job_id)
+                        self._end_claim(claim, f"invalid job: {type(exc).__name__}: {exc}")
         finally:
-            self.loop.wait_for_admission = not self._queue_empty and not self._stop_requested
+            self.loop.wait_for_admission = not self._queue_empty and not self._stopping
             self.loop.admitted()
 
-    def _start_next(self, timeout: int | None) -> bool:
-        """Dequeue one job and start it; False when the queue was empty."""
-        result = self._dequeue(timeout)
-        if result is None:
-            self._queue_empty = True
-            backoff = EMPTY_QUEUE_BACKOFF_S if self.in_flight else 0
-            self._next_dequeue_at = time.monotonic() + backoff
-            return False
-        self._queue_empty = False
-        self._start(*result)
-        return True
+    def _on_empty_queue(self, reachable: bool) -> None:
+        self._queue_empty = True
+        if self.in_flight:
+            backoff = EMPTY_QUEUE_BACKOFF_S
+        else:
+            backoff = self._idle_poll_s
+            self._idle_poll_s = min(IDLE_POLL_S[1], self._idle_poll_s * 2)
+        self._next_dequeue_at = time.monotonic() + (backoff if reachable else 0)
 
-    def _dequeue(self, timeout: int | None) -> tuple[Job, Queue] | None:
+    def _start(self, claim: Claim) -> None:
+        """Validate a claimed job and hand it to the engine; a bad one fails alone."""
+        old = self.in_flight.pop(claim.job_id, None)
+        if old is not None:  # re-run of a job whose lease we lost: the old run is void
+            self.loop.abort(old.job_id)
         try:
-            return self.queue_class.dequeue_any(
-                self._ordered_queues,
-                timeout,
-                connection=self.connection,
-                job_class=self.job_class,
-                serializer=self.serializer,
-            )
-        except DequeueTimeout:
-            return None
-
-    def _start(self, job: Job, queue: Queue) -> None:
-        """Mark a dequeued job started at once, then validate it and hand it to the engine."""
-        if job.get_status(refresh=False) in NOT_RUNNABLE:
-            # A stale or duplicate queue entry (e.g. a job canceled or already re-run): skip it.
-            self.connection.lrem(queue.intermediate_queue_key, 1, job.id)
-            log.info("skipped job not in queued state", job_id=job.id, status=job.get_status(False))
-            return
-        ttl = self.get_heartbeat_ttl(job)
-        with self.connection.pipeline() as pipe:
-            execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
-            job.prepare_for_execution(self.name, pipeline=pipe)
-            pipe.persist(job.key)
-            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-            self.set_state(WorkerStatus.BUSY, pipeline=pipe)
-            pipe.exists(cancel_key(job.id))
-            pipe.xrange(stream_key(job.id))
-            *_, canceled, prior_entries = pipe.execute()
-        self.executions[execution.id] = execution
-        enqueued_at = job.enqueued_at.timestamp() if job.enqueued_at else time.time()
-        try:
-            request = parse_job(job, self.engine.model_name)
+            enqueued_at = claim.enqueued_time()
+            request = self._parse(claim)
         except JobRejected as exc:
-            self._fail_unstarted(job, queue, execution, str(exc))
+            self._end_claim(claim, str(exc))
             return
+        except ValueError as exc:
+            self._end_claim(claim, f"invalid job: {exc}")
+            return
+        timeout_s = claim.timeout_s(self.config.job_timeout)
         item = InFlight(
-            job=job,
-            queue=queue,
-            execution=execution,
+            claim=claim,
             request=request,
-            stream=StreamState.from_entries(prior_entries),
+            stream=StreamState.for_attempt(claim.attempt),
             enqueued_at=enqueued_at,
-            started_at=time.time(),
+            started_at=claim.started_at,
+            deadline=time.monotonic() + timeout_s,
         )
-        self.in_flight[job.id] = item
-        if canceled:
-            self._cancel(job.id)
+        self.in_flight[claim.job_id] = item
+        if claim.canceled:
+            self._cancel(claim.job_id)
             return
         try:
             params = self._sampling_params(request)
@@ -283,8 +253,20 @@ class BatchWorker(JobEndingsMixin, LeasesMixin, BaseWorker):
         except ValueError as exc:
             self._fail(item, f"invalid request: {exc}")
             return
-        self.loop.add(AddRequest(job.id, prompt, params, request.priority))
-        log.debug("job started", job_id=job.id, in_flight=len(self.in_flight))
+        self.loop.add(AddRequest(claim.job_id, prompt, params, request.priority))
+        log.debug("job started", job_id=claim.job_id, attempt=claim.attempt)
+
+    def _parse(self, claim: Claim) -> GenerationRequest:
+        job = claim.rq_job()
+        # Aliases and paths of our model name it too: parse_job compares names literally.
+        model_name = self.engine.model_name
+        try:
+            asked = job.args[0].get("model") if job.args and isinstance(job.args[0], dict) else None
+        except Exception:  # noqa: BLE001 - bad data: parse_job below says what is wrong
+            asked = None
+        if isinstance(asked, str) and canonical_model(asked) == self.model:
+            model_name = asked
+        return parse_job(job, model_name)
 
     def _sampling_params(self, request: GenerationRequest) -> Any:
         from engine import SamplingParams
@@ -307,44 +289,57 @@ class BatchWorker(JobEndingsMixin, LeasesMixin, BaseWorker):
         for event in events:
             if isinstance(event, StepOutputs):
                 self._on_step(event)
-            elif isinstance(event, AddFailed):
+            elif isinstance(event, AddFailed) or (
+                RequestFailed is not None and isinstance(event, RequestFailed)
+            ):
                 item = self.in_flight.get(event.request_id)
                 if item is not None:
                     self._fail(item, f"invalid request: {event.error}")
             elif isinstance(event, EngineCrashed):
                 log.error("engine crashed", error=event.error)
-                self._requeue_all(f"engine crashed: {event.error}")
+                self._requeue_all(f"engine crashed: {event.error}", count_crash=True)
+                self.exit_code = 1
                 return False
         return True
 
     def _on_step(self, event: StepOutputs) -> None:
-        finished = []
-        with self.connection.pipeline(transaction=False) as pipe:
-            for output in event.outputs:
-                item = self.in_flight.get(output.request_id)
-                if item is None:
-                    continue  # canceled or requeued meanwhile
-                item.last_output = output
-                entry = item.stream.token_entry(output.outputs[0])
-                if entry is not None:
-                    xadd(pipe, stream_key(item.job.id), entry, self.config.stream_ttl)
-                self._observe_tokens(item, output, event.time)
-                if output.finished:
-                    finished.append((item, output))
-            pipe.execute()
-        log.debug("step", outputs=len(event.outputs), finished=len(finished))
-        if not finished:
+        entries = []
+        ends: list[tuple[InFlight, ScriptCall]] = []
+        for output in event.outputs:
+            item = self.in_flight.get(output.request_id)
+            if item is None:
+                continue  # canceled, timed out or lost meanwhile
+            item.last_output = output
+            for fields in item.stream.take(output.outputs[0]):
+                entries.append((item.claim, fields, not item.stream.ttl_set))
+                item.stream.ttl_set = True
+            self._observe_tokens(item, output, event.time)
+            if output.finished:
+                del self.in_flight[item.job_id]
+                ends.append((item, self.ender.finish(item, output)))
+                self.metrics.prompt_tokens.inc(len(output.prompt_token_ids or []))
+        calls: list = [self.adapter.stream_call(entries)] if entries else []
+        calls += [call for _, call in ends]
+        self.link.run(calls, lambda replies: self._on_step_written(replies, bool(entries), ends))
+
+    def _on_step_written(
+        self, replies: list[Any], has_entries: bool, ends: list[tuple[InFlight, ScriptCall]]
+    ) -> None:
+        if has_entries:
+            for job_id in replies[0]:
+                self._drop(job_id.decode(), "lease lost: stream entry refused")
+            replies = replies[1:]
+        for (item, _), reply in zip(ends, replies, strict=True):
+            self._ended(item, "finished", reply)
+
+    def _ended(self, item: InFlight, status: str, reply: Any) -> None:
+        if not reply:
+            log.warning("lease lost: job not ended by this worker", job_id=item.job_id)
             return
-        # RQ first, then the result key and the done entry: whoever sees those sees RQ agree.
-        results = []
-        for item, output in finished:
-            results.append(self._result(item, output, "finished"))
-            self._succeed(item, output, results[-1])
-        with self.connection.pipeline(transaction=False) as pipe:
-            for (item, output), result in zip(finished, results, strict=True):
-                done = {"event": "done", "finish_reason": str(output.outputs[0].finish_reason)}
-                self._publish(pipe, item.job.id, result, done)
-            pipe.execute()
+        self.num_ended += 1
+        self.metrics.jobs.labels(status).inc()
+        self.metrics.e2e_latency.observe(time.time() - item.enqueued_at)
+        log.info("job " + status, job_id=item.job_id)
 
     def _observe_tokens(self, item: InFlight, output: Any, t: float) -> None:
         num_tokens = sum(len(c.token_ids) for c in output.outputs)
@@ -357,3 +352,105 @@ class BatchWorker(JobEndingsMixin, LeasesMixin, BaseWorker):
             since = t - item.last_token_at if item.last_token_at else None
         self.metrics.observe_tokens(max(0, num_new), since)
         item.last_token_at = t
+
+    # --- endings other than finished ------------------------------------------------------------
+
+    def _fail(self, item: InFlight, message: str) -> None:
+        self.in_flight.pop(item.job_id, None)
+        self.loop.abort(item.job_id)
+        log.warning("job failing", job_id=item.job_id, error=message)
+        self.link.run([self.ender.fail(item, message)], lambda r: self._ended(item, "failed", r[0]))
+
+    def _end_claim(self, claim: Claim, message: str) -> None:
+        log.warning("job failing before start", job_id=claim.job_id, error=message)
+
+        def done(replies: list[Any]) -> None:
+            if replies[0]:
+                self.num_ended += 1
+                self.metrics.jobs.labels("failed").inc()
+
+        self.link.run([self.ender.fail_claim(claim, message)], done)
+
+    def _cancel(self, job_id: str) -> None:
+        item = self.in_flight.pop(job_id)
+        self.loop.abort(job_id)
+        self.link.run([self.ender.cancel(item)], lambda r: self._ended(item, "canceled", r[0]))
+
+    def _drop(self, job_id: str, why: str) -> None:
+        """Forget a job whose lease is gone: another worker runs it now."""
+        item = self.in_flight.pop(job_id, None)
+        if item is not None:
+            self.loop.abort(job_id)
+            log.warning("dropped job", job_id=job_id, reason=why)
+
+    def _requeue_all(self, reason: str, *, count_crash: bool) -> None:
+        """Put every in-flight job back at the front of its queue (at-least-once delivery)."""
+        if not self.in_flight:
+            return
+        items = list(self.in_flight.values())
+        self.in_flight.clear()
+        for item in items:
+            self.loop.abort(item.job_id)
+        calls = [self.ender.requeue(i, count_crash=count_crash, reason=reason) for i in items]
+        self.link.run(calls)
+        log.warning("requeued in-flight jobs", count=len(items), reason=reason)
+
+    def _handle_cancels(self) -> None:
+        while True:
+            try:
+                job_id = self.cancels.job_ids.get_nowait()
+            except queue_mod.Empty:
+                break
+            if job_id in self.in_flight:
+                self._cancel(job_id)
+        t = time.monotonic()
+        if self.in_flight and self.link.up and t >= self._next_cancel_poll_at:
+            # A fallback for cancel messages published while our pub/sub connection was down.
+            self._next_cancel_poll_at = t + CANCEL_POLL_S
+            job_ids = list(self.in_flight)
+            ok, flags = self.link.attempt(
+                lambda: self.adapter.scripts.run([self.adapter.cancel_check(job_ids)])[0]
+            )
+            for job_id, flag in zip(job_ids, flags or [], strict=False):
+                if flag is not None and job_id in self.in_flight:
+                    self._cancel(job_id)
+
+    def _enforce_timeouts(self) -> None:
+        t = time.monotonic()
+        for item in [i for i in self.in_flight.values() if t >= i.deadline]:
+            self._fail(item, "timeout")
+
+    # --- leases -------------------------------------------------------------------------------
+
+    def _maintain(self) -> None:
+        if not self.link.up:
+            return
+        if self.leases.heartbeat_due():
+            self._heartbeat()
+        if self.leases.reap_due():
+            ok, reaped = self.link.attempt(self.adapter.reap)
+            if ok and (reaped[0] or reaped[1]):
+                log.warning("reaped expired leases", requeued=reaped[0], failed=reaped[1])
+
+    def _heartbeat(self) -> None:
+        stats = self.loop.stats
+        status = {
+            "in_flight": len(self.in_flight),
+            "running": stats.num_running,
+            "waiting": stats.num_waiting,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "model": self.engine.model_name,
+            "queue": self.config.queue,
+            "queues": self.adapter.queues,
+            "updated_at": time.time(),
+        }
+        claims = [i.claim for i in self.in_flight.values()]
+        state = "busy" if claims else "idle"
+        call = self.adapter.heartbeat_call(claims, state, status)
+        ok, lost = self.link.attempt(lambda: self.adapter.scripts.call(call))
+        for member in lost or []:
+            job_id = member.decode().rsplit(":", 1)[0]
+            item = self.in_flight.get(job_id)
+            if item is not None and item.claim.member == member.decode():
+                self._drop(job_id, "lease lost: another worker reaped it")
+        self.metrics.observe_stats(stats, len(self.in_flight))

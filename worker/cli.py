@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from worker.config import WorkerConfig
+from worker.config import REDIS_URL_ENV, WorkerConfig
 
 
 def build_worker_parser() -> argparse.ArgumentParser:
@@ -15,7 +16,12 @@ def build_worker_parser() -> argparse.ArgumentParser:
         prog="pagedq worker",
         description="Serve one queue with one model: a continuously batching RQ worker.",
     )
-    p.add_argument("--redis-url", default=d.redis_url, help="default: %(default)s")
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get(REDIS_URL_ENV) or d.redis_url,
+        help=f"redis:// or rediss:// URL, user:password@ for ACL users (default: ${REDIS_URL_ENV}"
+        f" or {d.redis_url})",
+    )
     p.add_argument("--queue", default=d.queue, help="queue name (default: %(default)s)")
     p.add_argument("--model", default=d.model, help="model id, HF folder or GGUF file")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:1 ...")
@@ -34,7 +40,13 @@ def build_worker_parser() -> argparse.ArgumentParser:
         default=d.scheduling_policy,
         help="order of the jobs held by the engine (default %(default)s: lower priority first)",
     )
-    p.add_argument("--result-ttl", type=int, default=d.result_ttl, help="seconds (default 7 days)")
+    p.add_argument(
+        "--result-ttl",
+        type=int,
+        default=d.result_ttl,
+        help="seconds a finished job's result (pagedq:result:{id}), RQ job and registry entries "
+        "are kept (default 7 days)",
+    )
     p.add_argument("--stream-ttl", type=int, default=d.stream_ttl, help="seconds (default 1 day)")
     p.add_argument(
         "--lease-ttl",
@@ -48,7 +60,26 @@ def build_worker_parser() -> argparse.ArgumentParser:
         default=d.drain_timeout,
         help="on SIGTERM, seconds to finish in-flight jobs before requeueing them",
     )
+    p.add_argument(
+        "--max-crashes",
+        type=int,
+        default=d.max_crashes,
+        help="a job in flight during this many worker crashes fails instead of re-running "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--job-timeout",
+        type=float,
+        default=d.job_timeout,
+        help="longest wall-clock seconds a job may run; a job's own RQ `timeout` may only "
+        "shorten it; a job over it fails with error 'timeout' (default %(default)s)",
+    )
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 = off")
+    p.add_argument(
+        "--metrics-host",
+        default=d.metrics_host,
+        help="address /metrics binds to (default %(default)s; 0.0.0.0 for all interfaces)",
+    )
     p.add_argument("--log-format", choices=["console", "json"], default="console")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--name", default=None, help="worker name (default: random)")
@@ -77,6 +108,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         stream_ttl=args.stream_ttl,
         lease_ttl=args.lease_ttl,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        max_crashes=args.max_crashes,
+        job_timeout=args.job_timeout,
         name=args.name,
         burst=args.burst,
         drain_timeout=args.drain_timeout,
@@ -85,7 +119,15 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 def worker_main(argv: list[str] | None = None) -> int:
     """`pagedq worker ...` (argv without the subcommand): load the model once, then serve."""
-    args = build_worker_parser().parse_args(argv)
+    parser = build_worker_parser()
+    args = parser.parse_args(argv)
+    for flag, value, low in (
+        ("--max-crashes", args.max_crashes, 1),
+        ("--job-timeout", args.job_timeout, 0.001),
+        ("--lease-ttl", args.lease_ttl, 1),
+    ):
+        if not value >= low:
+            parser.error(f"{flag}: must be >= {low}, got {value}")
     from worker.logs import configure_logging
     from worker.service import run_worker
 

@@ -26,11 +26,22 @@ def build_demo_parser() -> argparse.ArgumentParser:
         prog="pagedq demo",
         description="Start a private Redis and one worker, run a few prompts, stream one live.",
     )
-    p.add_argument("--redis-url", default=None, help="use this Redis instead of a private one")
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--queue", default="pagedq-demo")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answers")
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="use this Redis instead of a private one (default: start a private redis-server)",
+    )
+    p.add_argument("--model", default="smollm2", help="model to serve (default: %(default)s)")
+    p.add_argument("--queue", default="pagedq-demo", help="queue name (default: %(default)s)")
+    p.add_argument(
+        "--max-tokens", type=int, default=64, help="tokens per answer (default: %(default)s)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the answers (default: %(default)s)",
+    )
     return p
 
 
@@ -43,8 +54,11 @@ def run_demo(argv: list[str] | None = None) -> int:
 
     private: PrivateRedis | None = None
     worker: subprocess.Popen | None = None
-    logdir = tempfile.TemporaryDirectory(prefix="pagedq-demo-")
-    log_path = Path(logdir.name) / "worker.log"
+    # The worker's log is kept only when something went wrong, and its path printed then.
+    fd, name = tempfile.mkstemp(prefix="pagedq-demo-worker-", suffix=".log")
+    os.close(fd)
+    log_path = Path(name)
+    keep_log = False
     try:
         if args.redis_url is None:
             private = PrivateRedis()
@@ -53,13 +67,14 @@ def run_demo(argv: list[str] | None = None) -> int:
         else:
             redis_url = args.redis_url
         worker = _start_worker(redis_url, args, log_path)
-        print(f"started a worker with model {args.model!r} (log: {log_path})")
+        print(f"started a worker with model {args.model!r}")
         _run_prompts(redis_url, args, worker, log_path)
         return 0
     except KeyboardInterrupt:
         print("\ninterrupted; cleaning up")
         return 130
     except RuntimeError as exc:
+        keep_log = True
         print(f"\npagedq demo: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -67,7 +82,10 @@ def run_demo(argv: list[str] | None = None) -> int:
             _stop(worker)
         if private is not None:
             private.close()
-        logdir.cleanup()
+        if keep_log:
+            print(f"the worker's log is kept at {log_path}", file=sys.stderr)
+        else:
+            log_path.unlink(missing_ok=True)
 
 
 def _start_worker(redis_url: str, args: argparse.Namespace, log_path: Path) -> subprocess.Popen:

@@ -1,13 +1,19 @@
 """The engine thread: steps the engine while the control thread talks to Redis.
 
 The control thread never touches the engine directly. It puts `AddRequest` and `AbortRequest`
-commands on a queue and reads `StepOutputs` / `AddFailed` events from another. One lock guards
-the engine; the engine thread holds it for a step, the control thread for `can_admit` and for
-short admission bursts (`paused()`), so many jobs can join the batch between two steps.
+commands on a queue and reads `StepOutputs` / `AddFailed` / `RequestFailed` events from another.
+One lock guards the engine; the engine thread holds it for a step, the control thread for
+`can_admit` and for short admission bursts (`paused()`), so many jobs can join the batch
+between two steps.
+
+Nothing a job carries is worked on by the control thread: a tokenizer thread turns each
+`AddRequest`'s prompt text or chat messages into token ids (with its own copy of the tokenizer;
+the fast tokenizer lets go of the GIL meanwhile), so a megabyte prompt delays its own job only.
 """
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 import time
@@ -21,14 +27,31 @@ from typing import Any
 ADMISSION_WAIT_S = 0.25
 
 
+# Jobs handed to the tokenizer thread but not yet to the engine: past this, admit no more.
+MAX_PENDING_ADDS = 8
+
+
 @dataclass(slots=True)
 class AddRequest:
-    """Command: add one request to the running batch."""
+    """Command: add one request to the running batch: a prompt (text or token ids), or chat
+    `messages` ([{role, content}], prompt None) that the tokenizer thread templates."""
 
     request_id: str
-    prompt: str | list[int]
+    prompt: str | list[int] | None
     params: Any  # engine.SamplingParams
     priority: int = 0
+    messages: list[dict] | None = None
+
+
+@dataclass(slots=True)
+class _Tokenized:
+    """A tokenized AddRequest, ready for `LLMEngine.add_request`."""
+
+    request_id: str
+    text: str | None
+    token_ids: list[int]
+    params: Any
+    priority: int
 
 
 @dataclass(slots=True)
@@ -41,6 +64,15 @@ class AbortRequest:
 @dataclass(slots=True)
 class AddFailed:
     """Event: the engine refused a request (its ValueError message)."""
+
+    request_id: str
+    error: str
+
+
+@dataclass(slots=True)
+class RequestFailed:
+    """Event: an engine step raised because of this request; step isolation ended it alone
+    (the others go on). Fail the job without retry: it would fail the same way anywhere."""
 
     request_id: str
     error: str
@@ -77,26 +109,47 @@ class EngineLoop:
         # The control thread clears this while the queue is known to be empty or it is stopping.
         self.wait_for_admission = True
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._to_tokenize: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending_lock = threading.Lock()
+        self._pending: set[str] = set()
+        self._canceled: set[str] = set()
+        self._tokenizer = _own_copy(engine.tokenizer)
+        self._tokenizer_thread = threading.Thread(
+            target=self._tokenize_forever, name="tokenizer", daemon=True
+        )
 
     def start(self) -> None:
-        """Start stepping."""
+        """Start stepping (and tokenizing)."""
         self._thread.start()
+        self._tokenizer_thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the thread after its current step."""
+        """Stop the threads after their current step / prompt."""
         self._stop.set()
         self._wake.set()
+        self._to_tokenize.put(None)
         self._thread.join(timeout)
+        self._tokenizer_thread.join(timeout)
 
     def add(self, command: AddRequest) -> None:
-        """Queue a request for the running batch."""
-        self.commands.put(command)
-        self._wake.set()
+        """Queue a request for the running batch (tokenized first, off the caller's thread)."""
+        with self._pending_lock:
+            self._pending.add(command.request_id)
+        self._to_tokenize.put(command)
 
     def abort(self, request_id: str) -> None:
         """Queue an abort; unknown ids are ignored by the engine."""
+        with self._pending_lock:
+            if request_id in self._pending:
+                self._canceled.add(request_id)
         self.commands.put(AbortRequest(request_id))
         self._wake.set()
+
+    @property
+    def num_pending_adds(self) -> int:
+        """Requests given to `add` that the engine has not received yet."""
+        with self._pending_lock:
+            return len(self._pending)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -114,6 +167,8 @@ class EngineLoop:
 
     def can_admit(self) -> bool:
         """True when the engine can take one more request now, counting queued adds."""
+        if self.num_pending_adds >= MAX_PENDING_ADDS:
+            return False
         with self.paused():
             self._apply_commands()
             return bool(self.engine.can_admit())
@@ -129,10 +184,53 @@ class EngineLoop:
                 continue
             try:
                 self.engine.add_request(
-                    command.request_id, command.prompt, command.params, priority=command.priority
+                    command.request_id, command.token_ids, command.params, command.priority
                 )
             except ValueError as exc:
                 self.events.put(AddFailed(command.request_id, str(exc)))
+                continue
+            self.engine.parents[command.request_id].prompt = command.text
+
+    # --- tokenizer thread -------------------------------------------------------------------
+    def _tokenize_forever(self) -> None:
+        while not self._stop.is_set():
+            command = self._to_tokenize.get()
+            if command is None:
+                return
+            try:
+                ready: _Tokenized | AddFailed = self._tokenize(command)
+            except Exception as exc:  # noqa: BLE001 - a template or tokenizer error is the job's
+                ready = AddFailed(command.request_id, f"{type(exc).__name__}: {exc}")
+            with self._pending_lock:
+                self._pending.discard(command.request_id)
+                if command.request_id in self._canceled:
+                    self._canceled.discard(command.request_id)
+                    continue
+                if isinstance(ready, AddFailed):
+                    self.events.put(ready)
+                else:
+                    self.commands.put(ready)
+            self._wake.set()
+
+    def _tokenize(self, command: AddRequest) -> _Tokenized | AddFailed:
+        prompt, text = command.prompt, None
+        if command.messages is not None:
+            if not command.messages:
+                return AddFailed(command.request_id, "messages must hold at least one message")
+            token_ids = self._tokenizer.apply_chat_template(
+                list(command.messages), add_generation_prompt=True, tokenize=True
+            )
+            if hasattr(token_ids, "keys"):
+                token_ids = token_ids["input_ids"]
+        elif isinstance(prompt, str):
+            if not prompt:
+                return AddFailed(command.request_id, "prompt must not be empty")
+            text, token_ids = prompt, self._tokenizer.encode(prompt)
+        else:
+            token_ids = prompt
+        return _Tokenized(
+            command.request_id, text, list(token_ids), command.params, command.priority
+        )
 
     def _run(self) -> None:
         try:
@@ -142,7 +240,13 @@ class EngineLoop:
                     self._apply_commands()
                     busy = self.engine.has_unfinished_requests()
                     outputs = self.engine.step() if busy else []
+                    failed = dict(self.engine.pop_failed_requests())
                     self.stats = self.engine.get_stats()
+                if failed:
+                    # The culprit's final "abort" output is not a finish: it is a failure.
+                    outputs = [o for o in outputs if o.request_id not in failed]
+                    for request_id, error in failed.items():
+                        self.events.put(RequestFailed(request_id, error))
                 if outputs:
                     self._admitted.clear()
                     self.events.put(StepOutputs(outputs))
@@ -155,3 +259,11 @@ class EngineLoop:
                     time.sleep(0.001)
         except Exception as exc:  # noqa: BLE001 - reported to the control thread, which exits
             self.events.put(EngineCrashed(f"{type(exc).__name__}: {exc}"))
+
+
+def _own_copy(tokenizer: Any) -> Any:
+    """A private copy for the tokenizer thread: fast tokenizers are not safe to share."""
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared as is
+        return tokenizer

@@ -8,7 +8,9 @@ from rq.exceptions import DeserializationError
 from rq.job import Job
 
 from producer.errors import InvalidRequestError
+from producer.job_data import PayloadTooLargeError, inflate, is_plain_json_array
 from producer.schema import GENERATE_FUNC, GenerationRequest, GenerationResult
+from worker.limits import JobLimits, ModelLimits
 
 # The GenerationRequest fields that are also SamplingParams keywords (same names, same defaults).
 SAMPLING_FIELDS = (
@@ -34,22 +36,91 @@ class JobRejected(Exception):
     """A job that can never run (wrong function, bad fields): it fails at once, without retries."""
 
 
-def parse_job(job: Job, model_name: str) -> GenerationRequest:
-    """Validate a dequeued job as a pagedq generation; never imports or calls anything it names."""
+def bounded_job_class(limits: JobLimits) -> type[Job]:
+    """An RQ `Job` class that inflates `data` (and `exc_info`) at most to the payload limit.
+
+    RQ's own `Job.restore` runs `zlib.decompress` on them unbounded: a few MB of zeros
+    compressed would take the worker's memory. Give it to RQ as `job_class`; `parse_job`
+    then refuses the oversized job with its reason.
+    """
+
+    class BoundedJob(Job):
+        max_payload_bytes = limits.max_payload_bytes
+        payload_error: str | None = None
+
+        def restore(self, raw_data: dict) -> Any:
+            fields = dict(raw_data)
+            for name in (b"data", "data"):
+                if name in fields:
+                    fields[name] = self._bounded(fields[name])
+            for name in (b"exc_info", "exc_info"):
+                if name in fields:
+                    try:
+                        inflate(fields[name], self.max_payload_bytes)
+                    except PayloadTooLargeError:
+                        fields.pop(name)
+            return super().restore(fields)
+
+        def _bounded(self, raw: bytes | str) -> bytes:
+            raw = raw.encode() if isinstance(raw, str) else raw
+            try:
+                data = inflate(raw, self.max_payload_bytes)
+            except PayloadTooLargeError as exc:
+                self.payload_error = str(exc)
+                return b"null"
+            if not is_plain_json_array(data):
+                # Possibly zlib again: RQ would inflate it a second time, unbounded.
+                self.payload_error = "job data is not a JSON array"
+                return b"null"
+            return data
+
+    return BoundedJob
+
+
+def parse_job(
+    job: Job,
+    model_name: str,
+    limits: JobLimits | None = None,
+    model_limits: ModelLimits | None = None,
+) -> GenerationRequest:
+    """Validate a dequeued job as a pagedq generation; never imports or calls anything it names.
+
+    Checks, in order: the payload size (before any JSON parsing), the function name and
+    argument shape, the wire schema, the worker's `limits`, and, given `model_limits`, the
+    model's vocabulary and context. Raises JobRejected with a message naming the field.
+    """
+    limits = limits or JobLimits()
+    payload_error = getattr(job, "payload_error", None)
+    if payload_error:
+        raise JobRejected(payload_error)
+    try:
+        size = len(job.data)
+    except DeserializationError:
+        size = 0
+    if size > limits.max_payload_bytes:
+        raise JobRejected(
+            f"job data is {size} bytes: must be at most max_payload_bytes="
+            f"{limits.max_payload_bytes}"
+        )
     try:
         func_name, args, kwargs = job.func_name, job.args, job.kwargs
     except DeserializationError:
         raise JobRejected(
             "job data is not valid JSON; pagedq workers read JSON-serialized jobs only"
         ) from None
+    except (TypeError, ValueError):
+        raise JobRejected("job data must be a JSON array [func_name, null, args, kwargs]") from None
     if func_name != GENERATE_FUNC:
         raise JobRejected(
-            f"job names function {func_name!r}; a pagedq worker runs only {GENERATE_FUNC!r}"
+            f"job names function {str(func_name)[:80]!r}; a pagedq worker runs only "
+            f"{GENERATE_FUNC!r}"
         )
+    if not isinstance(kwargs, dict) or not isinstance(args, list | tuple):
+        raise JobRejected("job arguments must be args=[payload] and kwargs={}")
     if kwargs or len(args) != 1 or not isinstance(args[0], dict):
         raise JobRejected(
             "job arguments must be args=[payload] with payload a JSON object and kwargs={}, "
-            f"got {len(args)} args and kwargs {sorted(kwargs)}"
+            f"got {len(args)} args and kwargs {sorted(kwargs)[:10]}"
         )
     try:
         request = GenerationRequest.parse(args[0])
@@ -59,12 +130,66 @@ def parse_job(job: Job, model_name: str) -> GenerationRequest:
         raise JobRejected(
             f"model: job asks for {request.model!r} but this worker serves {model_name!r}"
         )
+    check_limits(request, limits, model_limits)
     return request
 
 
-def sampling_kwargs(request: GenerationRequest) -> dict[str, Any]:
-    """The SamplingParams keywords of a request."""
-    return {name: getattr(request, name) for name in SAMPLING_FIELDS}
+def _refuse(field: str, value: Any, allowed: str) -> JobRejected:
+    text = repr(value)
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return JobRejected(f"invalid request: {field}: must be {allowed}, got {text}")
+
+
+def check_limits(
+    request: GenerationRequest, limits: JobLimits, model: ModelLimits | None = None
+) -> None:
+    """Refuse a schema-valid request that exceeds this worker's limits or the model's."""
+    if request.n > limits.max_n:
+        raise _refuse("n", request.n, f"<= {limits.max_n} (this worker's max_n)")
+    if request.logprobs is not None and request.logprobs > limits.max_logprobs:
+        raise _refuse("logprobs", request.logprobs, f"<= {limits.max_logprobs}")
+    stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
+    if len(stops) > limits.max_stop:
+        raise _refuse("stop", f"{len(stops)} strings", f"at most {limits.max_stop} strings")
+    stop_ids = request.stop_token_ids or []
+    if len(stop_ids) > limits.max_stop_token_ids:
+        raise _refuse(
+            "stop_token_ids", f"{len(stop_ids)} ids", f"at most {limits.max_stop_token_ids} ids"
+        )
+    if model is None:
+        return
+    vocab = model.vocab_size
+    bad = [t for t in stop_ids if t >= vocab]
+    if bad:
+        raise _refuse("stop_token_ids", bad[:3], f"token ids < vocab size {vocab}")
+    if isinstance(request.prompt, list):
+        bad = [t for t in request.prompt if t >= vocab]
+        if bad:
+            raise _refuse("prompt", bad[:3], f"token ids < vocab size {vocab}")
+        if len(request.prompt) >= model.max_model_len:
+            raise _refuse(
+                "prompt",
+                f"{len(request.prompt)} tokens",
+                f"shorter than max_model_len={model.max_model_len}",
+            )
+        if len(request.prompt) + request.min_tokens > model.max_model_len:
+            raise _refuse(
+                "min_tokens",
+                request.min_tokens,
+                f"<= max_model_len - prompt tokens = {model.max_model_len - len(request.prompt)}",
+            )
+
+
+def sampling_kwargs(request: GenerationRequest, limits: JobLimits | None = None) -> dict[str, Any]:
+    """The SamplingParams keywords of a request, `max_tokens` capped by `limits.max_tokens`.
+
+    Past the context, the engine ends a generation at `max_model_len` ("length") anyway.
+    """
+    kwargs = {name: getattr(request, name) for name in SAMPLING_FIELDS}
+    if limits is not None and limits.max_tokens is not None:
+        kwargs["max_tokens"] = min(kwargs["max_tokens"], limits.max_tokens)
+        kwargs["min_tokens"] = min(kwargs["min_tokens"], kwargs["max_tokens"])
+    return kwargs
 
 
 def build_result(

@@ -40,15 +40,17 @@ def find_redis_server() -> str:
 
 
 class PrivateRedis:
-    """A redis-server child without persistence on a fixed free port; removed on close.
+    """A redis-server child on a fixed free port; removed on close.
 
-    ``kill()`` and ``start()`` (or ``restart()``) bring it down like a crash and back on the same
-    URL, for tests of what survives a Redis restart.
+    Without persistence, unless `appendonly` (AOF, fsync on every write, so a SIGKILL loses
+    nothing). ``kill()`` and ``start()`` (or ``restart()``) bring it down like a crash and back
+    on the same URL, for tests of what survives a Redis restart.
     """
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, appendonly: bool = False) -> None:
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.appendonly = appendonly
         self._dir = tempfile.TemporaryDirectory(prefix="pagedq-redis-")
         self.process: subprocess.Popen | None = None
         self.start()
@@ -58,7 +60,11 @@ class PrivateRedis:
         if self.process is not None and self.process.poll() is None:
             return
         cmd = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
-               "--save", "", "--appendonly", "no", "--dir", self._dir.name]  # fmt: skip
+               "--save", "", "--dir", self._dir.name]  # fmt: skip
+        if self.appendonly:
+            cmd += ["--appendonly", "yes", "--appendfsync", "always"]
+        else:
+            cmd += ["--appendonly", "no"]
         # A new session: Ctrl-C in the terminal must not kill it before cleanup.
         self.process = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True

@@ -1,16 +1,55 @@
-"""Start one worker process: connect, load the engine once, serve the queue."""
+"""Start one worker process: connect, load the engine once, serve the queue.
+
+Start-up problems (a malformed Redis URL, wrong credentials, an unreachable Redis, a busy
+metrics port, a worker name in use) end the process with one log line and a non-zero exit
+code, never a traceback; Redis URLs are logged with their password redacted.
+"""
 
 from __future__ import annotations
 
 import time
+import uuid
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import structlog
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from worker.config import WorkerConfig
 from worker.metrics import WorkerMetrics
 
 log = structlog.get_logger("pagedq.worker")
+
+# Exit codes.
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password replaced by `***` (the user name stays)."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        port = f":{parts.port}" if parts.port else ""
+        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+    except ValueError:
+        return "<unparsable URL>"
+
+
+def connect(url: str) -> redis.Redis:
+    """A client for the control loop: no hidden retries (the loop has its own backoff)."""
+    return redis.Redis.from_url(
+        url,
+        retry=Retry(NoBackoff(), 0),
+        socket_connect_timeout=5,
+        socket_timeout=30,
+        health_check_interval=15,
+    )
 
 
 def build_engine(config: WorkerConfig):
@@ -34,23 +73,76 @@ def build_engine(config: WorkerConfig):
 
 
 def run_worker(config: WorkerConfig) -> int:
-    """Serve until stopped; 0 on a clean stop, 1 if Redis is unreachable at start."""
-    connection = redis.Redis.from_url(config.redis_url)
+    """Serve until stopped; the process exit code."""
+    url = redact_url(config.redis_url)
+    try:
+        connection = connect(config.redis_url)
+    except ValueError as exc:
+        error = str(exc).replace(config.redis_url, url)
+        log.error("invalid --redis-url", redis_url=url, error=error)
+        return EXIT_USAGE
     try:
         connection.ping()
-    except redis.ConnectionError as exc:
-        log.error("cannot reach Redis", redis_url=config.redis_url, error=str(exc))
-        return 1
+    except redis.AuthenticationError as exc:
+        log.error("Redis refused the credentials", redis_url=url, error=str(exc))
+        return EXIT_ERROR
+    except redis.ResponseError as exc:  # e.g. NOPERM: the ACL user may not run PING
+        log.error("Redis refused the connection", redis_url=url, error=str(exc))
+        return EXIT_ERROR
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        log.error("cannot reach Redis", redis_url=url, error=str(exc))
+        return EXIT_ERROR
     metrics = WorkerMetrics()
     if config.metrics_port:
-        metrics.serve(config.metrics_port)
-        log.info("metrics served", port=config.metrics_port, path="/metrics")
+        try:
+            metrics.serve(config.metrics_port, config.metrics_host)
+        except OSError as exc:
+            log.error(
+                "cannot serve metrics",
+                host=config.metrics_host,
+                port=config.metrics_port,
+                error=exc.strerror or str(exc),
+            )
+            return EXIT_ERROR
+        log.info("metrics served", host=config.metrics_host, port=config.metrics_port)
+    name = config.name or uuid.uuid4().hex
+    if _name_in_use(connection, name, config):
+        return EXIT_ERROR
     t0 = time.monotonic()
     log.info("loading model", model=config.model, device=config.device, dtype=config.dtype)
     engine = build_engine(config)
     log.info("model loaded", model=engine.model_name, seconds=round(time.monotonic() - t0, 1))
 
-    from worker.batch_worker import BatchWorker
+    from worker.batch_worker import ControlLoop, WorkerNameTaken
 
-    BatchWorker(config, engine, connection, metrics).work(burst=config.burst)
-    return 0
+    loop = ControlLoop(config, engine, connection, metrics, name=name)
+    try:
+        return loop.run(burst=config.burst)
+    except WorkerNameTaken:
+        _log_name_taken(name)
+        return EXIT_ERROR
+
+
+def _name_in_use(connection: redis.Redis, name: str, config: WorkerConfig) -> bool:
+    from worker.rq_adapter import RQAdapter
+
+    probe = RQAdapter(
+        connection,
+        name,
+        [],
+        lease_ttl=config.lease_ttl,
+        result_ttl=config.result_ttl,
+        stream_ttl=config.stream_ttl,
+        max_crashes=config.max_crashes,
+    )
+    if probe.name_in_use():
+        _log_name_taken(name)
+        return True
+    return False
+
+
+def _log_name_taken(name: str) -> None:
+    log.error(
+        "a live worker already has this name (its heartbeat is younger than --lease-ttl)",
+        worker=name,
+    )

@@ -1,49 +1,48 @@
-"""Per-job token streams: one XADD per engine step per job, then a done or error entry."""
+"""Per-job token streams: one entry per engine step per job, a restart entry for a re-run."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from producer.keys import STREAM_MAXLEN
+RESTART_ENTRY = {"event": "restart"}
+"""First entry of a re-run: readers drop what they read before it and start over."""
 
 
 @dataclass(slots=True)
 class StreamState:
-    """What a job's stream already holds: its text and the number of its tokens."""
+    """What this run of a job has streamed: its text and its number of tokens.
+
+    A re-run (attempt > 1) starts with a pending restart entry, so the entries after the last
+    restart always concatenate to the final result's text.
+    """
 
     text: str = ""
     num_tokens: int = 0
+    pending: list[dict[str, str]] = field(default_factory=list)
+    ttl_set: bool = False
 
     @classmethod
-    def from_entries(cls, entries: list[tuple[Any, dict]]) -> StreamState:
-        """Rebuild the state from XRANGE entries; a re-run job then streams only what is new."""
-        state = cls()
-        for _, fields in entries:
-            fields = {_text(k): _text(v) for k, v in fields.items()}
-            if fields.get("event") == "token":
-                state.text += fields.get("delta", "")
-                state.num_tokens += len(json.loads(fields.get("token_ids", "[]")))
-        return state
+    def for_attempt(cls, attempt: int) -> StreamState:
+        """The state of a new run: a re-run starts with the restart entry."""
+        return cls(pending=[dict(RESTART_ENTRY)] if attempt > 1 else [])
 
     def token_entry(self, completion: Any) -> dict[str, str] | None:
         """The entry for this step's new tokens of choice 0, or None when nothing is new."""
         new_ids = list(completion.token_ids[self.num_tokens :])
         if not new_ids:
             return None
-        # A re-run (at-least-once) regenerates what the stream already holds; skip that prefix.
-        delta = completion.text[len(self.text) :] if completion.text.startswith(self.text) else ""
-        self.text += delta
+        delta = completion.text[len(self.text) :]
+        self.text = completion.text
         self.num_tokens += len(new_ids)
         return {"event": "token", "delta": delta, "token_ids": json.dumps(new_ids)}
 
-
-def xadd(pipeline: Any, key: str, fields: dict[str, str], ttl: int) -> None:
-    """Append one entry to a job stream (capped, with a TTL) on a pipeline."""
-    pipeline.xadd(key, fields, maxlen=STREAM_MAXLEN, approximate=True)
-    pipeline.expire(key, ttl)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    def take(self, completion: Any | None) -> list[dict[str, str]]:
+        """The entries to write this step: a pending restart, then the new tokens."""
+        entries, self.pending = self.pending, []
+        if completion is not None:
+            entry = self.token_entry(completion)
+            if entry is not None:
+                entries.append(entry)
+        return entries

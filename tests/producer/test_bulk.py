@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,8 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from producer.bulk import BulkRun, count_lines, load_done, run_bulk
-from producer.openai_batch import CHAT_URL, COMPLETIONS_URL, parse_line
+from producer.bulk import (
+    BadInputFileError,
+    BulkRun,
+    StaleOutputError,
+    count_lines,
+    load_done,
+    run_bulk,
+)
+from producer.openai_batch import CHAT_URL, COMPLETIONS_URL, FileFormatError, parse_line
+from producer.openai_output import BatchOutputLine
 
 
 def openai_line(custom_id: str, content: str, **body) -> str:
@@ -67,20 +76,34 @@ def test_parse_completion_and_plain_lines():
 
 
 @pytest.mark.parametrize(
-    ("raw", "custom_id", "message"),
+    ("raw", "message"),
     [
-        ("{not json", "line-3", "line 3: invalid JSON"),
-        ("[1, 2]", "line-3", "line 3: not a JSON object"),
-        ('{"custom_id": 5, "prompt": "x"}', "line-3", "custom_id must be a non-empty str"),
-        (openai_line("b", "x", max_tokens=0), "b", "max_tokens: must be >= 1, got 0"),
-        (openai_line("b", "x", tools=[]), "b", "tools: unknown field"),
-        ('{"custom_id": "b", "url": "/v1/embeddings", "body": {}}', "b", "url must be"),
-        ('{"custom_id": "b", "method": "GET", "body": {"prompt": "x"}}', "b", "method must be"),
+        ("{not json", "line 3: invalid JSON"),
+        ("[1, 2]", "line 3: not a JSON object"),
+        ('{"custom_id": 5, "prompt": "x"}', "custom_id must be a non-empty str"),
+        ('{"method": "POST", "url": "/v1/completions", "body": {}}', "custom_id is required"),
+        ('{"custom_id": "b", "url": "/v1/embeddings", "body": {}}', "url must be"),
+        ('{"custom_id": "b", "method": "GET", "body": {"prompt": "x"}}', "method must be"),
+        ('{"custom_id": "b", "body": [1]}', "body must be a JSON object"),
+        ('{"custom_id": "b", "body": {}, "extra": 1}', "unknown top-level field(s) ['extra']"),
     ],
 )
-def test_bad_lines_become_errors_not_exceptions(raw, custom_id, message):
+def test_lines_openai_would_refuse_at_upload_raise(raw, message):
+    with pytest.raises(FileFormatError, match=re.escape(message)):
+        parse_line(raw, 3)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (openai_line("b", "x", max_tokens=0), "max_tokens: must be >= 1, got 0"),
+        (openai_line("b", "x", tools=[]), "tools: unknown field"),
+        (openai_line("b", "x", max_tokens=3, max_completion_tokens=3), "not both"),
+    ],
+)
+def test_bad_bodies_become_error_lines_not_exceptions(raw, message):
     parsed = parse_line(raw, 3)
-    assert parsed.request is None and parsed.custom_id == custom_id
+    assert parsed.request is None and parsed.custom_id == "b"
     assert message in parsed.error
 
 
@@ -101,27 +124,38 @@ def test_bulk_writes_one_openai_output_line_per_input_line(served, client, tmp_p
     lines += [
         json.dumps({"prompt": "plain", **FIXED}),
         "",
-        "{broken",
         openai_line("bad", "x", top_p=7),
         openai_line("fails", "word " * 600),  # longer than the worker's max_model_len
-        openai_line("req-0", "duplicate"),
+        openai_line("chat-lp", "lp", logprobs=True, top_logprobs=2, **FIXED),
+        json.dumps(
+            {
+                "custom_id": "cmpl-lp",
+                "url": COMPLETIONS_URL,
+                "body": {"prompt": "z", "logprobs": 3, **FIXED},
+            }
+        ),
     ]
     src.write_text("\n".join(lines) + "\n")
     summary = run_bulk(client, str(src), str(out), progress=False, chunk_size=3, window=4)
-    rows = {row["custom_id"]: row for row in read_jsonl(out)}
-    assert len(read_jsonl(out)) == len(rows) == 9
-    assert (summary.finished, summary.failed, summary.invalid) == (6, 1, 2)
-    assert summary.duplicates == ["req-0"] and summary.completion_tokens == 6 * 4
+    raw_rows = read_jsonl(out)
+    rows = {row["custom_id"]: row for row in raw_rows}
+    assert len(raw_rows) == len(rows) == 10  # one line per non-blank input line
+    for row in raw_rows:  # every line is the typed OpenAI shape, nothing more
+        assert BatchOutputLine.model_validate(row).model_dump(mode="json") == row
+    assert (summary.finished, summary.failed, summary.invalid) == (8, 1, 1)
+    assert summary.reused == 0 and summary.completion_tokens == 8 * 4
 
     ok = rows["req-2"]
     assert ok["error"] is None and ok["id"].startswith("batch_req_pq-")
     result = client.result(job_id_of(ok))  # what the worker wrote
     body = ok["response"]["body"]
     assert ok["response"]["status_code"] == 200 and body["object"] == "chat.completion"
+    assert body["id"] == f"chatcmpl-{result.job_id}" and isinstance(body["created"], int)
     assert body["model"] == served.model
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": result.text}
-    assert body["choices"][0]["token_ids"] == result.token_ids and len(result.token_ids) == 4
-    assert body["choices"][0]["finish_reason"] == "length"
+    [choice] = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": result.text, "refusal": None}
+    assert len(result.token_ids) == 4
+    assert (choice["finish_reason"], choice["logprobs"]) == ("length", None)
     prompt_tokens = result.usage.prompt_tokens
     assert prompt_tokens > 2  # the chat template around "q2"
     assert body["usage"] == {
@@ -134,18 +168,98 @@ def test_bulk_writes_one_openai_output_line_per_input_line(served, client, tmp_p
     plain = rows["line-6"]["response"]["body"]
     assert plain["object"] == "text_completion"
     assert plain["choices"][0]["text"] == client.result(job_id_of(rows["line-6"])).text
-    assert rows["line-8"]["error"]["code"] == "invalid_request"
-    assert "invalid JSON" in rows["line-8"]["error"]["message"]
-    assert "top_p: must be in (0, 1], got 7" in rows["bad"]["error"]["message"]
-    assert rows["fails"]["response"] is None
-    assert rows["fails"]["error"]["code"] == "job_failed"
-    assert "must be shorter than max_model_len" in rows["fails"]["error"]["message"]
-    # Each of the 7 jobs ran once: 6 finished and 1 failed execution, nothing more.
-    jobs = [job_id_of(r) for r in rows.values() if r["response"] or r["custom_id"] == "fails"]
-    assert len(jobs) == 7 and [served.executions(j) for j in jobs] == [1] * 7
+    bad = rows["bad"]
+    assert bad["error"] is None and bad["response"]["status_code"] == 400
+    error = bad["response"]["body"]["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "top_p: must be in (0, 1], got 7" in error["message"]
+    fails = rows["fails"]
+    assert fails["error"] is None and fails["response"]["status_code"] == 500
+    assert fails["response"]["body"]["error"]["code"] == "job_failed"
+    assert "must be shorter than max_model_len" in fails["response"]["body"]["error"]["message"]
+
+    # Chat logprobs: content[] per token, the sampled token's logprob, the 2 likeliest.
+    lp_result = client.result(job_id_of(rows["chat-lp"]))
+    content = rows["chat-lp"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4
+    for token_id, entry, candidates in zip(lp_result.token_ids, content, lp_result.logprobs):
+        assert entry["logprob"] == candidates[token_id]
+        best = sorted(candidates.values(), reverse=True)[:2]
+        assert [t["logprob"] for t in entry["top_logprobs"]] == best
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+    # Completions logprobs: parallel lists, one entry per generated token.
+    c_result = client.result(job_id_of(rows["cmpl-lp"]))
+    c_lp = rows["cmpl-lp"]["response"]["body"]["choices"][0]["logprobs"]
+    assert set(c_lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert c_lp["token_logprobs"] == [d[t] for t, d in zip(c_result.token_ids, c_result.logprobs)]
+    assert len(c_lp["tokens"]) == len(c_lp["text_offset"]) == len(c_lp["top_logprobs"]) == 4
+    assert all(3 <= len(top) <= 4 for top in c_lp["top_logprobs"])
+
+    # Each of the 9 jobs ran once: 8 finished and 1 failed execution, nothing more.
+    jobs = [job_id_of(r) for r in rows.values() if r["custom_id"] != "bad"]
+    assert len(jobs) == 9 and [served.executions(j) for j in jobs] == [1] * 9
     served.wait_idle()
     successful, failed = served.job_counts()
-    assert (successful - counts_before[0], failed - counts_before[1]) == (6, 1)
+    assert (successful - counts_before[0], failed - counts_before[1]) == (8, 1)
+
+
+def test_a_file_openai_would_refuse_queues_nothing(redis_server, redis_client, tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [openai_line(f"r{i}", "x") for i in range(3)]
+    lines += [
+        "{broken",
+        openai_line("r1", "again"),
+        '{"custom_id": "m", "method": "PUT", "body": {}}',
+    ]
+    src.write_text("\n".join(lines) + "\n")
+    from producer.client import Client
+
+    with Client(redis_server.url) as client, pytest.raises(BadInputFileError) as caught:
+        run_bulk(client, str(src), str(out), progress=False)
+    message = str(caught.value)
+    assert "3 bad line(s), nothing was queued" in message
+    assert "line 4: invalid JSON" in message
+    assert "line 5: duplicate custom_id 'r1' (first on line 2)" in message
+    assert "line 6: method must be POST" in message
+    assert redis_client.llen("rq:queue:pagedq") == 0 and not out.exists()
+
+
+def test_an_edited_line_is_recomputed_and_the_others_reused(served, client, tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(openai_line(f"e{i}", f"q{i}", **FIXED) + "\n" for i in range(4)))
+    run_bulk(client, str(src), str(out), progress=False)
+    before = {r["custom_id"]: r for r in read_jsonl(out)}
+    src.write_text(
+        "".join(
+            openai_line(f"e{i}", "edited" if i == 2 else f"q{i}", **FIXED) + "\n" for i in range(4)
+        )
+    )
+    summary = run_bulk(client, str(src), str(out), progress=False)
+    after = read_jsonl(out)
+    assert sorted(r["custom_id"] for r in after) == ["e0", "e1", "e2", "e3"]
+    assert (summary.skipped, summary.submitted, summary.finished) == (3, 1, 1)
+    rows = {r["custom_id"]: r for r in after}
+    assert all(rows[c] == before[c] for c in ("e0", "e1", "e3"))
+    assert job_id_of(rows["e2"]) != job_id_of(before["e2"])
+    assert served.fetch(job_id_of(rows["e2"])).args[0]["messages"][0]["content"] == "edited"
+    assert served.executions(job_id_of(rows["e2"])) == 1
+
+    # OUT of another file is refused, not overwritten.
+    other = tmp_path / "other.jsonl"
+    other.write_text(openai_line("zz", "x", **FIXED) + "\n")
+    with pytest.raises(StaleOutputError, match="custom_id is not in the input"):
+        run_bulk(client, str(other), str(out), progress=False)
+
+
+def test_a_rerun_into_a_new_output_reuses_results_and_counts_no_tokens(served, client, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(openai_line(f"t{i}", f"q{i}", **FIXED) + "\n" for i in range(3)))
+    first = run_bulk(client, str(src), str(tmp_path / "a.jsonl"), progress=False)
+    assert (first.finished, first.reused, first.completion_tokens) == (3, 0, 12)
+    again = run_bulk(client, str(src), str(tmp_path / "b.jsonl"), progress=False)
+    assert (again.finished, again.reused, again.completion_tokens) == (3, 3, 0)
+    a, b = read_jsonl(tmp_path / "a.jsonl"), read_jsonl(tmp_path / "b.jsonl")
+    assert sorted(r["id"] for r in a) == sorted(r["id"] for r in b)
 
 
 def test_rerun_skips_done_lines_and_reuses_jobs_without_computing_twice(served, client, tmp_path):

@@ -58,12 +58,15 @@ def test_submit_refuses_bad_fields_and_enqueues_nothing(client):
     assert client.queue.count == 0
 
 
-def test_submit_with_custom_id_is_idempotent(client):
+def test_submit_with_custom_id_is_idempotent_for_the_same_request_only(client):
     first = client.submit(prompt="hi", custom_id="row-1")
-    again = client.submit(prompt="something else", custom_id="row-1")
-    assert first == again == job_id_for("row-1", "pagedq")
-    assert client.queue.job_ids == [first]
+    again = client.submit(prompt="hi", custom_id="row-1", max_tokens=256)  # the default
+    assert first == again == job_id_for("row-1", "pagedq", fetch(client, first).args[0])
+    edited = client.submit(prompt="something else", custom_id="row-1")
+    assert edited != first
+    assert client.queue.job_ids == [first, edited]
     assert fetch(client, first).args[0]["prompt"] == "hi"
+    assert fetch(client, edited).args[0]["prompt"] == "something else"
 
 
 def test_custom_id_of_a_finished_job_is_reused_even_after_rq_forgot_it(served):
@@ -71,7 +74,8 @@ def test_custom_id_of_a_finished_job_is_reused_even_after_rq_forgot_it(served):
         job_id = client.submit(prompt="hi", custom_id="done-1", max_tokens=3, ignore_eos=True)
         text = client.result(job_id, timeout=30).text
         served.redis.delete(Job.key_for(job_id))  # RQ's hash expired, our result key did not
-        assert client.submit(prompt="hi", custom_id="done-1") == job_id
+        again = client.submit(prompt="hi", custom_id="done-1", max_tokens=3, ignore_eos=True)
+        assert again == job_id
         assert not served.redis.exists(Job.key_for(job_id))  # nothing was enqueued again
         assert client.status(job_id) == "finished"
         assert client.result(job_id).text == text
@@ -88,24 +92,30 @@ def test_custom_id_of_a_canceled_job_runs_again(client):
 
 def test_custom_id_of_a_failed_job_runs_again(served):
     with served.client() as client:
-        job_id = client.submit(prompt="hi", custom_id="retry-me", model="other")
-        with pytest.raises(JobFailedError, match="job asks for 'other'"):
+        # Longer than the model's context: the worker fails it (a job naming another model
+        # would wait in that model's queue instead).
+        job_id = client.submit(prompt=[100] * 100_000, custom_id="retry-me")
+        with pytest.raises(JobFailedError, match="invalid request"):
             client.result(job_id, timeout=30)
         assert client.status(job_id) == "failed"
-        again = client.submit(prompt="hi", custom_id="retry-me", max_tokens=3, ignore_eos=True)
-        assert again == job_id
-        # The failed run's stream and result are gone: the new run's tokens are read from 0.
-        deltas = list(client.stream(job_id, timeout=30))
-        result = client.result(job_id)
+        assert client.submit(prompt="hi", custom_id="retry-me", model="other") == job_id
+        with pytest.raises(JobFailedError, match="job asks for 'other'"):
+            client.result(job_id, timeout=30)
+        assert served.executions(job_id) == 1  # the old run was deleted, the new one failed
+        # The corrected request is a new job under the same custom_id.
+        fixed = client.submit(prompt="hi", custom_id="retry-me", max_tokens=3, ignore_eos=True)
+        assert fixed != job_id
+        deltas = list(client.stream(fixed, timeout=30))
+        result = client.result(fixed)
         assert (result.status, result.usage.completion_tokens) == ("finished", 3)
         assert "".join(deltas) == result.text
-        assert served.executions(job_id) == 1  # the new job's own run only
+        assert served.executions(fixed) == 1
 
 
 def test_submit_many_enqueues_all_in_order_with_duplicates_collapsed(client):
     requests = [{"prompt": f"p{i}", "custom_id": f"c{i}"} for i in range(25)]
     requests.append(GenerationRequest.parse({"prompt": "typed"}))
-    requests.append({"prompt": "dup", "custom_id": "c3"})
+    requests.append({"prompt": "p3", "custom_id": "c3"})  # the same request again
     job_ids = client.submit_many(requests, chunk_size=10)
     assert len(job_ids) == 27 and job_ids[26] == job_ids[3]
     assert client.queue.job_ids == job_ids[:26]
@@ -258,7 +268,7 @@ def test_result_times_out_and_unknown_job_is_not_found(client):
 def test_client_works_with_another_queue_name(redis_server, redis_client):
     with Client(redis_server.url, queue="other") as c:
         job_id = c.submit(prompt="hi", custom_id="x")
-        assert job_id == job_id_for("x", "other")
+        assert job_id == job_id_for("x", "other", GenerationRequest(prompt="hi").payload())
         assert Queue("other", connection=c.redis).job_ids == [job_id]
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from producer.errors import InvalidRequestError
-from producer.keys import job_id_for, result_key, stream_key, worker_key
+from producer.keys import job_id_for, request_digest, result_key, stream_key, worker_key
 from producer.schema import GENERATE_FUNC, GenerationRequest, GenerationResult
 
 
@@ -22,6 +24,31 @@ from producer.schema import GENERATE_FUNC, GenerationRequest, GenerationResult
         ({"n": 0}, "n: must be >= 1, got 0"),
         ({"logprobs": 21}, "logprobs: must be in [0, 20], got 21"),
         ({"min_tokens": -1}, "min_tokens: must be >= 0, got -1"),
+        # 64-bit ranges and hard size limits
+        ({"top_k": 2**63}, "top_k: must be <= 9223372036854775807, got 9223372036854775808"),
+        ({"seed": 2**64}, "seed: must be in [-9223372036854775808, 9223372036854774783]"),
+        ({"priority": -(2**63) - 1}, "priority: must be in [-9223372036854775808, "),
+        ({"n": 1000}, "n: must be <= 128, got 1000"),
+        ({"max_tokens": 10**9}, "max_tokens: must be <= 1048576, got 1000000000"),
+        ({"prompt": [5, -1]}, "prompt: token ids must be in [0, 2147483647], got [-1]"),
+        (
+            {"prompt": [2**63]},
+            "prompt: token ids must be in [0, 2147483647], got [9223372036854775808]",
+        ),
+        ({"stop_token_ids": [2**40]}, "stop_token_ids: token ids must be in [0, 2147483647]"),
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids: at most 64 token ids, got 65"),
+        ({"stop": ["a"] * 17}, "stop: at most 16 stop strings, got 17"),
+        ({"stop": "x" * 513}, "stop: stop strings must be at most 512 characters, got 513"),
+        ({"prompt": "x" * (8 * 2**20 + 1)}, "prompt: must be at most 8388608 characters, got"),
+        ({"custom_id": "c" * 513}, "custom_id: String should have at most 512 characters"),
+        # non-finite floats (JSON's Infinity / NaN parse to these) and bools for numbers
+        ({"temperature": float("inf")}, "temperature: Input should be a finite number, got inf"),
+        ({"temperature": float("nan")}, "temperature: Input should be a finite number, got nan"),
+        ({"top_p": float("nan")}, "top_p: Input should be a finite number, got nan"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty: Input should be a finite"),
+        ({"frequency_penalty": float("-inf")}, "frequency_penalty: Input should be a finite"),
+        ({"top_k": True}, "top_k: Input should be a valid integer, got True"),
+        ({"temperature": False}, "temperature: Input should be a valid number, got False"),
         ({"presence_penalty": 2.5}, "presence_penalty: must be in [-2, 2], got 2.5"),
         ({"max_tokens": "16"}, "max_tokens: Input should be a valid integer, got '16'"),
         ({"temperature": "hot"}, "temperature: Input should be a valid number, got 'hot'"),
@@ -34,6 +61,15 @@ def test_bad_field_is_refused_naming_field_and_allowed_values(fields, message):
     with pytest.raises(InvalidRequestError) as err:
         GenerationRequest.parse({"prompt": "hi", **fields})
     assert message in str(err.value)
+
+
+def test_a_refused_huge_value_is_quoted_short():
+    with pytest.raises(InvalidRequestError) as err:
+        GenerationRequest.parse({"prompt": "hi", "stop": ["s" * 100_000]})
+    assert len(str(err.value)) < 300
+    with pytest.raises(InvalidRequestError) as err:
+        GenerationRequest.parse({"prompt": "hi", "metadata": ["m" * 100_000]})
+    assert len(str(err.value)) < 300
 
 
 def test_unknown_field_is_refused_with_the_allowed_fields():
@@ -58,7 +94,7 @@ def test_exactly_one_of_prompt_or_messages(fields):
     [
         ({"prompt": ""}, "prompt: must not be empty"),
         ({"prompt": []}, "prompt: must not be empty"),
-        ({"prompt": [1, -2]}, "prompt: token ids must be >= 0"),
+        ({"prompt": [1, -2]}, "prompt: token ids must be in [0, 2147483647], got [-2]"),
         ({"messages": []}, "messages: must hold at least one message"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role: Input should be"),
         ({"messages": [{"role": "user"}]}, "messages.0.content: field required"),
@@ -122,6 +158,20 @@ def test_job_ids_derive_from_queue_and_custom_id():
     # "pq-" + sha256("pagedq:a").hexdigest()[:32]
     assert job_id_for("a") == "pq-2ed1ff2c6a404254bf7fd26d0ecd7636"
     assert job_id_for(None) != job_id_for(None) and len(job_id_for(None)) == 32
+
+
+def test_job_ids_with_a_payload_change_with_the_request():
+    payload = GenerationRequest(prompt="x", custom_id="a").payload()
+    same = GenerationRequest(prompt="x", custom_id="a", n=1).payload()
+    edited = GenerationRequest(prompt="y", custom_id="a").payload()
+    assert job_id_for("a", "pagedq", payload) == job_id_for("a", "pagedq", same)
+    assert job_id_for("a", "pagedq", payload) != job_id_for("a", "pagedq", edited)
+    assert job_id_for("a", "pagedq", payload) != job_id_for("a")
+    # "pq-" + sha256("pagedq:a:" + request_digest(payload)).hexdigest()[:32]
+    digest = request_digest(payload)
+    assert digest == request_digest({**payload, "custom_id": "other"})
+    expected = hashlib.sha256(f"pagedq:a:{digest}".encode()).hexdigest()[:32]
+    assert job_id_for("a", "pagedq", payload) == "pq-" + expected
 
 
 def test_key_names_are_the_contract_ones():

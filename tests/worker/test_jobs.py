@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -60,16 +59,16 @@ def test_stream_entries_carry_only_the_new_tokens_of_each_step():
     assert state.token_entry(_completion("Hello", [1, 2, 3])) is None
 
 
-def test_a_rerun_job_continues_its_stream_instead_of_repeating_it():
-    entries = [
-        (b"1-0", {b"event": b"token", b"delta": b"Hel", b"token_ids": b"[1, 2]"}),
-        (b"1-1", {b"event": b"token", b"delta": b"lo", b"token_ids": b"[3]"}),
+def test_a_rerun_restarts_its_stream_with_an_explicit_entry():
+    state = StreamState.for_attempt(2)
+    assert state.take(_completion("Hel", [1, 2])) == [
+        {"event": "restart"},
+        {"event": "token", "delta": "Hel", "token_ids": "[1, 2]"},
     ]
-    state = StreamState.from_entries(entries)
-    assert (state.text, state.num_tokens) == ("Hello", 3)
-    assert state.token_entry(_completion("Hello", [1, 2, 3])) is None
-    entry = state.token_entry(_completion("Hello world", [1, 2, 3, 4]))
-    assert entry["delta"] == " world" and json.loads(entry["token_ids"]) == [4]
+    assert state.take(_completion("Hel", [1, 2])) == []
+    assert StreamState.for_attempt(1).take(_completion("Hi", [7])) == [
+        {"event": "token", "delta": "Hi", "token_ids": "[7]"}
+    ]
 
 
 def test_wire_schema_and_engine_sampling_params_name_the_same_fields():

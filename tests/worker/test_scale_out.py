@@ -39,6 +39,14 @@ def _successes(client, job_id: str) -> list[Result]:
     return [r for r in job.results() if r.type == Result.Type.SUCCESSFUL]
 
 
+def _held_by(client, worker_name: str) -> set[str]:
+    """Job ids in the queue's started registry whose job hash names this worker."""
+    members = client.redis.zrange(f"rq:wip:{QUEUE}", 0, -1)
+    job_ids = [m.decode().rsplit(":", 1)[0] for m in members]
+    names = [client.redis.hget(f"rq:job:{j}", "worker_name") for j in job_ids]
+    return {j for j, n in zip(job_ids, names, strict=True) if n == worker_name.encode()}
+
+
 def _jobs(n: int, tag: str) -> list[dict]:
     return [
         {"prompt": f"{tag} {i}: list some words", "temperature": 0.0, "ignore_eos": True,
@@ -65,13 +73,12 @@ def test_two_workers_share_the_queue_and_every_job_ends_once(workers, client):
 def test_jobs_of_a_killed_worker_run_again_elsewhere_and_end_once(workers, client):
     a, b = workers
     job_ids = client.submit_many(_jobs(18, "kill"))
-    executions_key = f"rq:worker:{a.name}:executions"
     deadline = time.monotonic() + 120
-    while client.redis.scard(executions_key) < 2:
+    while len(_held_by(client, a.name)) < 2:
         assert time.monotonic() < deadline, a.log_tail()
         time.sleep(0.02)
     a.kill()  # SIGKILL mid-batch: no cleanup, its leases just stop being renewed
-    orphans = {m.decode().split(":")[0] for m in client.redis.smembers(executions_key)}
+    orphans = _held_by(client, a.name)
     assert orphans <= set(job_ids) and orphans
 
     results = {j: client.result(j, timeout=240) for j in job_ids}
@@ -90,7 +97,7 @@ def test_sigterm_lets_in_flight_jobs_finish_then_exits_cleanly(workers, client):
     _, b = workers
     job_ids = client.submit_many(_jobs(4, "drain"))
     deadline = time.monotonic() + 120
-    while not client.redis.scard(f"rq:worker:{b.name}:executions"):
+    while not _held_by(client, b.name):
         assert time.monotonic() < deadline, b.log_tail()
         time.sleep(0.02)
 

@@ -87,7 +87,10 @@ def test_greedy_jobs_return_exactly_the_offline_tokens(service, client, offline_
     # RQ's own view agrees: the return value is the result, and the job is finished.
     job = Job.fetch(job_ids[0], connection=client.redis, serializer=JSONSerializer)
     assert job.get_status() == "finished"
-    assert job.latest_result().return_value["token_ids"] == results[0].token_ids
+    # RQ's result entry is a summary; the full result lives in pagedq:result:{id} only.
+    summary = job.latest_result().return_value
+    assert summary["result_key"] == f"pagedq:result:{job_ids[0]}"
+    assert summary["usage"]["completion_tokens"] == len(results[0].token_ids)
 
 
 def test_worker_keeps_many_jobs_in_one_batch_and_admits_new_ones_as_others_end(service, client):
@@ -101,7 +104,8 @@ def test_worker_keeps_many_jobs_in_one_batch_and_admits_new_ones_as_others_end(s
     )  # fmt: skip
     max_started = 0
     deadline = time.monotonic() + 240
-    while client.redis.llen(f"rq:queue:{QUEUE}") or registry.count:
+    # cleanup=False: RQ's own registry cleanup is what pagedq never runs.
+    while client.redis.llen(f"rq:queue:{QUEUE}") or registry.get_job_count(cleanup=False):
         max_started = max(max_started, len(registry.get_job_ids(cleanup=False)))
         assert time.monotonic() < deadline, service.log_tail()
         time.sleep(0.02)
@@ -188,17 +192,17 @@ def test_metrics_endpoint_reports_batch_and_latency(service, client):
     text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics").read().decode()
 
     def value(name: str) -> float:
-        match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+        match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
         assert match, f"{name} missing from /metrics"
         return float(match.group(1))
 
-    assert value("pagedq_generation_tokens_total") > 0
-    assert value("pagedq_time_to_first_token_seconds_count") > 0
-    assert value("pagedq_inter_token_latency_seconds_count") > 0
-    assert value("pagedq_e2e_request_latency_seconds_count") > 0
-    for gauge in ("pagedq_requests_running", "pagedq_requests_waiting",
-                  "pagedq_kv_cache_usage_ratio", "pagedq_prefix_cache_hit_rate",
-                  "pagedq_preemptions_total"):  # fmt: skip
+    assert value("pagedq:generation_tokens_total") > 0
+    assert value("pagedq:time_to_first_token_seconds_count") > 0
+    assert value("pagedq:inter_token_latency_seconds_count") > 0
+    assert value("pagedq:e2e_request_latency_seconds_count") > 0
+    for gauge in ("pagedq:num_requests_running", "pagedq:num_requests_waiting",
+                  "pagedq:kv_cache_usage_perc", "pagedq:prefix_cache_hits_total",
+                  "pagedq:num_preemptions_total"):  # fmt: skip
         value(gauge)
 
 

@@ -1,0 +1,42 @@
+"""The `pagedq` command: producer subcommands from producer.cli, `worker` and `demo` from
+worker.cli, imported only when asked for, so a producer-only install (`pip install pagedq`)
+runs submit/status/result/cancel and explains what `pagedq worker` needs."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Sequence
+
+WORKER_COMMANDS = ("worker", "demo")
+# What `pip install 'pagedq[worker]'` adds and worker/ needs at once.
+WORKER_EXTRA_MODULES = ("torch", "transformers", "gguf", "structlog", "prometheus_client")
+
+
+def missing_worker_modules() -> list[str]:
+    """The modules of the worker extra that are not installed."""
+    return [m for m in WORKER_EXTRA_MODULES if importlib.util.find_spec(m) is None]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `pagedq` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in WORKER_COMMANDS:
+        missing = missing_worker_modules()
+        if missing:
+            print(
+                f"`pagedq {argv[0]}` needs the worker extra: pip install 'pagedq[worker]' "
+                f"(missing: {', '.join(missing)})",
+                file=sys.stderr,
+            )
+            return 1
+        from worker.cli import demo_main, worker_main
+
+        return (worker_main if argv[0] == "worker" else demo_main)(argv[1:]) or 0
+    from producer.cli import main as producer_main
+
+    return producer_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Riding out Redis outages: retry a Redis call with backoff, one log line per attempt."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+T = TypeVar("T")
+
+log = logging.getLogger("pagedq.producer")
+
+# issue 7: producers wait out a Redis restart or failover of at least 5 minutes.
+DEFAULT_OUTAGE_S = 600.0
+FIRST_DELAY_S = 0.5
+MAX_DELAY_S = 10.0
+# Connection errors of redis-py; BusyLoadingError (Redis replaying its AOF) is one of them.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+
+
+class RedisUnavailableError(RedisConnectionError):
+    """Redis stayed unreachable for longer than the caller was willing to wait."""
+
+
+def redact_url(url: str) -> str:
+    """The Redis URL with its password replaced by ***, fit for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def backoff_delays(first_s: float = FIRST_DELAY_S, max_s: float = MAX_DELAY_S):
+    """0.5, 1, 2, 4, 8, 10, 10, ... seconds."""
+    delay = first_s
+    while True:
+        yield delay
+        delay = min(max_s, delay * 2)
+
+
+def call_with_retry(
+    fn: Callable[[], T],
+    what: str,
+    max_wait_s: float | None = DEFAULT_OUTAGE_S,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """`fn()`, retried with exponential backoff while Redis is unreachable.
+
+    Logs one warning per failed attempt. Gives up with RedisUnavailableError once the outage
+    has lasted `max_wait_s` seconds (None: never). `fn` must be safe to call again after a
+    connection error (reads, or writes that are idempotent like pagedq's enqueue script).
+    """
+    down_since: float | None = None
+    delays = backoff_delays()
+    attempt = 0
+    while True:
+        try:
+            result = fn()
+        except REDIS_DOWN as exc:
+            now = time.monotonic()
+            down_since = now if down_since is None else down_since
+            attempt += 1
+            delay = next(delays)
+            if max_wait_s is not None and now - down_since + delay > max_wait_s:
+                raise RedisUnavailableError(
+                    f"Redis unreachable for {now - down_since:.0f} s while {what}: {exc}"
+                ) from exc
+            log.warning(
+                "Redis unreachable while %s (%s); attempt %d, retrying in %.1f s",
+                what,
+                exc,
+                attempt,
+                delay,
+            )
+            sleep(delay)
+            continue
+        if attempt:
+            log.warning("Redis reachable again after %d failed attempt(s) (%s)", attempt, what)
+        return result

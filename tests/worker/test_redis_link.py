@@ -1,0 +1,60 @@
+"""RedisLink against a real redis-server that goes away and comes back (no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from producer.client import Client
+from worker.redis_link import RedisLink
+from worker.redis_server import PrivateRedis
+from worker.rq_adapter import Command, RQAdapter
+from worker.service import connect, redact_url
+
+
+@pytest.fixture
+def server():
+    with PrivateRedis(appendonly=True) as s:
+        yield s
+
+
+def test_writes_made_while_redis_is_down_are_buffered_then_written_in_order(server):
+    link = RedisLink(RQAdapter(connect(server.url), "w", ["q"], lease_ttl=5, result_ttl=5,
+                               stream_ttl=5, max_crashes=2).scripts)  # fmt: skip
+    replies: list = []
+    server.kill()
+    link.run([Command("RPUSH", ["order", "a"])], replies.append)
+    link.run([Command("RPUSH", ["order", "b"]), Command("RPUSH", ["order", "c"])], replies.append)
+    assert not link.up and len(link.outbox) == 2 and replies == []
+    assert link.attempt(lambda: link.scripts.connection.ping()) == (False, None)
+
+    link._next_attempt_at = 0.0
+    assert link.poll() is False  # still down: one more logged attempt
+    server.start()
+    link._next_attempt_at = 0.0
+    assert link.poll() is True
+    assert server.client().lrange("order", 0, -1) == [b"a", b"b", b"c"]
+    assert replies == [[1], [2, 3]] and not link.outbox
+
+
+def test_fenced_scripts_run_again_after_a_restart_emptied_the_script_cache(server):
+    connection = connect(server.url)
+    Client(connection=server.client(), queue="q").submit(prompt="hi")
+    adapter = RQAdapter(connection, "w", ["q"], lease_ttl=5, result_ttl=5, stream_ttl=5,
+                        max_crashes=2)  # fmt: skip
+    claim = adapter.dequeue()
+    server.restart()  # AOF keeps the job; the script cache is empty now
+    link = RedisLink(adapter.scripts)
+    link.run([adapter.end_call(claim, "finished", {"job_id": claim.job_id}, {"event": "done"})])
+    assert server.client().hget(f"rq:job:{claim.job_id}", "status") == b"finished"
+
+
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("redis://user:pw@host:6379/0", "redis://user:***@host:6379/0"),
+        ("rediss://:pw@host/1", "rediss://:***@host/1"),
+        ("redis://host:6379/0", "redis://host:6379/0"),
+    ],
+)
+def test_urls_are_logged_without_their_password(url, shown):
+    assert redact_url(url) == shown

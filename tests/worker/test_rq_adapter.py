@@ -1,0 +1,303 @@
+"""What RQ's own tooling sees after each rq_adapter script (real redis-server, no model).
+
+These pin the contract with RQ 3.0: `Job.fetch(..., serializer=JSONSerializer)`, `get_status()`,
+`latest_result()`, the registries and `Worker.all` read what the Lua scripts write, and no
+callback or webhook a job hash names is ever called.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+from rq import Worker
+from rq.job import Job
+from rq.registry import (
+    CanceledJobRegistry,
+    FailedJobRegistry,
+    FinishedJobRegistry,
+    StartedJobRegistry,
+)
+from rq.results import Result
+from rq.serializers import JSONSerializer
+
+from producer.client import Client
+from producer.keys import canonical_model, model_queue
+from worker.rq_adapter import Claim, RQAdapter
+
+QUEUE = "q-adapter"
+MARKER_DIR_ENV = "PAGEDQ_TEST_MARKER_DIR"
+
+
+def marker_callback(*args, **kwargs) -> None:
+    """What a malicious job names as its callback: it would leave a file if ever called."""
+    import os
+
+    Path(os.environ[MARKER_DIR_ENV], "called").write_text("called")
+
+
+def _adapter(redis_client, *, lease_ttl: int = 30, max_crashes: int = 2, name: str = "w1"):
+    return RQAdapter(
+        redis_client,
+        name,
+        [model_queue(QUEUE, "smollm2"), QUEUE],
+        lease_ttl=lease_ttl,
+        result_ttl=600,
+        stream_ttl=600,
+        max_crashes=max_crashes,
+    )
+
+
+def _fetch(redis_client, job_id: str) -> Job:
+    return Job.fetch(job_id, connection=redis_client, serializer=JSONSerializer)
+
+
+def _registries(redis_client, queue: str = QUEUE) -> dict[str, list[str]]:
+    kw = dict(connection=redis_client, serializer=JSONSerializer)
+    return {
+        "started": StartedJobRegistry(queue, **kw).get_job_ids(cleanup=False),
+        "finished": FinishedJobRegistry(queue, **kw).get_job_ids(cleanup=False),
+        "failed": FailedJobRegistry(queue, **kw).get_job_ids(cleanup=False),
+        "canceled": CanceledJobRegistry(queue, **kw).get_job_ids(cleanup=False),
+    }
+
+
+def _result(status: str, job_id: str, **extra) -> dict:
+    return {"job_id": job_id, "status": status, "text": "hi", "token_ids": [1], **extra}
+
+
+def test_dequeue_marks_the_job_started_in_one_step_and_rq_sees_it(redis_client):
+    job_id = Client(connection=redis_client, queue=QUEUE).submit(prompt="hi", max_tokens=4)
+    claim = _adapter(redis_client).dequeue()
+
+    assert claim.job_id == job_id and claim.queue == QUEUE and claim.attempt == 1
+    assert claim.rq_job().args[0]["prompt"] == "hi"
+    assert redis_client.llen(f"rq:queue:{QUEUE}") == 0
+    job = _fetch(redis_client, job_id)
+    assert job.get_status() == "started" and job.worker_name == "w1"
+    assert _registries(redis_client)["started"] == [job_id]
+    assert _adapter(redis_client).dequeue() is None
+
+
+def test_finish_writes_rq_state_the_result_key_and_the_final_entry_in_one_script(redis_client):
+    job_id = Client(connection=redis_client, queue=QUEUE).submit(prompt="hi", max_tokens=4)
+    adapter = _adapter(redis_client)
+    claim = adapter.dequeue()
+    summary = {"job_id": job_id, "status": "finished", "result_key": f"pagedq:result:{job_id}"}
+    done = {"event": "done"}
+    end = adapter.end_call(claim, "finished", _result("finished", job_id), done, summary)
+
+    assert adapter.scripts.call(end) == 1
+    job = _fetch(redis_client, job_id)
+    assert job.get_status() == "finished" and job.ended_at is not None
+    latest = job.latest_result()
+    assert latest.type == Result.Type.SUCCESSFUL and latest.return_value == summary
+    assert _registries(redis_client) == {
+        "started": [], "finished": [job_id], "failed": [], "canceled": []
+    }  # fmt: skip
+    assert json.loads(redis_client.get(f"pagedq:result:{job_id}"))["text"] == "hi"
+    entries = redis_client.xrange(f"pagedq:stream:{job_id}")
+    assert [e[1] for e in entries] == [{b"event": b"done"}]
+    # Fenced: the same execution cannot end the job twice.
+    assert adapter.scripts.call(end) == 0
+    assert len(job.results()) == 1 and redis_client.xlen(f"pagedq:stream:{job_id}") == 1
+
+
+def test_fail_and_cancel_land_in_rqs_failed_and_canceled_registries(redis_client):
+    client = Client(connection=redis_client, queue=QUEUE)
+    bad, gone = client.submit(prompt="a"), client.submit(prompt="b")
+    adapter = _adapter(redis_client)
+    claims = {c.job_id: c for c in (adapter.dequeue(), adapter.dequeue())}
+    error = {"event": "error", "error": "max_tokens: bad"}
+    fail = adapter.end_call(claims[bad], "failed", _result("failed", bad, error="x"), error)
+    cancel_final = {"event": "error", "error": "canceled"}
+    cancel = adapter.end_call(claims[gone], "canceled", _result("canceled", gone), cancel_final)
+
+    assert adapter.scripts.run([fail, cancel]) == [1, 1]
+    assert _fetch(redis_client, bad).latest_result().exc_string == "x"
+    assert _fetch(redis_client, gone).get_status() == "canceled"
+    assert _registries(redis_client) == {
+        "started": [], "finished": [], "failed": [bad], "canceled": [gone]
+    }  # fmt: skip
+
+
+def test_expired_leases_are_requeued_then_failed_after_max_crashes(redis_client):
+    job_id = Client(connection=redis_client, queue=QUEUE).submit(prompt="hi")
+    dead = _adapter(redis_client, lease_ttl=1, name="dead")
+    reaper = _adapter(redis_client, lease_ttl=1, name="reaper")
+    first = dead.dequeue()
+    time.sleep(1.1)
+    assert reaper.reap() == ([job_id], [])
+    assert _fetch(redis_client, job_id).get_status() == "queued"
+    # The dead worker wakes up: its execution no longer holds the job, so nothing is written.
+    late = dead.end_call(first, "finished", _result("finished", job_id), {"event": "done"}, {})
+    assert dead.scripts.call(late) == 0
+    assert redis_client.exists(f"pagedq:result:{job_id}") == 0
+
+    second = reaper.dequeue()
+    assert second.attempt == 2 and second.execution != first.execution
+    time.sleep(1.1)
+    assert reaper.reap() == ([], [job_id])
+    job = _fetch(redis_client, job_id)
+    assert job.get_status() == "failed"
+    assert "in flight during 2 worker crashes" in job.latest_result().exc_string
+    assert _registries(redis_client)["failed"] == [job_id]
+    result = json.loads(redis_client.get(f"pagedq:result:{job_id}"))
+    assert result["status"] == "failed" and "2 worker crashes" in result["error"]
+
+
+def test_heartbeat_renews_held_leases_and_reports_lost_ones(redis_client):
+    client = Client(connection=redis_client, queue=QUEUE)
+    kept, lost = client.submit(prompt="a"), client.submit(prompt="b")
+    adapter = _adapter(redis_client, lease_ttl=1)
+    claims = {c.job_id: c for c in (adapter.dequeue(), adapter.dequeue())}
+    redis_client.zrem(f"rq:wip:{QUEUE}", claims[lost].member)  # as a reaper would
+    call = adapter.heartbeat_call(list(claims.values()), "busy", {"in_flight": 2})
+
+    assert adapter.scripts.call(call) == [claims[lost].member.encode()]
+    score = redis_client.zscore(f"rq:wip:{QUEUE}", claims[kept].member)
+    assert score > time.time() + 0.5
+    assert json.loads(redis_client.get("pagedq:worker:w1"))["in_flight"] == 2
+
+
+def test_requeue_puts_the_job_at_the_front_and_a_crash_counts(redis_client):
+    client = Client(connection=redis_client, queue=QUEUE)
+    job_id, other = client.submit(prompt="a"), client.submit(prompt="b")
+    adapter = _adapter(redis_client, max_crashes=1)
+    claim = adapter.dequeue()
+    call = adapter.requeue_call(claim, count_crash=False, result={}, reason="stopping")
+    assert adapter.scripts.call(call) == 1
+    assert redis_client.lrange(f"rq:queue:{QUEUE}", 0, -1) == [job_id.encode(), other.encode()]
+
+    claim = adapter.dequeue()
+    crash = adapter.requeue_call(
+        claim, count_crash=True, result={"job_id": job_id}, reason="engine crashed"
+    )
+    assert adapter.scripts.call(crash) == 2
+    assert _fetch(redis_client, job_id).get_status() == "failed"
+
+
+def test_jobs_asking_for_a_model_go_to_that_models_queue(redis_client):
+    client = Client(connection=redis_client, queue=QUEUE)
+    gguf = "/somewhere/SmolLM2-135M-Instruct.Q4_1.gguf"
+    ids = [client.submit(prompt="x", model=m) for m in ("smollm2", gguf)]
+    plain = client.submit(prompt="y")
+
+    assert canonical_model("HuggingFaceTB/SmolLM2-135M-Instruct") == canonical_model(gguf)
+    model_key = f"rq:queue:{model_queue(QUEUE, 'smollm2')}"
+    assert redis_client.lrange(model_key, 0, -1) == [i.encode() for i in ids]
+    assert redis_client.lrange(f"rq:queue:{QUEUE}", 0, -1) == [plain.encode()]
+    assert model_key.encode() in redis_client.smembers("rq:queues")
+    # A worker serving the model tries its model's queue first, then the shared one.
+    adapter = _adapter(redis_client)
+    assert [adapter.dequeue().job_id for _ in range(3)] == [*ids, plain]
+    assert _fetch(redis_client, ids[0]).origin == model_queue(QUEUE, "smollm2")
+    other = RQAdapter(
+        redis_client, "w2", [model_queue(QUEUE, "other/model"), QUEUE],
+        lease_ttl=5, result_ttl=5, stream_ttl=5, max_crashes=2,
+    )  # fmt: skip
+    client.submit(prompt="z", model="smollm2")
+    assert other.dequeue() is None
+
+
+def test_registration_is_what_rq_lists_and_a_stale_name_is_taken_over(redis_client):
+    adapter = _adapter(redis_client, lease_ttl=1)
+    assert adapter.register()
+    workers = Worker.all(connection=redis_client)
+    assert [w.name for w in workers] == ["w1"]
+    assert {q.name for q in workers[0].queues} == {QUEUE, model_queue(QUEUE, "smollm2")}
+    assert not _adapter(redis_client, lease_ttl=1).register()  # live: refused
+    time.sleep(1.1)
+    assert _adapter(redis_client, lease_ttl=1).register()  # stale: taken over
+    adapter.unregister()
+    assert Worker.all(connection=redis_client) == []
+
+
+def test_scripts_reload_after_script_flush(redis_client):
+    Client(connection=redis_client, queue=QUEUE).submit(prompt="hi")
+    adapter = _adapter(redis_client)
+    adapter.scripts.load()
+    redis_client.script_flush()
+    assert adapter.dequeue() is not None
+
+
+@pytest.mark.parametrize(
+    "raw, seconds",
+    [("", 60), ("30", 30), ("90s", 60), ("1m", 60), ("0.5", 0.5), ("-1", 60), ("1h", 60),
+     ("abc", 60), ("nan", 60), ("inf", 60)],
+)  # fmt: skip
+def test_job_timeout_is_rqs_field_capped_by_the_worker(raw, seconds):
+    claim = Claim("j", QUEUE, "e", 1, b"", "", raw, False)
+    assert claim.timeout_s(60) == seconds
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    requests: list[str] = []
+
+    def do_GET(self):  # noqa: N802 - http.server's naming
+        self.requests.append(self.path)
+        self.send_response(200)
+        self.end_headers()
+
+    do_POST = do_GET  # noqa: N815
+
+    def log_message(self, *args):
+        pass
+
+
+def test_callbacks_and_webhooks_named_by_a_job_hash_are_never_called(
+    redis_client, tmp_path, monkeypatch
+):
+    monkeypatch.setenv(MARKER_DIR_ENV, str(tmp_path))
+    server = HTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/hook"
+    client = Client(connection=redis_client, queue=QUEUE)
+    ids = [client.submit(prompt=f"p{i}") for i in range(4)]
+    callback = f"{__name__}.marker_callback"
+    hooks = [{"url": url, "job_status": s, "method": "POST"} for s in
+             ("finished", "failed", "canceled", "stopped")]  # fmt: skip
+    for job_id in ids:
+        redis_client.hset(
+            f"rq:job:{job_id}",
+            mapping={
+                "success_callback_name": callback,
+                "failure_callback_name": callback,
+                "stopped_callback_name": callback,
+                "webhooks": json.dumps(hooks),
+            },
+        )
+    adapter = _adapter(redis_client, lease_ttl=1, max_crashes=1)
+    claims = [adapter.dequeue() for _ in ids]
+    final = {"event": "done"}
+    adapter.scripts.run(
+        [
+            adapter.end_call(claims[0], "finished", _result("finished", ids[0]), final, {}),
+            adapter.end_call(claims[1], "failed", _result("failed", ids[1]), final),
+            adapter.end_call(claims[2], "canceled", _result("canceled", ids[2]), final),
+        ]
+    )
+    time.sleep(1.1)
+    assert adapter.reap() == ([], [ids[3]])  # the reaper path, out of crashes
+
+    statuses = [_fetch(redis_client, j).get_status() for j in ids]
+    assert statuses == ["finished", "failed", "canceled", "failed"]
+    time.sleep(0.2)
+    server.shutdown()
+    assert _Recorder.requests == []
+    assert not (tmp_path / "called").exists()
+
+
+def test_job_data_is_read_compressed_or_not_and_a_zip_bomb_is_refused():
+    import zlib
+
+    payload = json.dumps(["pagedq.generate", None, [{"prompt": "hi"}], {}]).encode()
+    for data in (payload, zlib.compress(payload)):
+        assert Claim("j", QUEUE, "e", 1, data, "", "", False).rq_job().args == [{"prompt": "hi"}]
+    bomb = zlib.compress(b"[" + b" " * (64 * 1024 * 1024) + b"]")
+    with pytest.raises(ValueError, match="decompressed"):
+        Claim("j", QUEUE, "e", 1, bomb, "", "", False).rq_job()
