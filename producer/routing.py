@@ -39,19 +39,24 @@ def subqueue_meta(priority: int = 0, tenant: str | None = None) -> str:
     return json.dumps({"priority": priority, "tenant": tenant or ""}, separators=(",", ":"))
 
 
+def root_queue(base: str) -> str:
+    """The queue a base belongs to: ``pagedq@model`` -> ``pagedq`` (accounts are per root)."""
+    return base.split("@", 1)[0]
+
+
 def fair_key(base: str) -> str:
-    """Hash of the shared fair-queueing accounts of ``base``: `v` and one `F:{tenant}` each."""
-    return f"{KEY_PREFIX}:fair:{base}"
+    """Hash of the fair-queueing accounts of a queue: `v` and one `F:{tenant}` per tenant."""
+    return f"{KEY_PREFIX}:fair:{root_queue(base)}"
 
 
 def weights_key(base: str) -> str:
-    """Hash of tenant weights of ``base`` (tenant -> weight; absent = 1), set by workers."""
-    return f"{KEY_PREFIX}:fair-weights:{base}"
+    """Hash of tenant weights of a queue (tenant -> weight; absent = 1), set by workers."""
+    return f"{KEY_PREFIX}:fair-weights:{root_queue(base)}"
 
 
 def tenant_tokens_key(base: str) -> str:
-    """Hash of tokens generated per tenant under ``base`` (tenant -> count; "" = no tenant)."""
-    return f"{KEY_PREFIX}:tenant-tokens:{base}"
+    """Hash of tokens used per tenant of a queue (tenant -> count; "" = no tenant)."""
+    return f"{KEY_PREFIX}:tenant-tokens:{root_queue(base)}"
 
 
 def job_cost(prompt: str | list[int] | None, messages_chars: int, max_tokens: int, n: int) -> int:

@@ -7,12 +7,13 @@ the same order and the same tenant accounts. Per base queue (see ``producer/rout
    ``priority - floor(waited / aging_seconds)``: lower runs sooner, and a waiting job gains one
    level every ``aging_seconds``, so a job of priority p starts at the latest
    ``(p - p_min + 1) * aging_seconds`` after it reaches the head of its sub-queue.
-2. Among heads of the same effective priority, start-time fair queueing by tenant, in tokens:
-   a tenant's next job starts at ``S = max(V, F[tenant])`` and finishes at
-   ``F = S + cost / weight`` (virtual time). The smallest ``F`` wins, lowered by the seed's
-   starvation boost ``F * (1 - 0.3 * min(1, waited / max_wait_seconds))``; then the earliest
-   enqueue. Picking a job sets ``V = S`` and ``F[tenant] = F``. A tenant that had no work gets
-   ``V``, not its old credit: it shares from now on, it does not catch up.
+2. Among heads of the same effective priority, fair queueing by tenant, in tokens: a tenant's
+   next job starts at its last finish tag ``S = F[tenant]`` and finishes at
+   ``F = S + cost / weight`` (virtual time). The smallest ``F`` wins, after the seed's
+   starvation boost ``V + (F - V) * (1 - 0.3 * min(1, waited / max_wait_seconds))``; then the
+   earliest enqueue. Picking a job sets ``V = max(V, S)`` and ``F[tenant] = F``. When a job
+   lands in an empty sub-queue (its tenant had been idle), the producer lifts ``F[tenant]`` to
+   ``V``: an idle tenant shares from now on, it does not catch up on past service.
 3. When the job ends, ``charge`` replaces its estimated cost by the tokens it really used.
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from producer.keys import KEY_PREFIX
-from producer.routing import DEFAULT_JOB_COST, fair_key, tenant_tokens_key, weights_key
+from producer.routing import DEFAULT_JOB_COST, weights_key
 
 # Defaults a worker passes unless configured: a level of priority per minute of waiting, and the
 # seed's full starvation boost after ten minutes.
@@ -37,16 +38,25 @@ local function pq_pick(bases, aging_s, max_wait_s)
   local best = nil
   for _, base in ipairs(bases) do
     local index = '{KEY_PREFIX}:subqueues:' .. base
-    local fair = '{KEY_PREFIX}:fair:' .. base
+    -- One account per tenant for the whole queue: a model's queue shares its root's accounts.
+    local root = string.match(base, '^[^@]*')
+    local fair = '{KEY_PREFIX}:fair:' .. root
     local v = tonumber(redis.call('HGET', fair, 'v')) or 0
     local entries = redis.call('HGETALL', index)
+    -- The base queue itself is always a candidate: plain RQ producers push there unindexed.
+    local listed = false
+    for i = 1, #entries, 2 do if entries[i] == base then listed = true end end
+    if not listed then
+      entries[#entries + 1] = base
+      entries[#entries + 1] = '{{"priority":0,"tenant":""}}'
+    end
     for i = 1, #entries, 2 do
       local name = entries[i]
       local ok, meta = pcall(cjson.decode, entries[i + 1])
       local qkey = 'rq:queue:' .. name
       local head = redis.call('LINDEX', qkey, 0)
       if not head or not ok or type(meta) ~= 'table' then
-        if not head then redis.call('HDEL', index, name) end
+        if not head and name ~= base then redis.call('HDEL', index, name) end
       else
         local fields = redis.call('HMGET', 'rq:job:' .. head, 'pq_enq', 'pq_cost')
         local enq = tonumber(fields[1]) or now
@@ -55,11 +65,13 @@ local function pq_pick(bases, aging_s, max_wait_s)
         local prio = tonumber(meta.priority) or 0
         if aging_s > 0 then prio = prio - math.floor(waited / aging_s) end
         local tenant = tostring(meta.tenant or '')
-        local w = tonumber(redis.call('HGET', '{KEY_PREFIX}:fair-weights:' .. base, tenant)) or 1
+        local w = tonumber(redis.call('HGET', '{KEY_PREFIX}:fair-weights:' .. root, tenant)) or 1
         if w <= 0 then w = 1 end
-        local start = math.max(v, tonumber(redis.call('HGET', fair, 'F:' .. tenant)) or 0)
+        -- A tenant's start tag is its last finish; producers lift it to V when the tenant's
+        -- sub-queue was empty (it had been idle). A tenant never seen starts at V.
+        local start = tonumber(redis.call('HGET', fair, 'F:' .. tenant)) or v
         local finish = start + cost / w
-        local key = finish * (1 - 0.3 * math.min(1, waited / max_wait_s))
+        local key = v + (finish - v) * (1 - 0.3 * math.min(1, waited / max_wait_s))
         if best == nil or prio < best.prio or (prio == best.prio and (key < best.key
             or (key == best.key and enq < best.enq))) then
           best = {{prio = prio, key = key, enq = enq, name = name, qkey = qkey, fair = fair,
@@ -70,7 +82,8 @@ local function pq_pick(bases, aging_s, max_wait_s)
   end
   if best == nil then return nil end
   local id = redis.call('LPOP', best.qkey)
-  redis.call('HSET', best.fair, 'v', tostring(best.start), 'F:' .. best.tenant,
+  local v = tonumber(redis.call('HGET', best.fair, 'v')) or 0
+  redis.call('HSET', best.fair, 'v', tostring(math.max(v, best.start)), 'F:' .. best.tenant,
              tostring(best.finish))
   return {{best.name, id, best.base, best.tenant, tostring(best.cost)}}
 end
@@ -87,18 +100,28 @@ return pq_pick(bases, tonumber(ARGV[1]), tonumber(ARGV[2]))
 """
 )
 
-# KEYS = fair, weights, tenant tokens; ARGV = tenant, estimated cost, tokens used.
-CHARGE_SCRIPT = """
-local w = tonumber(redis.call('HGET', KEYS[2], ARGV[1])) or 1
-if w <= 0 then w = 1 end
-local f = tonumber(redis.call('HGET', KEYS[1], 'F:' .. ARGV[1]))
-if f then
-  local delta = (tonumber(ARGV[3]) - tonumber(ARGV[2])) / w
-  redis.call('HSET', KEYS[1], 'F:' .. ARGV[1], tostring(f + delta))
+CHARGE_LUA = f"""
+-- pq_charge(base, tenant, estimated, used): replace a job's estimated cost by the tokens it used.
+local function pq_charge(base, tenant, estimated, used)
+  local root = string.match(base, '^[^@]*')
+  local fair = '{KEY_PREFIX}:fair:' .. root
+  local w = tonumber(redis.call('HGET', '{KEY_PREFIX}:fair-weights:' .. root, tenant)) or 1
+  if w <= 0 then w = 1 end
+  local finish = tonumber(redis.call('HGET', fair, 'F:' .. tenant))
+  if finish then
+    redis.call('HSET', fair, 'F:' .. tenant, tostring(finish + (used - estimated) / w))
+  end
+  if used > 0 then redis.call('HINCRBY', '{KEY_PREFIX}:tenant-tokens:' .. root, tenant, used) end
 end
-redis.call('HINCRBY', KEYS[3], ARGV[1], ARGV[3])
-return 1
 """
+
+# ARGV = base, tenant, estimated cost, tokens used.
+CHARGE_SCRIPT = (
+    CHARGE_LUA
+    + """
+return pq_charge(ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]))
+"""
+)
 
 
 class FairQueue:
@@ -139,8 +162,7 @@ class FairQueue:
         self, base: str, tenant: str, estimated_cost: int, tokens: int, pipeline: Any = None
     ) -> None:
         """Replace a job's estimated cost by the tokens it used, in its tenant's account."""
-        keys = [fair_key(base), weights_key(base), tenant_tokens_key(base)]
-        self._charge(keys=keys, args=[tenant, estimated_cost, tokens], client=pipeline)
+        self._charge(args=[base, tenant, estimated_cost, tokens], client=pipeline)
 
 
 def _text(value: Any) -> str:
