@@ -141,23 +141,22 @@ class FairQueue:
     readd_preempted = add
 
     def _best(self) -> PriorityQueue:
-        if self._peeked is None:
-            now = self.clock()
-            queues = [q for q in self._queues.values() if len(q)]
-            if not queues:
-                raise IndexError("peek from an empty FairQueue")
-            self._peeked = min(queues, key=lambda q: self.key(q.peek(), now))
-        return self._peeked
+        now = self.clock()
+        queues = [q for q in self._queues.values() if len(q)]
+        if not queues:
+            raise IndexError("peek from an empty FairQueue")
+        return min(queues, key=lambda q: self.key(q.peek(), now))
 
     def peek(self) -> Request:
-        """The next request to admit (``pop`` then takes this very one)."""
-        return self._best().peek()
+        """The next request to admit; a ``pop`` right after takes this very one."""
+        self._peeked = self._best()
+        return self._peeked.peek()
 
     def pop(self) -> Request:
-        """Remove and return the next request."""
-        request = self._best().pop()
+        """Remove and return the next request (the one the last ``peek`` returned)."""
+        queue = self._peeked if self._peeked is not None else self._best()
         self._peeked = None
-        return request
+        return queue.pop()
 
     def remove(self, request: Request) -> None:
         """Drop ``request`` (an abort)."""

@@ -68,7 +68,7 @@ class Scheduler:
         self.swap_space = swap_space
         self.cost_model = cost_model
         self.clock = clock
-        self.fair = FairShare(config.tenant_weights, config.aging_seconds or 60.0)
+        self.fair = FairShare(config.tenant_weights, config.aging_seconds)
         self.waiting = make_request_queue(config.policy, config.aging_seconds, self.fair, clock)
         # Swapped requests come back in the same order the waiting ones are admitted in.
         self.swapped = make_request_queue(config.policy, config.aging_seconds, self.fair, clock)
