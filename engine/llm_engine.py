@@ -45,6 +45,7 @@ class EngineStats:
     swap_space_usage: float = 0.0  # fraction of the swap pool held
     tenant_generated_tokens: dict[str, int] = field(default_factory=dict)
     mean_queue_time_s: float = 0.0  # arrival in the engine to first scheduling
+    num_scheduled_requests: int = 0  # requests scheduled at least once (queue-time samples)
     generation_tokens_per_s: float = 0.0  # over the last 10 s
     prefill_tokens_per_s: float = 0.0  # the moving average the swap/recompute rule uses
     copy_bytes_per_s: float = 0.0  # measured at start (0 without a swap pool)
@@ -402,6 +403,7 @@ class LLMEngine:
             swap_space_usage=1 - swap.num_free_blocks / swap.num_blocks if swap else 0.0,
             tenant_generated_tokens=dict(sched.fair.generated_tokens),
             mean_queue_time_s=sched.mean_queue_time,
+            num_scheduled_requests=sched.num_queue_times,
             generation_tokens_per_s=sched.generation_rate.rate(sched.clock()),
             prefill_tokens_per_s=self.cost_model.prefill_tokens_per_s if self.cost_model else 0.0,
             copy_bytes_per_s=self.cost_model.copy_bytes_per_s if self.cost_model else 0.0,
