@@ -113,24 +113,28 @@ class SwapSpace:
             dst_layer[:, d] = src_layer[:, s].to(dst_layer.device, non_blocking=False)
 
     def measure_copy_bandwidth(self) -> float:
-        """Bytes per second of a device -> host copy of a few blocks (best of three)."""
-        layer_bytes = self.bytes_per_block // len(self.kv_caches)
-        n = max(
-            1,
-            min(self.num_blocks, self.kv_caches[0].shape[1], BANDWIDTH_PROBE_BYTES // layer_bytes),
-        )
-        ids = list(range(n))
-        src = torch.tensor(ids, dtype=torch.long, device=self.kv_caches[0].device)
-        best = float("inf")
-        for _ in range(3):
-            if src.device.type == "cuda":
-                torch.cuda.synchronize(src.device)
-            t0 = time.perf_counter()
-            self.host_caches[0][:, ids] = self.kv_caches[0][:, src].to("cpu")
-            if src.device.type == "cuda":
-                torch.cuda.synchronize(src.device)
-            best = min(best, time.perf_counter() - t0)
-        return n * layer_bytes / max(best, 1e-9)
+        """Bytes per second of one device -> host copy of 8 MiB (best of three)."""
+        return measure_copy_bandwidth(self.kv_caches[0].device, self.host_caches[0].is_pinned())
+
+
+def measure_copy_bandwidth(device: torch.device, pin: bool = False) -> float:
+    """Bytes per second of a device -> host copy of ``BANDWIDTH_PROBE_BYTES`` (best of three).
+
+    A scratch buffer of a fixed size, so that the figure is a bandwidth and not the fixed cost
+    of one small copy.
+    """
+    src = torch.ones(BANDWIDTH_PROBE_BYTES // 4, dtype=torch.float32, device=device)
+    dst = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+    best = float("inf")
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return BANDWIDTH_PROBE_BYTES / max(best, 1e-9)
 
 
 def bytes_per_block(kv_caches: list[torch.Tensor]) -> int:
