@@ -56,6 +56,12 @@ def fake_step(sched: Scheduler) -> tuple[list[str], list[str]]:
     return [s.request.request_id for s in out.scheduled], finished
 
 
+def check_hashes(kv: KVCacheManager) -> None:
+    """The prefix-cache map only points at blocks that carry that very hash."""
+    for block_hash, block in kv.block_pool.cached_block_hash_to_block.items():
+        assert block.block_hash == block_hash
+
+
 def run(sched: Scheduler) -> list[str]:
     order = []
     while sched.has_unfinished_requests():
@@ -156,6 +162,10 @@ def test_swap_keeps_progress_frees_blocks_and_comes_back_before_new_work():
         scheduled, finished = fake_step(sched)
         if content is None and "b" in scheduled:
             content = [layer[:, kv.get_block_ids("b")[:2], 0, 0, 0].tolist() for layer in caches]
+            # Its full blocks are published again under the same chained hashes.
+            pool = kv.block_pool.cached_block_hash_to_block
+            assert all(h in pool for h in b.block_hashes[:2])
+        check_hashes(kv)
         order += finished
     # b comes back (content copied into its new blocks) before c is admitted.
     assert order == ["a", "b", "c"]
