@@ -28,7 +28,8 @@ STALE_SECONDS = 120.0  # a status older than this is from a worker that stopped 
 class Finding:
     """One thing that limits throughput, and the setting that changes it."""
 
-    kind: str  # memory_pressure | not_admitted | preemption_rate | queue_time | idle | stale
+    # memory_pressure | not_admitted | preemption_rate | queue_time | idle | capacity | stale
+    kind: str
     worker: str | None
     message: str
     setting: str
@@ -157,6 +158,21 @@ def diagnose(
                     "check that those workers listen on the jobs' queue (--queue) and serve the "
                     "model the jobs pin (--model); a worker admits only while its engine can "
                     "take a request (--max-num-seqs, KV blocks for the prompt)",
+                )
+            )
+        full = [
+            w
+            for w in live
+            if _num(w, "max_num_seqs") and _num(w, "running") >= _num(w, "max_num_seqs")
+        ]
+        if live and len(full) == len(live):
+            out.append(
+                Finding(
+                    "capacity",
+                    None,
+                    f"{queued} jobs wait in the queue and every worker runs a full batch "
+                    "(max_num_seqs)",
+                    "add workers, or raise --max-num-seqs where the KV cache has room",
                 )
             )
     for w in live:

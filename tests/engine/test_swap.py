@@ -6,12 +6,13 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.swap import PreemptionCostModel
-from tests.engine.conftest import MAX_TOKENS
+from tests.engine.conftest import CHAT_PROMPTS
 from tests.engine.test_scheduler import PER_BLOCK, check_invariants, make_engine
 
 # A 7B-class model on a GPU: 512 KiB of KV per token (16-token blocks of 8 MiB), a 25 GB/s
 # host link, 10k prompt tokens/s.
 BLOCK_BYTES = 16 * 512 * 2**10
+SMOLLM2_BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # layers * (k, v) * block * kv_heads * dim * 4
 GPU_LIKE = dict(copy_bytes_per_s=25e9, prefill_tokens_per_s=10_000.0)
 
 
@@ -70,21 +71,25 @@ def test_swapped_blocks_return_to_the_pool_and_tokens_match(tiny_llama_dir):
     assert s.copy_bytes_per_s > 0 and s.prefill_tokens_per_s > 0
 
 
-def _run_smollm2(chat_prompt_ids, **kw):
-    llm = LLM("smollm2", dtype="float32", kv_cache_memory=24 * 30 * 2 * 16 * 3 * 64 * 4, **kw)
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    outs = llm.generate(chat_prompt_ids, greedy, use_tqdm=False)
+def _run_smollm2(**kw):
+    kw.setdefault("kv_cache_memory", 12 * SMOLLM2_BLOCK_BYTES)
+    llm = LLM("smollm2", dtype="float32", **kw)
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    chats = [[{"role": "user", "content": text}] for text in CHAT_PROMPTS[:8]]
+    outs = llm.chat(chats, greedy, use_tqdm=False)
     return llm.stats, [o.outputs[0].token_ids for o in outs]
 
 
-def test_swap_and_recompute_give_the_unconstrained_greedy_tokens(chat_prompt_ids, hf_reference):
-    # hf_reference equals the engine's unconstrained run (test_exactness); 24 blocks force
-    # preemption. swap_space=0 recomputes; with a pool, the cost rule swaps (copying KV on a
-    # CPU is far cheaper than prefilling it again).
-    stats, got = _run_smollm2(chat_prompt_ids, swap_space=0)
+def test_swap_and_recompute_give_the_unconstrained_greedy_tokens():
+    # 8 chats of 40-60 tokens growing by 16 need about 30 blocks; 12 force preemption.
+    # swap_space=0 recomputes; with a pool, the cost rule swaps (copying KV on a CPU is far
+    # cheaper than prefilling it again).
+    stats, unconstrained = _run_smollm2(kv_cache_memory="256MiB")
+    assert stats.num_preemptions == 0
+    stats, got = _run_smollm2(swap_space=0)
     assert stats.num_preemptions_recompute > 0 and stats.num_preemptions_swap == 0
-    assert got == hf_reference
-    stats, got = _run_smollm2(chat_prompt_ids, swap_space=0.25)
+    assert got == unconstrained
+    stats, got = _run_smollm2(swap_space=0.25)
     assert stats.num_preemptions_swap > 0 and stats.num_preemptions_recompute == 0
     assert stats.swapped_out_bytes > 0 and stats.num_swapped == 0
-    assert got == hf_reference
+    assert got == unconstrained

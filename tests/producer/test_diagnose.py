@@ -161,3 +161,12 @@ def test_top_once_prints_queues_tenants_and_every_worker(redis_server, redis_cli
     assert "gpu-a" in out and "gpu-b" in out and "42%" in out
     assert "team-a" in out and "team-b" in out and "50%" in out  # 300 of 600 tokens each
     assert f"{QUEUE}" in out and " 3 " in out
+
+
+def test_diagnose_names_capacity_when_every_batch_is_full(redis_server, redis_client, capsys):
+    Client(redis_server.url, QUEUE).submit_many([{"prompt": "x"}] * 2)
+    publish(redis_client, "full", stats(num_running=4, kv_cache_usage=0.5), 4, max_num_seqs=4)
+    code, out = run(capsys, redis_server, "diagnose")
+    assert code == 3
+    assert "2 jobs wait in the queue and every worker runs a full batch" in out
+    assert "add workers" in out
