@@ -277,8 +277,8 @@ class LLMEngine:
     def can_admit(self, num_prompt_tokens: int | None = None) -> bool:
         """Would one more request run soon? Below max_num_seqs, with blocks for its prompt.
 
-        Counts the blocks the waiting requests will need, plus a reserve so that running
-        requests can still grow without preemption.
+        Counts the blocks the waiting and swapped requests will need, plus a reserve so that
+        running requests can still grow without preemption.
         """
         sched, kv = self.scheduler, self.kv_cache_manager
         if len(sched.running) + sched.num_waiting >= self.config.max_num_seqs:
@@ -287,6 +287,7 @@ class LLMEngine:
             num_prompt_tokens = 4 * self.config.block_size
         needed = kv.num_blocks_for(num_prompt_tokens) + self.config.admission_reserve_blocks
         needed += sum(kv.num_blocks_for(r.num_tokens) for r in sched.waiting)
+        needed += sum(kv.num_blocks_for(r.num_tokens) for r in sched.swapped)
         needed += len(sched.running) // self.config.block_size
         return needed <= kv.num_free_blocks
 
