@@ -123,14 +123,22 @@ class Scheduler:
             self.swapped.readd_preempted(request)
             out.swapped_out_ids.append(request.request_id)
         else:
-            kv.free(request)
-            request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
-            self.waiting.readd_preempted(request)
+            self.restart(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.num_preemptions_by_kind[kind] += 1
         out.preempted_ids.append(request.request_id)
+
+    def restart(self, request: Request) -> None:
+        """Drop a request's KV (in blocks or in the swap pool) and queue it to be recomputed."""
+        if request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.swap_space.free(request.request_id)
+        else:
+            self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.readd_preempted(request)
 
     def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
         num_new = min(request.num_tokens - num_computed, token_budget)
