@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,7 +28,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    # A waiting request's priority improves by 1 per this many seconds (None: no aging); it is
+    # also the wait after which the fair policy's starvation boost is full. See SCHEDULING.md.
     priority_aging_seconds: float | None = 60.0
+    # GiB of host memory for swap preemption (0: recompute only).
+    swap_space: float = 4.0
+    # Share weights of tenants under the "fair" policy; unnamed tenants weigh 1.
+    tenant_weights: dict[str, float] = field(default_factory=dict)
     attention_backend: str = "auto"
     admission_reserve_blocks: int = 4
     seed: int = 0
@@ -42,6 +48,20 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(
                 f"dtype={self.dtype!r} is invalid: must be 'auto' or one of {list(DTYPES)}"
+            )
+        if isinstance(self.swap_space, bool) or not (
+            isinstance(self.swap_space, int | float) and self.swap_space >= 0
+        ):
+            raise ValueError(f"swap_space={self.swap_space!r} is invalid: must be GiB >= 0")
+        for tenant, weight in self.tenant_weights.items():
+            if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
+                raise ValueError(
+                    f"tenant_weights[{tenant!r}]={weight!r} is invalid: must be a number > 0"
+                )
+        if self.priority_aging_seconds is not None and self.priority_aging_seconds <= 0:
+            raise ValueError(
+                f"priority_aging_seconds={self.priority_aging_seconds!r} is invalid: "
+                "must be > 0 or None"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(

@@ -38,13 +38,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        tenant: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt (a string or a list of token ids)."""
+        """Complete every prompt (a string or a list of token ids).
+
+        ``priority`` and ``tenant``: one per prompt (see the "priority" and "fair" policies).
+        """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):
             prompts = [prompts]
-        return self._run(list(prompts), sampling_params, use_tqdm, priority)
+        return self._run(list(prompts), sampling_params, use_tqdm, priority, tenant)
 
     def chat(
         self,
@@ -61,11 +65,16 @@ class LLM:
                 prompts.append(self.llm_engine.apply_chat_template(list(conversation)))
             except ValueError as e:
                 raise ValueError(f"messages[{i}]: {e}") from e
-        return self._run(prompts, sampling_params, use_tqdm, None)
+        return self._run(prompts, sampling_params, use_tqdm, None, None)
 
-    def _run(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
+    def _run(self, prompts, sampling_params, use_tqdm, priority, tenant) -> list[RequestOutput]:
         engine = self.llm_engine
         params = self._params_list(sampling_params, len(prompts))
+        for name, values in (("priority", priority), ("tenant", tenant)):
+            if values is not None and len(values) != len(prompts):
+                raise ValueError(
+                    f"{name} has {len(values)} entries: must be one per prompt ({len(prompts)})"
+                )
         # Validate everything before queueing anything: a bad prompt leaves the engine untouched.
         processed = []
         for i, prompt in enumerate(prompts):
@@ -76,7 +85,11 @@ class LLM:
         ids = [str(next(self._counter)) for _ in prompts]
         for i, (request_id, (_, token_ids)) in enumerate(zip(ids, processed)):
             engine.add_request(
-                request_id, token_ids, params[i], priority=priority[i] if priority else 0
+                request_id,
+                token_ids,
+                params[i],
+                priority=priority[i] if priority else 0,
+                tenant=tenant[i] if tenant else None,
             )
         for rid, (text, _) in zip(ids, processed):
             engine.parents[rid].prompt = text

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.step_isolation import StepIsolation
+from engine.swap import INITIAL_PREFILL_TOKENS_PER_S, PreemptionCostModel, SwapSpace
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
 # Test-only fault injection: with PAGEDQ_TEST_FAULTS=1 in the environment when the engine is
@@ -48,6 +49,18 @@ class EngineStats:
     num_generated_tokens: int
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    # Scheduling (issue 9): preemptions by kind, swap, tenants, queue time, throughput.
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    num_swapped: int = 0  # requests in the swap pool now
+    swapped_out_bytes: int = 0  # since start
+    swap_space_usage: float = 0.0  # fraction of the swap pool held
+    tenant_generated_tokens: dict[str, int] = field(default_factory=dict)
+    mean_queue_time_s: float = 0.0  # arrival in the engine to first scheduling
+    num_scheduled_requests: int = 0  # requests scheduled at least once (queue-time samples)
+    generation_tokens_per_s: float = 0.0  # over the last 10 s
+    prefill_tokens_per_s: float = 0.0  # the moving average the swap/recompute rule uses
+    copy_bytes_per_s: float = 0.0  # measured at start (0 without a swap pool)
 
 
 class _ParentRequest:
@@ -90,6 +103,7 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
+        self.swap_space, self.cost_model = self._make_swap_space()
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -98,8 +112,11 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 policy=config.scheduling_policy,
                 aging_seconds=config.priority_aging_seconds,
+                tenant_weights=dict(config.tenant_weights),
             ),
             self.kv_cache_manager,
+            self.swap_space,
+            self.cost_model,
         )
         self.eos_token_ids = self._eos_token_ids()
         self.model_runner = ModelRunner(
@@ -155,6 +172,15 @@ class LLMEngine:
             for _ in range(self.hf_config.num_hidden_layers)
         ]
 
+    def _make_swap_space(self) -> tuple[SwapSpace | None, PreemptionCostModel | None]:
+        if not self.config.swap_space:
+            return None, None
+        swap = SwapSpace.from_budget(self.kv_caches, int(self.config.swap_space * 2**30))
+        if swap is None:
+            return None, None
+        initial = INITIAL_PREFILL_TOKENS_PER_S.get(self.device.type, 500.0)
+        return swap, PreemptionCostModel(swap.measure_copy_bandwidth(), initial)
+
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
         for value in (getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
@@ -206,10 +232,19 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        tenant: str | None = None,
     ) -> None:
-        """Queue a prompt; raises ValueError (and adds nothing) on bad input."""
+        """Queue a prompt; raises ValueError (and adds nothing) on bad input.
+
+        ``priority``: lower runs sooner (policies "priority" and "fair"). ``tenant``: the
+        account the "fair" policy shares the engine between (None: the default account).
+        """
         if request_id in self.parents:
             raise ValueError(f"request_id={request_id!r} is already in the engine")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority={priority!r} is invalid: must be an integer")
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ValueError(f"tenant={tenant!r} is invalid: must be a non-empty string or None")
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         text, token_ids = self.process_prompt(prompt)
@@ -221,7 +256,15 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{k}"
             children.append(
                 Request(
-                    child_id, token_ids, child_params, text, priority, arrival_time, request_id, k
+                    child_id,
+                    token_ids,
+                    child_params,
+                    text,
+                    priority,
+                    arrival_time,
+                    request_id,
+                    k,
+                    tenant,
                 )
             )
             detoks.append(
@@ -272,8 +315,8 @@ class LLMEngine:
     def can_admit(self, num_prompt_tokens: int | None = None) -> bool:
         """Would one more request run soon? Below max_num_seqs, with blocks for its prompt.
 
-        Counts the blocks the waiting requests will need, plus a reserve so that running
-        requests can still grow without preemption.
+        Counts the blocks the waiting and swapped requests will need, plus a reserve so that
+        running requests can still grow without preemption.
         """
         sched, kv = self.scheduler, self.kv_cache_manager
         if len(sched.running) + sched.num_waiting >= self.config.max_num_seqs:
@@ -282,6 +325,7 @@ class LLMEngine:
             num_prompt_tokens = 4 * self.config.block_size
         needed = kv.num_blocks_for(num_prompt_tokens) + self.config.admission_reserve_blocks
         needed += sum(kv.num_blocks_for(r.num_tokens) for r in sched.waiting)
+        needed += sum(kv.num_blocks_for(r.num_tokens) for r in sched.swapped)
         needed += len(sched.running) // self.config.block_size
         return needed <= kv.num_free_blocks
 
@@ -311,7 +355,9 @@ class LLMEngine:
             return []
         if self._faulty and any(s.request.parent_id in self._faulty for s in sched_out.scheduled):
             raise InjectedFault("injected test fault (PAGEDQ_TEST_FAULTS)")
+        t0 = time.perf_counter()
         sampled = self.model_runner.execute_model(sched_out)
+        self.scheduler.update_after_step(sched_out, sampled, time.perf_counter() - t0)
         self.num_steps += 1
         touched: dict[str, _ParentRequest] = {}
         now = time.time()
@@ -395,7 +441,7 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         """A snapshot of the engine's counters."""
-        kv = self.kv_cache_manager
+        kv, sched, swap = self.kv_cache_manager, self.scheduler, self.swap_space
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting,
@@ -410,4 +456,15 @@ class LLMEngine:
             num_generated_tokens=self.num_generated_tokens,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions_recompute=sched.num_preemptions_by_kind["recompute"],
+            num_preemptions_swap=sched.num_preemptions_by_kind["swap"],
+            num_swapped=sched.num_swapped,
+            swapped_out_bytes=sched.swapped_out_bytes,
+            swap_space_usage=1 - swap.num_free_blocks / swap.num_blocks if swap else 0.0,
+            tenant_generated_tokens=dict(sched.fair.generated_tokens),
+            mean_queue_time_s=sched.mean_queue_time,
+            num_scheduled_requests=sched.num_queue_times,
+            generation_tokens_per_s=sched.generation_rate.rate(sched.clock()),
+            prefill_tokens_per_s=self.cost_model.prefill_tokens_per_s if self.cost_model else 0.0,
+            copy_bytes_per_s=self.cost_model.copy_bytes_per_s if self.cost_model else 0.0,
         )

@@ -13,7 +13,8 @@ class RequestStatus(enum.Enum):
 
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # by recompute: back in the waiting queue, KV dropped
+    SWAPPED = "swapped"  # by swap: KV in the host swap pool, num_computed_tokens kept
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
@@ -42,6 +43,7 @@ class Request:
         "prompt_token_ids",
         "params",
         "priority",
+        "tenant",
         "arrival_time",
         "status",
         "all_token_ids",
@@ -69,6 +71,7 @@ class Request:
         arrival_time: float | None = None,
         parent_id: str | None = None,
         sample_index: int = 0,
+        tenant: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id or request_id
@@ -77,6 +80,7 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.priority = priority
+        self.tenant = tenant
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.all_token_ids = list(prompt_token_ids)
@@ -107,6 +111,13 @@ class Request:
     def num_output_tokens(self) -> int:
         """How many tokens were generated."""
         return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Tokens still to compute at most: the uncomputed ones plus the outputs not sampled yet."""
+        return (self.num_tokens - self.num_computed_tokens) + (
+            self.params.max_tokens - self.num_output_tokens
+        )
 
     def append_output_token(self, token_id: int) -> None:
         """Record one sampled token."""

@@ -1,13 +1,16 @@
-"""Iteration-level scheduler: every step, token budget first to running, then to waiting."""
+"""Iteration-level scheduler: every step, token budget to running, then swapped, then waiting."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from engine.fair import FairShare, TokenRate
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.request_queue import make_request_queue
+from engine.swap import PreemptionCostModel, SwapSpace
 
 
 @dataclass(slots=True)
@@ -20,6 +23,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     aging_seconds: float | None = None
+    tenant_weights: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -37,7 +41,10 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    swapped_out_ids: list[str] = field(default_factory=list)
+    swapped_in_ids: list[str] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0  # tokens of slices longer than one token (prompts, recomputes)
 
     @property
     def is_empty(self) -> bool:
@@ -48,32 +55,89 @@ class SchedulerOutput:
 class Scheduler:
     """Decides, each step, which requests compute how many tokens; owns their blocks."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        swap_space: SwapSpace | None = None,
+        cost_model: PreemptionCostModel | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self.waiting = make_request_queue(config.policy, config.aging_seconds)
+        self.swap_space = swap_space
+        self.cost_model = cost_model
+        self.clock = clock
+        self.fair = FairShare(config.tenant_weights, config.aging_seconds)
+        self.waiting = make_request_queue(config.policy, config.aging_seconds, self.fair, clock)
+        # Swapped requests come back in the same order the waiting ones are admitted in.
+        self.swapped = make_request_queue(config.policy, config.aging_seconds, self.fair, clock)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_preemptions_by_kind = {"recompute": 0, "swap": 0}
+        self.swapped_out_bytes = 0
+        self.swapped_in_bytes = 0
         self.num_chunked_prefills = 0  # scheduled slices shorter than what the request lacked
+        self.total_queue_time = 0.0  # arrival to first scheduling, summed over requests
+        self.num_queue_times = 0
+        self.generation_rate = TokenRate()
 
     def add_request(self, request: Request) -> None:
         """Queue a new request."""
         self.requests[request.request_id] = request
+        self.fair.activate(request)
         self.waiting.add(request)
 
-    def _preempt_key(self, request: Request) -> tuple[float, float]:
-        # The latest arrival (or, by policy, the least urgent) is preempted first.
+    def _preempt_key(self, request: Request) -> tuple[float, float, float]:
+        # The largest key is preempted first: the latest arrival, or by policy the least urgent
+        # (then, for "fair", the request of the tenant furthest ahead of its share).
         if self.config.policy == "priority":
-            return (request.priority, request.arrival_time)
-        return (0, request.arrival_time)
+            return (request.priority, 0.0, request.arrival_time)
+        if self.config.policy == "fair":
+            vft = self.fair.virtual_finish_time(request)
+            return (request.priority, vft, request.arrival_time)
+        return (0, 0.0, request.arrival_time)
 
-    def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+    def preemption_kind(self, request: Request) -> str:
+        """ "swap" or "recompute" for this victim, from the estimated cost of each."""
+        if self.swap_space is None or self.cost_model is None or not request.num_computed_tokens:
+            return "recompute"
+        kv = self.kv_cache_manager
+        num_blocks = kv.num_blocks_for(request.num_computed_tokens)
+        if num_blocks > self.swap_space.num_free_blocks:
+            return "recompute"
+        num_bytes = num_blocks * self.swap_space.bytes_per_block
+        return self.cost_model.choose(num_bytes, request.num_computed_tokens)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        kind = self.preemption_kind(request)
+        kv = self.kv_cache_manager
+        if kind == "swap":
+            num_blocks = kv.num_blocks_for(request.num_computed_tokens)
+            block_ids = kv.get_block_ids(request.request_id)[:num_blocks]
+            # The copy runs now, before this step's forward can overwrite the freed blocks.
+            self.swapped_out_bytes += self.swap_space.swap_out(request.request_id, block_ids)
+            kv.free(request)
+            request.status = RequestStatus.SWAPPED
+            self.swapped.readd_preempted(request)
+            out.swapped_out_ids.append(request.request_id)
+        else:
+            self.restart(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.num_preemptions_by_kind[kind] += 1
+        out.preempted_ids.append(request.request_id)
+
+    def restart(self, request: Request) -> None:
+        """Drop a request's KV (in blocks or in the swap pool) and queue it to be recomputed."""
+        if request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.swap_space.free(request.request_id)
+        else:
+            self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
         self.waiting.readd_preempted(request)
 
     def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
@@ -99,11 +163,10 @@ class Scheduler:
                 # this step will write is ever freed under it.
                 victim = max(self.running[i:], key=self._preempt_key)
                 self.running.remove(victim)
-                self._preempt(victim)
-                out.preempted_ids.append(victim.request_id)
+                self._preempt(victim, out)
                 if victim is request:
                     break
-            if request.status is RequestStatus.PREEMPTED:
+            if request.status is not RequestStatus.RUNNING:
                 continue
             out.scheduled.append(
                 ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id))
@@ -111,9 +174,33 @@ class Scheduler:
             token_budget -= num_new
             i += 1
 
-        # A step that had to preempt admits nothing new: the pool is known to be short.
+        # A step that had to preempt admits nothing: the pool is known to be short.
         while (
             not out.preempted_ids
+            and self.swapped
+            and token_budget > 0
+            and len(self.running) < cfg.max_num_seqs
+        ):
+            request = self.swapped.peek()
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, token_budget)
+            if kv.allocate_slots(request, num_new) is None:
+                break
+            self.swapped.pop()
+            block_ids = kv.get_block_ids(request.request_id)
+            num_swapped_blocks = kv.num_blocks_for(request.num_computed_tokens)
+            self.swapped_in_bytes += self.swap_space.swap_in(
+                request.request_id, block_ids[:num_swapped_blocks]
+            )
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.swapped_in_ids.append(request.request_id)
+            out.scheduled.append(ScheduledRequest(request, num_new, block_ids))
+            token_budget -= num_new
+
+        # Swapped requests go back in before any new work is admitted.
+        while (
+            not out.preempted_ids
+            and not self.swapped
             and self.waiting
             and token_budget > 0
             and len(self.running) < cfg.max_num_seqs
@@ -130,7 +217,9 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             request.num_cached_tokens = num_computed
             if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.time()
+                request.first_scheduled_time = self.clock()
+                self.total_queue_time += request.first_scheduled_time - request.arrival_time
+                self.num_queue_times += 1
             self.running.append(request)
             out.scheduled.append(
                 ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id))
@@ -141,18 +230,42 @@ class Scheduler:
         assert len(self.running) <= cfg.max_num_seqs
         out.total_num_scheduled_tokens = cfg.max_num_batched_tokens - token_budget
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+        out.num_prefill_tokens = sum(
+            s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1
+        )
         return out
+
+    def update_after_step(
+        self, out: SchedulerOutput, sampled_rows: Mapping[int, object], seconds: float
+    ) -> None:
+        """Charge tenants for the step's tokens, count samples, time the prefill speed."""
+        for s in out.scheduled:
+            self.fair.charge(s.request, s.num_new_tokens)
+        for row in sampled_rows:
+            self.fair.count_generated(out.scheduled[row].request)
+        self.generation_rate.record(len(sampled_rows), self.clock())
+        if out.num_prefill_tokens and self.cost_model is not None:
+            self.cost_model.observe_prefill(out.total_num_scheduled_tokens, seconds)
+
+    @property
+    def mean_queue_time(self) -> float:
+        """Mean seconds from arrival to first scheduling, over requests scheduled so far."""
+        return self.total_queue_time / self.num_queue_times if self.num_queue_times else 0.0
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """End ``request`` and free its blocks at once."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.swap_space.free(request.request_id)
         elif not request.status.finished:
             self.waiting.remove(request)
         if not request.status.finished:
             self.kv_cache_manager.free(request)
+            self.fair.deactivate(request)
         request.status = status
-        request.finished_time = time.time()
+        request.finished_time = self.clock()
         self.requests.pop(request.request_id, None)
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -164,9 +277,14 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         """True while anything waits or runs."""
-        return bool(self.running) or bool(self.waiting)
+        return bool(self.running) or bool(self.waiting) or bool(self.swapped)
 
     @property
     def num_waiting(self) -> int:
-        """Requests not admitted yet (including preempted ones)."""
-        return len(self.waiting)
+        """Requests not running: not admitted yet, preempted, or swapped out."""
+        return len(self.waiting) + len(self.swapped)
+
+    @property
+    def num_swapped(self) -> int:
+        """Requests whose KV is in the swap pool now."""
+        return len(self.swapped)

@@ -107,7 +107,10 @@ class StepIsolation:
         # Reversed, so that the FCFS queue gets them back in their order.
         for request in reversed(list(scheduler.running)):
             scheduler.running.remove(request)
-            scheduler._preempt(request)
+            scheduler.restart(request)
+        # Swapped requests recompute too: the isolation rounds then only see waiting ones.
+        for request in list(scheduler.swapped):
+            scheduler.restart(request)
         self.engine.kv_cache_manager.block_pool.reset_prefix_cache()
 
     # --- probing ----------------------------------------------------------------------------
@@ -136,7 +139,7 @@ class StepIsolation:
         for request in reversed(list(scheduler.running)):
             if request.parent_id not in probe:
                 scheduler.running.remove(request)
-                scheduler._preempt(request)
+                scheduler.restart(request)
         for request in list(scheduler.waiting):
             if request.parent_id not in probe:
                 scheduler.waiting.remove(request)

@@ -136,6 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_id", help="the job to cancel")
     p.set_defaults(func=_cancel)
 
+    # Scheduling diagnosis (issue 9): both read only Redis.
+    from producer.diagnose import diagnose_command
+    from producer.top import top_command
+
+    p = sub.add_parser("diagnose", parents=[common], help="what limits throughput, and the fix")
+    p.add_argument("--slo", type=float, help="queue-time objective in seconds")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=diagnose_command)
+    p = sub.add_parser("top", parents=[common], help="live view of queues, tenants and workers")
+    p.add_argument("--slo", type=float, help="queue-time objective in seconds")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.set_defaults(func=top_command)
+
     for name in WORKER_COMMANDS:  # run by the `pagedq` entry module; listed here for --help
         what = "run a worker" if name == "worker" else "run a local demo"
         sub.add_parser(name, help=f"{what} (needs pagedq[worker])", add_help=False)

@@ -6,10 +6,29 @@ import json
 import time
 from typing import Any
 
+from redis import Redis
 from rq import Worker
 
 from producer.client import Client
 from producer.keys import WORKER_KEY_PATTERN
+
+
+def read_worker_statuses(redis: Redis) -> list[dict[str, Any]]:
+    """Every worker's last published status (see worker/status_report.py), with its ``name``."""
+    workers = []
+    for key in sorted(redis.scan_iter(match=WORKER_KEY_PATTERN, count=500)):
+        raw = redis.get(key)
+        if raw is None:
+            continue
+        try:
+            info = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(info, dict):
+            continue
+        info["name"] = key.decode().split(":", 2)[2]
+        workers.append(info)
+    return workers
 
 
 def queue_status(client: Client) -> dict[str, Any]:
@@ -23,17 +42,7 @@ def queue_status(client: Client) -> dict[str, Any]:
         "canceled": q.canceled_job_registry.get_job_count(cleanup=False),
         "scheduled": q.scheduled_job_registry.get_job_count(cleanup=False),
     }
-    workers = []
-    for key in sorted(client.redis.scan_iter(match=WORKER_KEY_PATTERN, count=500)):
-        raw = client.redis.get(key)
-        if raw is None:
-            continue
-        try:
-            info = json.loads(raw)
-        except ValueError:
-            continue
-        info["name"] = key.decode().split(":", 2)[2]
-        workers.append(info)
+    workers = read_worker_statuses(client.redis)
     return {
         "queue": q.name,
         "counts": counts,

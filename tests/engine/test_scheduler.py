@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine import LLMEngine, SamplingParams
 from engine.request import RequestStatus
 
@@ -155,3 +157,20 @@ def test_shared_system_prompt_is_computed_once(tiny_llama_dir):
     # Seven of the eight requests hit all four blocks of the shared prefix.
     assert kv.prefix_cache_hits == 7 * 64
     assert engine.get_stats().num_prompt_tokens == 8 * 66 - 7 * 64
+
+
+def test_tenants_are_counted_and_bad_fields_named(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, scheduling_policy="fair", tenant_weights={"a": 2.0})
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("1", [5] * 4, p, tenant="a")
+    engine.add_request("2", [6] * 4, p, tenant="b")
+    engine.add_request("3", [7] * 4, p)
+    with pytest.raises(ValueError, match="tenant=7 is invalid"):
+        engine.add_request("x", [5] * 4, p, tenant=7)
+    with pytest.raises(ValueError, match="priority='high' is invalid"):
+        engine.add_request("x", [5] * 4, p, priority="high")
+    run_all(engine)
+    stats = engine.get_stats()
+    assert stats.tenant_generated_tokens == {"a": 3, "b": 3, "default": 3}
+    assert stats.num_scheduled_requests == 3 and stats.mean_queue_time_s >= 0
+    assert stats.generation_tokens_per_s > 0

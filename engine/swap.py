@@ -1,0 +1,142 @@
+"""Swap preemption: a host-memory pool for KV blocks, and the cost rule swap vs recompute."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+# Before any prefill has been timed: a conservative guess per device type (tokens/s).
+INITIAL_PREFILL_TOKENS_PER_S = {"cpu": 500.0, "cuda": 20_000.0}
+PREFILL_EMA_ALPHA = 0.2
+BANDWIDTH_PROBE_BYTES = 8 * 2**20
+
+
+@dataclass(slots=True)
+class PreemptionCostModel:
+    """Estimates what each kind of preemption costs, in seconds, and picks the cheaper one."""
+
+    copy_bytes_per_s: float
+    prefill_tokens_per_s: float = INITIAL_PREFILL_TOKENS_PER_S["cpu"]
+
+    def swap_seconds(self, num_bytes: int) -> float:
+        """Copy out now and back in later."""
+        return 2 * num_bytes / self.copy_bytes_per_s
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        """Prefill the computed tokens again."""
+        return num_tokens / self.prefill_tokens_per_s
+
+    def choose(self, num_bytes: int, num_tokens: int) -> str:
+        """ "swap" when copying ``num_bytes`` both ways is cheaper than recomputing, else
+        "recompute"."""
+        if self.swap_seconds(num_bytes) < self.recompute_seconds(num_tokens):
+            return "swap"
+        return "recompute"
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """Fold one timed step that prefilled into the moving average of prefill speed."""
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        speed = num_tokens / seconds
+        a = PREFILL_EMA_ALPHA
+        self.prefill_tokens_per_s = (1 - a) * self.prefill_tokens_per_s + a * speed
+
+
+class SwapSpace:
+    """Host tensors shaped like the device KV caches, with their own block ids.
+
+    A swapped-out request owns host blocks only; its device blocks go back to the block pool.
+    Swap-in copies into whatever device blocks the request is allocated then.
+    """
+
+    def __init__(self, kv_caches: list[torch.Tensor], num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"swap space of {num_blocks} blocks is invalid: must be >= 1")
+        self.kv_caches = kv_caches
+        self.num_blocks = num_blocks
+        pin = kv_caches[0].device.type == "cuda"
+        shape = (2, num_blocks, *kv_caches[0].shape[2:])
+        # torch.empty: host pages are only committed once a block is actually swapped out.
+        self.host_caches = [
+            torch.empty(shape, dtype=c.dtype, device="cpu", pin_memory=pin) for c in kv_caches
+        ]
+        self.bytes_per_block = bytes_per_block(kv_caches)
+        self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.req_to_host_blocks: dict[str, list[int]] = {}
+
+    @classmethod
+    def from_budget(cls, kv_caches: list[torch.Tensor], num_bytes: int) -> SwapSpace | None:
+        """A pool of ``num_bytes`` (None when that is less than one block)."""
+        num_blocks = num_bytes // bytes_per_block(kv_caches)
+        return cls(kv_caches, num_blocks) if num_blocks >= 1 else None
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Host blocks not holding a swapped request."""
+        return len(self.free_ids)
+
+    @property
+    def num_swapped_requests(self) -> int:
+        """Requests whose KV is in the pool now."""
+        return len(self.req_to_host_blocks)
+
+    def swap_out(self, request_id: str, block_ids: list[int]) -> int:
+        """Copy these device blocks into free host blocks; returns the bytes copied."""
+        if len(block_ids) > len(self.free_ids):
+            raise ValueError(f"cannot swap out {len(block_ids)} blocks: {len(self.free_ids)} free")
+        host_ids = [self.free_ids.pop() for _ in block_ids]
+        self.req_to_host_blocks[request_id] = host_ids
+        self._copy(self.kv_caches, block_ids, self.host_caches, host_ids)
+        return len(block_ids) * self.bytes_per_block
+
+    def swap_in(self, request_id: str, block_ids: list[int]) -> int:
+        """Copy a request's host blocks into these device blocks and free the host blocks."""
+        host_ids = self.req_to_host_blocks[request_id]
+        assert len(block_ids) == len(host_ids), (block_ids, host_ids)
+        self._copy(self.host_caches, host_ids, self.kv_caches, block_ids)
+        self.free(request_id)
+        return len(block_ids) * self.bytes_per_block
+
+    def free(self, request_id: str) -> None:
+        """Drop a request's host blocks (swap-in done, or the request was aborted)."""
+        self.free_ids.extend(reversed(self.req_to_host_blocks.pop(request_id, [])))
+
+    @staticmethod
+    def _copy(src: list[torch.Tensor], src_ids, dst: list[torch.Tensor], dst_ids) -> None:
+        if not src_ids:
+            return
+        s = torch.tensor(src_ids, dtype=torch.long, device=src[0].device)
+        d = torch.tensor(dst_ids, dtype=torch.long, device=dst[0].device)
+        for src_layer, dst_layer in zip(src, dst):
+            dst_layer[:, d] = src_layer[:, s].to(dst_layer.device, non_blocking=False)
+
+    def measure_copy_bandwidth(self) -> float:
+        """Bytes per second of one device -> host copy of 8 MiB (best of three)."""
+        return measure_copy_bandwidth(self.kv_caches[0].device, self.host_caches[0].is_pinned())
+
+
+def measure_copy_bandwidth(device: torch.device, pin: bool = False) -> float:
+    """Bytes per second of a device -> host copy of ``BANDWIDTH_PROBE_BYTES`` (best of three).
+
+    A scratch buffer of a fixed size, so that the figure is a bandwidth and not the fixed cost
+    of one small copy.
+    """
+    src = torch.ones(BANDWIDTH_PROBE_BYTES // 4, dtype=torch.float32, device=device)
+    dst = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+    best = float("inf")
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return BANDWIDTH_PROBE_BYTES / max(best, 1e-9)
+
+
+def bytes_per_block(kv_caches: list[torch.Tensor]) -> int:
+    """Bytes of one block across every layer (K and V)."""
+    return sum(c[:, 0].numel() * c.element_size() for c in kv_caches)
