@@ -155,12 +155,16 @@ class BulkRun:
         window: int = 1024,
         chunk_size: int = 256,
         model: str | None = None,
+        tenant: str | None = None,
+        priority: int | None = None,
         batch_id: str | None = None,
         progress: bool = True,
     ) -> None:
         self.client = client
         self.in_path, self.out_path = in_path, out_path
         self.window, self.chunk_size, self.model = window, max(1, chunk_size), model
+        pinned = {"tenant": tenant, "priority": priority}
+        self.pinned = {k: v for k, v in pinned.items() if v is not None}
         self.batch_id = batch_id or default_batch_id(in_path)
         self.progress = progress
         self.summary = BulkSummary()
@@ -179,7 +183,7 @@ class BulkRun:
     def run(self) -> BulkSummary:
         """Process the whole file; safe to interrupt and run again (see run_bulk)."""
         start = time.monotonic()
-        scan = scan_file(self.in_path, self.model, self.line_id)
+        scan = scan_file(self.in_path, self.model, self.line_id, self.pinned)
         if scan.num_errors:
             raise BadInputFileError(self.in_path, scan)
         self._done_at_start = load_done(self.out_path, scan.line_ids)
@@ -221,7 +225,7 @@ class BulkRun:
         exhausted = True
         for line_no, raw in lines:
             if raw.strip():
-                self._take_line(parse_line(raw, line_no, self.model))
+                self._take_line(parse_line(raw, line_no, self.model, self.pinned))
             if len(self._pending) >= room:
                 exhausted = False
                 break
@@ -301,7 +305,8 @@ class BulkRun:
 
 
 def run_bulk(client: Client, in_path: str, out_path: str, **options: Any) -> BulkSummary:
-    """Run `pagedq submit IN -o OUT` (options: window, chunk_size, model, batch_id, progress).
+    """Run `pagedq submit IN -o OUT` (options: window, chunk_size, model, tenant, priority,
+    batch_id, progress).
 
     IN is checked whole first: a line OpenAI would refuse at upload (invalid JSON, no
     custom_id, another method or url, a repeated custom_id) raises BadInputFileError and

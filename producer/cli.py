@@ -22,6 +22,7 @@ from producer.client import DEFAULT_REDIS_URL, Client
 from producer.errors import JobCanceledError, JobFailedError, JobNotFoundError
 from producer.keys import DEFAULT_QUEUE, DEFAULT_RESULT_TTL
 from producer.retry import redact_url
+from producer.routing import TENANT_RE
 from producer.status import format_status, queue_status
 
 WORKER_COMMANDS = ("worker", "demo")
@@ -94,6 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         help="pin the model; a worker serving another one fails the job (default: any)",
     )
+    p.add_argument(
+        "--tenant",
+        help="tenant of every line: workers share service between tenants by weight "
+        "(default: none)",
+    )
+    p.add_argument(
+        "--priority",
+        type=int,
+        help="priority of every line, lower runs sooner across the queue (default: each line's, "
+        "else 0)",
+    )
     p.add_argument("--batch-id", help="job-id namespace (default: from the input file's path)")
     p.add_argument("--retries", type=int, default=3, help="RQ retries per job (default: 3)")
     p.add_argument(
@@ -151,6 +163,13 @@ def _connect(args: argparse.Namespace, **options) -> Client:
 
 
 def _submit(args: argparse.Namespace) -> int:
+    if args.tenant is not None and not TENANT_RE.match(args.tenant):
+        print(
+            f"pagedq submit: --tenant must be 1 to 64 letters, digits, '_', '.' or '-', "
+            f"got {args.tenant!r}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     client = _connect(args, result_ttl=args.result_ttl, retries=args.retries)
     try:
         s = run_bulk(
@@ -160,6 +179,8 @@ def _submit(args: argparse.Namespace) -> int:
             window=args.window,
             chunk_size=args.chunk_size,
             model=args.model,
+            tenant=args.tenant,
+            priority=args.priority,
             batch_id=args.batch_id,
             progress=not args.no_progress,
         )

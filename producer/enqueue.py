@@ -18,17 +18,39 @@ from producer.keys import (
     stream_key,
 )
 from producer.results import job_shell
+from producer.routing import (
+    fair_key,
+    job_cost,
+    subqueue_index_key,
+    subqueue_meta,
+    subqueue_name,
+)
 from producer.schema import GenerationRequest, GenerationResult
 
 # RQ's own unique enqueue (Queue.enqueue_job(unique=True)) cannot run inside a pipeline, and
 # Queue.enqueue_many has no unique mode; this is RQ's script (rq/scripts.py) plus a check of
 # our result key, so a job whose RQ hash expired before its result is not computed again.
+# KEYS: job hash, sub-queue list, result key, the base's sub-queue index, its fair accounts.
+# ARGV: job id, sub-queue name, base name, index entry (JSON), estimated cost, tenant ("" for
+#       none), hash pairs...
+# Stamps the enqueue time from Redis's clock (one clock for every producer and worker, for
+# aging) and the fair-queueing fields, and indexes the sub-queue for the workers' fair pick.
 ENQUEUE_IF_ABSENT = """
 if redis.call("EXISTS", KEYS[1]) == 1 or redis.call("EXISTS", KEYS[3]) == 1 then
     return 0
 end
-redis.call("HSET", KEYS[1], unpack(ARGV, 2))
+local t = redis.call("TIME")
+if redis.call("LLEN", KEYS[2]) == 0 then
+    -- The tenant was idle here: it shares from now on (see worker/fair_queue.py).
+    local v = tonumber(redis.call("HGET", KEYS[5], "v")) or 0
+    local f = tonumber(redis.call("HGET", KEYS[5], "F:" .. ARGV[6])) or v
+    redis.call("HSET", KEYS[5], "F:" .. ARGV[6], tostring(math.max(f, v)))
+end
+redis.call("HSET", KEYS[1], unpack(ARGV, 7))
+redis.call("HSET", KEYS[1], "pq_enq", t[1] .. "." .. string.format("%06d", tonumber(t[2])),
+    "pq_cost", ARGV[5], "pq_base", ARGV[3], "pq_meta", ARGV[4])
 redis.call("RPUSH", KEYS[2], ARGV[1])
+if ARGV[2] ~= ARGV[3] then redis.call("HSET", KEYS[4], ARGV[2], ARGV[4]) end
 return 1
 """
 
@@ -64,13 +86,15 @@ def build_job(
     edited request under an old custom_id is a new job. With `id_namespace` (bulk files:
     custom_ids are unique only within one file) "{id_namespace}/{custom_id}" stands for it.
     A request naming a `model` goes to that model's queue, `{queue}@{canonical model}`, which
-    only workers serving the model read (producer.keys.model_queue).
+    only workers serving the model read (producer.keys.model_queue); a priority other than 0 or
+    a tenant puts it in a sub-queue of that base (producer/routing.py).
     """
     payload = request.payload()
     job_id = request_job_id(request, queue.name, id_namespace, payload)
+    base = model_queue(queue.name, request.model)
+    name = subqueue_name(base, request.priority, request.tenant)
     target = queue
-    if request.model is not None:
-        name = model_queue(queue.name, request.model)
+    if name != queue.name:
         target = Queue(name, connection=queue.connection, serializer=queue.serializer)
     job = target.create_job(
         GENERATE_FUNC,
@@ -102,8 +126,25 @@ def enqueue_jobs(connection: Redis, queue: Queue, jobs: Sequence[Job]) -> list[b
     pipe = connection.pipeline(transaction=False)
     pipe.sadd(Queue.redis_queues_keys, *queue_keys)
     for job in jobs:
-        keys = [job.key, _queue_key(job.origin), result_key(job.id)]
-        script(keys=keys, args=[job.id, *_hset_args(job)], client=pipe)
+        payload = job.args[0]  # built here from a validated request, never read from Redis
+        base = model_queue(queue.name, payload.get("model"))
+        priority, tenant = payload.get("priority", 0), payload.get("tenant")
+        cost = job_cost(
+            payload.get("prompt"),
+            sum(len(m.get("content") or "") for m in payload.get("messages") or []),
+            payload.get("max_tokens", 256),
+            payload.get("n", 1),
+        )
+        keys = [
+            job.key,
+            _queue_key(job.origin),
+            result_key(job.id),
+            subqueue_index_key(base),
+            fair_key(base),
+        ]
+        meta = subqueue_meta(priority, tenant)
+        args = [job.id, job.origin, base, meta, cost, tenant or "", *_hset_args(job)]
+        script(keys=keys, args=args, client=pipe)
     return [bool(created) for created in pipe.execute()[1:]]
 
 

@@ -55,8 +55,12 @@ class ParsedLine:
         return self.request.logprobs if self.request is not None else None
 
 
-def parse_line(raw: str, line_no: int, model: str | None = None) -> ParsedLine:
+def parse_line(
+    raw: str, line_no: int, model: str | None = None, pinned: dict[str, Any] | None = None
+) -> ParsedLine:
     """Parse one JSONL line; raises FileFormatError for a line OpenAI would refuse at upload.
+
+    `model` and `pinned` (e.g. {"tenant": "team-a", "priority": 5}) override every line's body.
 
     A body with bad fields yields a ParsedLine with `error` set (a 400 line in the output).
     """
@@ -85,6 +89,7 @@ def parse_line(raw: str, line_no: int, model: str | None = None) -> ParsedLine:
         fields["custom_id"] = custom_id
         if model is not None:
             fields["model"] = model
+        fields.update(pinned or {})
         request = GenerationRequest.parse(fields)
         return ParsedLine(line_no, custom_id, url, request=request, raw_digest=digest)
     except (InvalidRequestError, ValueError) as exc:
@@ -147,7 +152,12 @@ class FileScan:
             self.errors.append(message)
 
 
-def scan_file(path: str, model: str | None, line_id: Callable[[ParsedLine], str]) -> FileScan:
+def scan_file(
+    path: str,
+    model: str | None,
+    line_id: Callable[[ParsedLine], str],
+    pinned: dict[str, Any] | None = None,
+) -> FileScan:
     """Check every line of IN without queuing anything; `line_id` names each line's output."""
     scan = FileScan()
     first_line: dict[str, int] = {}
@@ -157,7 +167,7 @@ def scan_file(path: str, model: str | None, line_id: Callable[[ParsedLine], str]
                 continue
             scan.lines += 1
             try:
-                parsed = parse_line(raw, line_no, model)
+                parsed = parse_line(raw, line_no, model, pinned)
             except FileFormatError as exc:
                 scan.refuse(str(exc))
                 continue

@@ -18,6 +18,7 @@ from producer.keys import (
     stream_key,
     worker_key,
 )
+from producer.routing import TENANT_RE
 
 __all__ = [
     "CANCEL_CHANNEL",
@@ -145,6 +146,7 @@ class GenerationRequest(BaseModel):
     custom_id: Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = None
     metadata: dict[str, Any] | None = None
     model: Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = None
+    tenant: str | None = None
 
     @field_validator(*RANGES)
     @classmethod
@@ -205,6 +207,13 @@ class GenerationRequest(BaseModel):
             if len(v) > MAX_STOP_TOKEN_IDS:
                 raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(v)}")
             _check_token_ids(v)
+        return v
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_name(cls, v: str | None) -> str | None:
+        if v is not None and not TENANT_RE.match(v):
+            raise ValueError(f"must be 1 to 64 letters, digits, '_', '.' or '-', got {v[:80]!r}")
         return v
 
     @field_validator("custom_id")

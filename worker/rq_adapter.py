@@ -24,6 +24,8 @@ from rq.serializers import JSONSerializer
 from rq.utils import utcformat
 
 from producer.keys import STREAM_MAXLEN, worker_key
+from producer.routing import weights_key
+from worker.fair_queue import DEFAULT_AGING_SECONDS, DEFAULT_MAX_WAIT_SECONDS
 from worker.rq_calls import Command, ScriptCall, ScriptRunner
 from worker.rq_claim import Claim
 
@@ -67,6 +69,8 @@ class RQAdapter:
         result_ttl: int,
         stream_ttl: int,
         max_crashes: int,
+        aging_seconds: float = DEFAULT_AGING_SECONDS,
+        max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS,
     ) -> None:
         self.connection = connection
         self.name = name
@@ -75,6 +79,8 @@ class RQAdapter:
         self.result_ttl = result_ttl
         self.stream_ttl = stream_ttl
         self.max_crashes = max_crashes
+        self.aging_seconds = aging_seconds
+        self.max_wait_seconds = max_wait_seconds
         self.scripts = ScriptRunner(connection)
         self.key = f"rq:worker:{name}"
         self._execution_seq = 0
@@ -124,6 +130,24 @@ class RQAdapter:
             pipe.delete(self.key, worker_key(self.name))
             pipe.execute()
 
+    def all_queues(self) -> list[str]:
+        """The worker's base queues and every priority/tenant sub-queue RQ knows of them."""
+        prefixes = tuple(queue_key(q) + ":" for q in self.queues)
+        subs = sorted(
+            k.decode()[len("rq:queue:") :]
+            for k in self.connection.smembers("rq:queues")
+            if k.decode(errors="replace").startswith(prefixes)
+        )
+        return [*self.queues, *subs]
+
+    def set_tenant_weights(self, weights: dict[str, float]) -> None:
+        """Publish tenant weights for the fair pick (shared by all workers; last writer wins)."""
+        if weights:
+            with self.connection.pipeline(transaction=False) as pipe:
+                for q in self.queues:
+                    pipe.hset(weights_key(q), mapping={t: str(w) for t, w in weights.items()})
+                pipe.execute()
+
     # --- dequeue ------------------------------------------------------------------------------
 
     def dequeue(self) -> Claim | None:
@@ -132,7 +156,16 @@ class RQAdapter:
         execution = f"{self._execution_prefix}{self._execution_seq:x}"
         t = time.time()
         keys = [queue_key(q) for q in self.queues]
-        args = [t, self.lease_ttl, self.name, execution, rq_date(t), MAX_POPS_PER_DEQUEUE]
+        args = [
+            t,
+            self.lease_ttl,
+            self.name,
+            execution,
+            rq_date(t),
+            MAX_POPS_PER_DEQUEUE,
+            self.aging_seconds,
+            self.max_wait_seconds,
+        ]
         reply = self.scripts.call(ScriptCall("dequeue", keys, args))
         if not reply:
             return None
@@ -279,7 +312,7 @@ class RQAdapter:
             STREAM_MAXLEN,
             REAP_LIMIT,
         ]
-        keys = [f"rq:wip:{q}" for q in self.queues]
+        keys = [f"rq:wip:{q}" for q in self.all_queues()]
         requeued, failed = self.scripts.call(ScriptCall("reap", keys, args))
         return [j.decode() for j in requeued], [j.decode() for j in failed]
 

@@ -9,11 +9,36 @@ Key names are built here from RQ 3.0's layout (prefix `rq:`); see docs/PROTOCOL.
 
 from __future__ import annotations
 
+from worker.fair_queue import CHARGE_LUA, PICK_LUA
+
 # Shared by the scripts below: `held` is the fence, `end_job` the one way a job ends.
-PRELUDE = """
+PRELUDE = (
+    CHARGE_LUA
+    + """
 local function held(jkey, execution)
     local f = redis.call('HMGET', jkey, 'status', 'pagedq_execution')
     return f[1] == 'started' and f[2] == execution
+end
+
+-- Puts a requeued job's sub-queue back in its base's index (the fair pick drops empty ones).
+local function reindex(jkey, queue)
+    local f = redis.call('HMGET', jkey, 'pq_base', 'pq_meta')
+    if f[1] and f[2] and f[1] ~= queue then
+        redis.call('HSET', 'pagedq:subqueues:' .. f[1], queue, f[2])
+    end
+end
+
+-- Charges a job's tenant the tokens it used instead of the cost estimated when it was picked.
+local function charge(jkey, result_json)
+    local f = redis.call('HMGET', jkey, 'pq_base', 'pq_tenant', 'pq_cost')
+    if not f[1] then return end
+    local ok, result = pcall(cjson.decode, result_json)
+    local usage = ok and type(result) == 'table' and result.usage
+    local used = 0
+    if type(usage) == 'table' then
+        used = (tonumber(usage.prompt_tokens) or 0) + (tonumber(usage.completion_tokens) or 0)
+    end
+    pq_charge(f[1], f[2] or '', tonumber(f[3]) or used, used)
 end
 
 -- Ends a started job: RQ status, registries, RQ result entry, pagedq result key, final entry,
@@ -32,6 +57,7 @@ local function end_job(job_id, queue, member, status, registry, ended_at, score,
         redis.call('XADD', rkey, 'MAXLEN', '10', '*', unpack(rq_fields))
         redis.call('EXPIRE', rkey, ttl)
     end
+    charge(jkey, result_json)
     redis.call('SET', 'pagedq:result:' .. job_id, result_json, 'EX', ttl)
     local skey = 'pagedq:stream:' .. job_id
     redis.call('XADD', skey, 'MAXLEN', '~', maxlen, '*', unpack(final_fields))
@@ -45,40 +71,45 @@ local function slice(t, first, count)
     return out
 end
 """
+)
 
-# KEYS: candidate queue keys (rq:queue:NAME), in the order they are to be tried.
-# ARGV: now, lease_ttl, worker_name, execution, started_at (RQ's date format), max_pops.
-# Pops the first runnable job id and marks it started under a lease, in one step: a worker
-# killed at any instant leaves the job either queued or visible in the started registry.
+# KEYS: the base queue keys (rq:queue:NAME) the worker serves (its model's queue, the generic one).
+# ARGV: now, lease_ttl, worker_name, execution, started_at (RQ's date format), max_pops,
+#       aging_seconds, max_wait_seconds.
+# Picks the next job across the sub-queues of those bases (priority with aging, then tenant
+# fairness: worker/fair_queue.py), pops it and marks it started under a lease, in one step: a
+# worker killed at any instant leaves the job either queued or visible in the started registry.
 # Returns {queue, job_id, attempt, data, enqueued_at, timeout, canceled, prior status} or false.
-DEQUEUE = """
+DEQUEUE = (
+    PICK_LUA
+    + """
 local now, lease = tonumber(ARGV[1]), tonumber(ARGV[2])
-local pops, max_pops = 0, tonumber(ARGV[6])
-for _, qkey in ipairs(KEYS) do
-    local queue = string.sub(qkey, string.len('rq:queue:') + 1)
-    while pops < max_pops do
-        local job_id = redis.call('LPOP', qkey)
-        if not job_id then break end
-        pops = pops + 1
-        local jkey = 'rq:job:' .. job_id
-        local f = redis.call('HMGET', jkey, 'status', 'data', 'enqueued_at', 'timeout',
-            'pagedq_attempts')
-        -- A hash without status but with data is started too, so that it fails with a reason.
-        if f[1] == 'queued' or (not f[1] and f[2]) then
-            local attempt = (tonumber(f[5]) or 0) + 1
-            redis.call('HSET', jkey, 'status', 'started', 'started_at', ARGV[5],
-                'last_heartbeat', ARGV[5], 'worker_name', ARGV[3], 'pagedq_execution', ARGV[4],
-                'pagedq_attempts', attempt)
-            redis.call('ZADD', 'rq:wip:' .. queue, now + lease, job_id .. ':' .. ARGV[4])
-            local canceled = redis.call('EXISTS', 'pagedq:cancel:' .. job_id)
-            return {queue, job_id, attempt, f[2] or '', f[3] or '', f[4] or '', canceled,
-                f[1] or ''}
-        end
-        -- Anything else is a stale entry (job gone, canceled, or already run): drop it.
+local bases = {}
+for _, qkey in ipairs(KEYS) do bases[#bases + 1] = string.sub(qkey, string.len('rq:queue:') + 1) end
+for _ = 1, tonumber(ARGV[6]) do
+    local picked = pq_pick(bases, tonumber(ARGV[7]), tonumber(ARGV[8]))
+    if not picked then break end
+    local queue, job_id = picked[1], picked[2]
+    local jkey = 'rq:job:' .. job_id
+    local f = redis.call('HMGET', jkey, 'status', 'data', 'enqueued_at', 'timeout',
+        'pagedq_attempts')
+    -- A hash without status but with data is started too, so that it fails with a reason.
+    if f[1] == 'queued' or (not f[1] and f[2]) then
+        local attempt = (tonumber(f[5]) or 0) + 1
+        redis.call('HSET', jkey, 'status', 'started', 'started_at', ARGV[5],
+            'last_heartbeat', ARGV[5], 'worker_name', ARGV[3], 'pagedq_execution', ARGV[4],
+            'pagedq_attempts', attempt, 'pq_base', picked[3], 'pq_tenant', picked[4],
+            'pq_cost', picked[5])
+        redis.call('ZADD', 'rq:wip:' .. queue, now + lease, job_id .. ':' .. ARGV[4])
+        local canceled = redis.call('EXISTS', 'pagedq:cancel:' .. job_id)
+        return {queue, job_id, attempt, f[2] or '', f[3] or '', f[4] or '', canceled,
+            f[1] or ''}
     end
+    -- Anything else is a stale entry (job gone, canceled, or already run): dropped.
 end
 return false
 """
+)
 
 # KEYS[1]: the worker's RQ hash (its job counters).
 # ARGV: job_id, queue, execution, status, registry, ended_at, score, ttl, result_json,
@@ -121,6 +152,7 @@ end
 redis.call('ZREM', 'rq:wip:' .. queue, job_id .. ':' .. execution)
 redis.call('HSET', jkey, 'status', 'queued')
 redis.call('LPUSH', 'rq:queue:' .. queue, job_id)
+reindex(jkey, queue)
 return 1
 """
 )
@@ -201,6 +233,7 @@ for _, wip in ipairs(KEYS) do
                 else
                     redis.call('HSET', jkey, 'status', 'queued')
                     redis.call('LPUSH', 'rq:queue:' .. queue, job_id)
+                    reindex(jkey, queue)
                     requeued[#requeued + 1] = job_id
                 end
             end

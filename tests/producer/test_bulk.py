@@ -364,3 +364,12 @@ def test_cli_submit_killed_halfway_then_rerun_loses_no_line(served, tmp_path):
     assert len(jobs) == n and all(served.executions(j) == 1 for j in jobs)
     served.wait_idle()
     assert served.job_counts()[0] - counts_before[0] == n
+
+
+def test_pinned_fields_override_every_line():
+    parsed = parse_line(
+        '{"prompt": "hi", "priority": 1}', 4, pinned={"tenant": "t-1", "priority": 3}
+    )
+    assert (parsed.request.tenant, parsed.request.priority) == ("t-1", 3)
+    bad = parse_line('{"prompt": "hi"}', 5, pinned={"tenant": "no spaces"})
+    assert bad.request is None and "tenant" in bad.error
