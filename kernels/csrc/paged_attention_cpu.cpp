@@ -247,7 +247,10 @@ typedef int32_t vint __attribute__((vector_size(64), aligned(4)));
 typedef uint32_t vuint __attribute__((vector_size(64), aligned(4)));
 typedef uint16_t vhalf __attribute__((vector_size(32), aligned(2)));
 constexpr int kLanes = 16;
-constexpr int kPrefetchTiles = 2;  // measured: 1-3 within noise here
+// Prefetch distance in key tiles, into L2 (prefetcht2): on the 2-core AVX-512 VM this took a
+// 64 x 512 decode from 7.8 to 5.8 ms per layer; prefetching into L1 one tile ahead did nothing
+// (the prefetches stalled on L1 miss buffers).
+constexpr int kPrefetchTiles = 8;
 
 inline vfloat load16(const float* p) {
   vfloat v;
@@ -331,8 +334,9 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
       const int nn = std::min(w.key_end - next, L.block_size - next % L.block_size);
       for (int j = 0; j < std::min(nn, kLanes); ++j) {
         for (int c = 0; c < D * (int)sizeof(cache_t); c += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(k_cache + nbase + j * L.cache_slot) + c);
-          __builtin_prefetch(reinterpret_cast<const char*>(v_cache + nbase + j * L.cache_slot) + c);
+          const int64_t row = nbase + j * L.cache_slot;
+          __builtin_prefetch(reinterpret_cast<const char*>(k_cache + row) + c, 0, 1);
+          __builtin_prefetch(reinterpret_cast<const char*>(v_cache + row) + c, 0, 1);
         }
       }
     }
