@@ -148,6 +148,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall",
+        help="cpu: the process's CPU time, steadier than wall time on a shared machine",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.engine:
         return engine_main(args)
@@ -161,7 +165,7 @@ def main() -> int:
         return 1
     print(f"SmolLM2-135M attention shapes (9 heads, 3 KV heads, head_dim 64), block size "
           f"{args.block_size}, fp32 model, {torch.get_num_threads()} threads; per layer, medians "
-          f"of {args.repeats}")  # fmt: skip
+          f"of {args.repeats}, {args.clock} clock")  # fmt: skip
     print(f"{'batch':<28} {'torch ms':>9} {'cpu ms':>8} {'cpu bf16kv':>11} {'ratio':>6} "
           f"{'bf16/fp32':>9} {'sum(K/V) ms':>11} {'30 layers cpu':>14}")  # fmt: skip
     for name, (query_lens, context_lens) in workloads(args.seed).items():
@@ -181,11 +185,12 @@ def main() -> int:
         times: dict[str, list[float]] = {k: [] for k in runs}
         for fn in runs.values():
             fn()  # warm-up
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
         for _ in range(args.repeats):
             for key, fn in runs.items():
-                start = time.perf_counter()
+                start = clock()
                 fn()
-                times[key].append((time.perf_counter() - start) * 1e3)
+                times[key].append((clock() - start) * 1e3)
         ms = {k: statistics.median(v) for k, v in times.items()}
         # sum() reads the whole pool; scale to the bytes the batch needs.
         floor = ms["sum"] * b["kv_bytes"] / (kv_fp32.numel() * 4)
