@@ -14,7 +14,8 @@ class AttentionMetadata:
     """Layout of one step's flat varlen batch, shared by every layer.
 
     The model runner builds one per step; the first layer adds the backend's plan (``plan``,
-    ``plan_backend``) so that the other layers reuse it.
+    ``plan_backend``) so that the other layers reuse it. A runner that reuses one object across
+    steps must reset ``plan_backend = None`` whenever the layout tensors change.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] flat slot of each token's K/V
