@@ -107,6 +107,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU: none found, nothing to time.")
         print("The kernels are still tested on the CPU: TRITON_INTERPRET=1 pytest tests/kernels")
+        print("The C++ CPU kernels have their own benchmark: python bench/attention_cpu.py")
         return 0
     from triton.testing import do_bench
 

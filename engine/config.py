@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# "auto": Triton on CUDA, the C++ kernels on the CPU (torch reference without a compiler).
+ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -36,6 +38,7 @@ class EngineConfig:
     # Share weights of tenants under the "fair" policy; unnamed tenants weigh 1.
     tenant_weights: dict[str, float] = field(default_factory=dict)
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
     admission_reserve_blocks: int = 4
     seed: int = 0
 
@@ -63,6 +66,16 @@ class EngineConfig:
                 f"priority_aging_seconds={self.priority_aging_seconds!r} is invalid: "
                 "must be > 0 or None"
             )
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is invalid: must be 'auto' (the model "
+                f"dtype) or one of {list(DTYPES)}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r} is invalid: must be one of "
+                f"{list(ATTENTION_BACKENDS)}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} is invalid: "
@@ -86,6 +99,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if device.type == "cpu" and _cpu_has_fast_bf16():
         return torch.bfloat16
     return torch.float32
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``auto`` -> the model's dtype; else the named one (attention upcasts K/V to fp32)."""
+    return model_dtype if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
 
 
 def _cpu_has_fast_bf16() -> bool:

@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import EngineConfig, parse_memory, resolve_device, resolve_dtype
+from engine.config import (
+    EngineConfig,
+    parse_memory,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_model
@@ -144,7 +150,8 @@ class LLMEngine:
         cfg = self.hf_config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
+        elem = torch.tensor([], dtype=kv_dtype).element_size()
         return cfg.num_hidden_layers * 2 * self.config.block_size * num_kv_heads * head_dim * elem
 
     def _num_kv_blocks(self) -> int:
@@ -167,8 +174,9 @@ class LLMEngine:
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         attn = self.model.layers[0].self_attn
         shape = (2, num_blocks, self.config.block_size, attn.num_kv_heads, attn.head_dim)
+        kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
         return [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            torch.zeros(shape, dtype=kv_dtype, device=self.device)
             for _ in range(self.hf_config.num_hidden_layers)
         ]
 

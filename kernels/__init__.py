@@ -1,16 +1,23 @@
-"""Attention and KV-cache kernels: Triton on CUDA, a torch reference everywhere else.
+"""Attention and KV-cache kernels: Triton on CUDA, C++ on the CPU, a torch reference everywhere.
 
-Each entry point takes ``backend="auto"|"triton"|"torch"``; "auto" picks Triton when the
-tensors live on a CUDA device and Triton imports, and the torch reference otherwise.
+Each entry point takes ``backend="auto"|"triton"|"cpu"|"torch"``; "auto" picks Triton when the
+tensors live on a CUDA device and Triton imports, the C++ CPU kernels (``kernels.cpu_attention``,
+built at first use) for CPU tensors when a compiler is there, and the torch reference otherwise.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.reference import unified_attention_torch, write_kv_torch
+from kernels import cpu_attention
+from kernels.reference import (
+    AttentionPlan,
+    build_plan,
+    unified_attention_torch,
+    write_kv_torch,
+)
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "cpu", "torch")
 
 
 def triton_available() -> bool:
@@ -23,12 +30,31 @@ def triton_available() -> bool:
 
 
 def select_backend(device: torch.device | str, backend: str = "auto") -> str:
-    """Resolve ``backend`` for tensors on ``device`` to "triton" or "torch"."""
+    """Resolve ``backend`` for tensors on ``device`` to "triton", "cpu" or "torch".
+
+    "auto" on a CPU builds (or loads) the C++ kernels; without a compiler it warns once and
+    gives "torch". An explicit "cpu" that cannot be built raises instead.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "cpu" and not cpu_attention.cpu_kernels_available():
+        raise RuntimeError(
+            "attention_backend='cpu' is unavailable: "
+            f"{cpu_attention.unavailable_reason()}; use 'auto' or 'torch'"
+        )
     if backend != "auto":
         return backend
-    return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
+    device_type = torch.device(device).type
+    if device_type == "cuda":
+        return "triton" if triton_available() else "torch"
+    if device_type == "cpu" and cpu_attention.cpu_kernels_available():
+        return "cpu"
+    return "torch"
+
+
+def _cpu_fits(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    # fp16 (or any other dtype) on the CPU stays on the reference.
+    return cpu_attention.supports(query.dtype, kv_cache.dtype)
 
 
 def write_kv(
@@ -39,11 +65,30 @@ def write_kv(
     backend: str = "auto",
 ) -> None:
     """Write K/V ``[num_tokens, num_kv_heads, head_dim]`` into the paged cache by slot."""
-    if select_backend(key.device, backend) == "triton":
+    chosen = select_backend(key.device, backend)
+    if chosen == "triton":
         from kernels.triton_kv_write import write_kv_triton
 
         return write_kv_triton(key, value, kv_cache, slot_mapping)
+    if chosen == "cpu" and _cpu_fits(key, kv_cache):
+        return cpu_attention.write_kv_cpu(key, value, kv_cache, slot_mapping)
     return write_kv_torch(key, value, kv_cache, slot_mapping)
+
+
+def plan_attention(
+    backend: str,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+) -> AttentionPlan | None:
+    """The per-step plan ``backend`` wants (the reference's decode groups), or None.
+
+    Build it once per step and pass it to every layer's ``unified_attention(plan=...)``.
+    """
+    if backend == "torch":
+        return build_plan(query_start_loc, seq_lens, block_table, block_size)
+    return None
 
 
 def unified_attention(
@@ -55,17 +100,30 @@ def unified_attention(
     scale: float,
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed prefill/decode varlen batch."""
-    if select_backend(query.device, backend) == "triton":
+    chosen = select_backend(query.device, backend)
+    if chosen == "triton":
         from kernels.triton_attention import unified_attention_triton
 
         return unified_attention_triton(
             query, kv_cache, query_start_loc, seq_lens, block_table, scale, out
         )
+    if chosen == "cpu" and _cpu_fits(query, kv_cache):
+        return cpu_attention.unified_attention_cpu(
+            query, kv_cache, query_start_loc, seq_lens, block_table, scale, out
+        )
     return unified_attention_torch(
-        query, kv_cache, query_start_loc, seq_lens, block_table, scale, out
+        query, kv_cache, query_start_loc, seq_lens, block_table, scale, out, plan
     )
 
 
-__all__ = ["BACKENDS", "select_backend", "triton_available", "unified_attention", "write_kv"]
+__all__ = [
+    "BACKENDS",
+    "plan_attention",
+    "select_backend",
+    "triton_available",
+    "unified_attention",
+    "write_kv",
+]

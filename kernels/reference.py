@@ -43,16 +43,21 @@ def unified_attention_torch(
     block_table: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a flat varlen batch of prefill chunks and decodes.
 
     ``query`` is ``[num_tokens, num_heads, head_dim]``; request ``i`` owns query rows
     ``query_start_loc[i]:query_start_loc[i+1]``, which are the last tokens of its context of
-    ``seq_lens[i]`` tokens stored in the blocks ``block_table[i]``.
+    ``seq_lens[i]`` tokens stored in the blocks ``block_table[i]``. ``plan`` is
+    ``build_plan(...)`` of the same metadata, built once per step and shared by every layer;
+    without it, the plan is built here. K/V are read in the cache's dtype and upcast to the
+    query's (a bf16 cache under an fp32 model).
     """
     if out is None:
         out = torch.empty_like(query)
-    plan = _plan(query_start_loc, seq_lens, block_table, kv_cache.shape[2])
+    if plan is None:
+        plan = build_plan(query_start_loc, seq_lens, block_table, kv_cache.shape[2])
     for group in plan.decode_groups:
         _decode_attention(query, kv_cache, group, scale, out)
     for start, q_len, seq_len, i in plan.prefills:
@@ -60,10 +65,10 @@ def unified_attention_torch(
     return out
 
 
-class _Plan:
-    """Index tensors derived from the batch layout, shared by every layer of one step."""
+class AttentionPlan:
+    """Index tensors derived from one step's batch layout, shared by every layer of the step."""
 
-    __slots__ = ("key", "decode_groups", "prefills")
+    __slots__ = ("decode_groups", "prefills")
 
 
 class _DecodeGroup:
@@ -76,17 +81,15 @@ class _DecodeGroup:
 # context is not padded to the longest one in a large batch.
 DECODE_GROUP_SIZE = 32
 
-_last_plan: _Plan | None = None
 
-
-def _plan(query_start_loc, seq_lens, block_table, block_size) -> _Plan:
-    # Every layer of a step passes the same metadata tensors: build the plan once per step.
-    global _last_plan
-    key = (query_start_loc, seq_lens, block_table)
-    if _last_plan is not None and all(a is b for a, b in zip(_last_plan.key, key)):
-        return _last_plan
-    plan = _Plan()
-    plan.key = key
+def build_plan(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+) -> AttentionPlan:
+    """The reference's plan of one step: its prefills, and its decodes grouped by length."""
+    plan = AttentionPlan()
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     query_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
@@ -96,7 +99,6 @@ def _plan(query_start_loc, seq_lens, block_table, block_size) -> _Plan:
         _decode_group(decodes[g : g + DECODE_GROUP_SIZE], starts, lens, block_table, block_size)
         for g in range(0, len(decodes), DECODE_GROUP_SIZE)
     ]
-    _last_plan = plan
     return plan
 
 
@@ -116,6 +118,7 @@ def _decode_group(members, starts, lens, block_table, block_size) -> _DecodeGrou
 
 def _prefill_attention(query, kv_cache, start, q_len, seq_len, block_ids, scale, out) -> None:
     k, v = _gather_kv(kv_cache, block_ids, seq_len)
+    k, v = k.to(query.dtype), v.to(query.dtype)
     q = query[start : start + q_len].transpose(0, 1)
     num_context = seq_len - q_len
     # Query row j sits at absolute position num_context + j and sees keys 0..num_context + j.
@@ -138,7 +141,7 @@ def _decode_attention(query, kv_cache, group: _DecodeGroup, scale, out) -> None:
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     batch = group.rows.shape[0]
     kv = kv_cache[:, group.blocks].reshape(2, batch, -1, num_kv_heads, head_dim)
-    kv = kv[:, :, : group.max_len]
+    kv = kv[:, :, : group.max_len].to(query.dtype)
     q = query[group.rows].unsqueeze(2)  # [batch, num_heads, 1, head_dim]
     o = F.scaled_dot_product_attention(
         q,

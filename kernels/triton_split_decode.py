@@ -13,8 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_attention import LOG2E, attend_tiles, tile_config
-from kernels.triton_common import cast, interpreting
+from kernels.triton_common import LOG2E, attend_tiles, cast, interpreting, tile_config
 
 MAX_SPLITS = 16
 

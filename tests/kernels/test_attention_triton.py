@@ -171,3 +171,10 @@ def test_random_batches_match_reference(rng, case):
         pick([8, 16, 32, 64]), dtype, pick([torch.int32, torch.int64]),
     )  # fmt: skip
     assert rel_err(_run(batch), _reference(batch)) < TOLERANCE[dtype]
+
+
+def test_bf16_cache_under_an_fp32_query(rng):
+    """kv_cache_dtype=bfloat16 with an fp32 model: K/V are upcast on load."""
+    batch = random_batch(rng, [1, 6, 1], [30, 11, 40], 2, 3, 64, 16, fp32)
+    batch.kv_cache = batch.kv_cache.to(bf16)
+    assert rel_err(_run(batch, num_splits=1), _reference(batch)) < 1e-5

@@ -1,4 +1,4 @@
-""" "auto" picks Triton on CUDA and the torch reference elsewhere."""
+""" "auto" picks Triton on CUDA, the C++ kernels on the CPU, and the torch reference elsewhere."""
 
 import pytest
 import torch
@@ -14,8 +14,9 @@ def test_auto_selects_triton_on_cuda_without_a_gpu():
     assert select_backend(torch.device("cuda", 1)) == "triton"
 
 
-def test_auto_selects_torch_elsewhere():
-    assert select_backend("cpu") == "torch"
+def test_auto_selects_the_cpu_kernels_on_cpu_and_torch_elsewhere():
+    expected = "cpu" if kernels.cpu_attention.cpu_kernels_available() else "torch"
+    assert select_backend("cpu") == expected
     assert select_backend(torch.device("meta")) == "torch"
 
 

@@ -1,0 +1,157 @@
+"""The C++ paged attention for CPUs, built at first use and registered as ``torch.ops.pagedq``.
+
+``kernels/csrc/paged_attention_cpu.cpp`` is compiled with ``torch.utils.cpp_extension`` (g++ and
+ninja) into a cache directory the first time a process needs it; later processes load the cached
+library directly, without a compiler. Where no compiler or ninja is found, or the build fails,
+``cpu_kernels_available()`` warns once and returns False, and callers use the torch reference.
+
+Environment:
+
+- ``PAGEDQ_KERNEL_CACHE``: where builds go (else ``TORCH_EXTENSIONS_DIR``, else
+  ``~/.cache/pagedq/kernels``).
+- ``PAGEDQ_CPU_ARCH``: the ``-march`` of the build, ``native`` by default; an image built for other
+  hosts sets a portable one (``x86-64-v3``); ``none`` leaves ``-march`` out.
+- ``PAGEDQ_CPU_KERNELS=0``: never build or load; always the torch reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+_lock = threading.Lock()
+_status: dict[str, object] = {}  # "ok": bool, "reason": str once decided
+
+
+def cache_dir() -> Path:
+    """The directory that holds the compiled kernels."""
+    root = os.environ.get("PAGEDQ_KERNEL_CACHE") or os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "pagedq" / "kernels"
+
+
+def build_flags() -> list[str]:
+    """Compiler flags: -O3, OpenMP (for ``at::parallel_for``) and ``-march`` from the env."""
+    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-DNDEBUG"]
+    arch = os.environ.get("PAGEDQ_CPU_ARCH", "native").strip()
+    if arch and arch != "none":
+        flags.append(f"-march={arch}")
+    return flags
+
+
+def extension_name() -> str:
+    """A name unique to the source, the flags and the torch version, so stale builds never load."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join(build_flags()).encode())
+    digest.update(torch.__version__.encode())
+    return f"pagedq_cpu_{digest.hexdigest()[:12]}"
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX") or "c++"
+    return shutil.which(cxx) or (None if os.environ.get("CXX") else shutil.which("g++"))
+
+
+def _load() -> str | None:
+    """Load (building if needed) the library; None on success, else why it is unavailable."""
+    if os.environ.get("PAGEDQ_CPU_KERNELS", "1") == "0":
+        return "PAGEDQ_CPU_KERNELS=0"
+    name = extension_name()
+    build_dir = cache_dir() / name
+    library = build_dir / f"{name}.so"
+    if library.exists():
+        torch.ops.load_library(str(library))
+        return None
+    if _compiler() is None:
+        return f"no C++ compiler found (CXX={os.environ.get('CXX', 'c++')!r})"
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=build_flags(),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+        )
+    except Exception as exc:  # a failed build must not stop the engine: it has a fallback
+        return f"the build failed: {str(exc).strip().splitlines()[-1] if str(exc) else exc!r}"
+    return None
+
+
+def cpu_kernels_available() -> bool:
+    """True once ``torch.ops.pagedq`` is loaded; builds it at the first call of the process."""
+    if "ok" not in _status:
+        with _lock:
+            if "ok" not in _status:
+                reason = _load()
+                _status["reason"] = reason or ""
+                _status["ok"] = reason is None
+                if reason is not None:
+                    warnings.warn(
+                        f"pagedq: the C++ CPU attention is unavailable ({reason}); "
+                        "using the torch reference, which is slower",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+    return bool(_status["ok"])
+
+
+def unavailable_reason() -> str:
+    """Why the C++ kernels are unavailable ("" when they are loaded)."""
+    cpu_kernels_available()
+    return str(_status["reason"])
+
+
+def _require() -> None:
+    if not _status.get("ok") and not cpu_kernels_available():
+        raise RuntimeError(f"the C++ CPU attention is unavailable: {unavailable_reason()}")
+
+
+def supports(query_dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> bool:
+    """True when the C++ kernels handle this query and KV-cache dtype pair."""
+    return query_dtype in SUPPORTED_DTYPES and kv_cache_dtype in SUPPORTED_DTYPES
+
+
+def unified_attention_cpu(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    kv_split_size: int = 0,
+) -> torch.Tensor:
+    """C++ twin of ``unified_attention_torch``, reading K/V blocks in place.
+
+    ``kv_split_size`` cuts key ranges into chunks of that many tokens (merged exactly afterwards);
+    0 lets the kernel decide from the batch and the thread count.
+    """
+    _require()
+    if out is None:
+        out = torch.empty_like(query)
+    torch.ops.pagedq.unified_attention(
+        query, kv_cache, query_start_loc, seq_lens, block_table, float(scale), out, kv_split_size
+    )
+    return out
+
+
+def write_kv_cpu(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """C++ twin of ``write_kv_torch``: scatter by slot, converting to the cache dtype."""
+    _require()
+    torch.ops.pagedq.write_kv(key, value, kv_cache, slot_mapping)

@@ -1,0 +1,182 @@
+"""The C++ CPU attention and KV write equal the torch reference on random paged batches."""
+
+import pytest
+import torch
+from kernel_batch import random_batch, rel_err
+
+from kernels import select_backend, unified_attention, write_kv
+from kernels.cpu_attention import cpu_kernels_available, unified_attention_cpu, write_kv_cpu
+from kernels.reference import unified_attention_torch, write_kv_torch
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels_available(), reason="the C++ CPU kernels cannot be built here"
+)
+
+# (query_lens, context_lens): decodes, chunked prefill with cached context, whole prompts, a mix
+# of all three in one batch (two prefill tiles long, with decodes in between).
+MIXES = {
+    "decode": ([1, 1, 1], [17, 40, 5]),
+    "chunks": ([7, 12], [20, 33]),
+    "prompts": ([9, 21], [0, 0]),
+    "mixed": ([1, 6, 45, 1, 3], [30, 11, 0, 0, 70]),
+}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+fp32, bf16 = torch.float32, torch.bfloat16
+
+# Every GQA ratio, head size and block size appears with both dtypes and with the mixed batch.
+CASES = [
+    # queries_per_kv, head_dim, block_size, dtype, mix
+    (1, 64, 16, fp32, "mixed"),
+    (3, 64, 32, fp32, "mixed"),
+    (4, 128, 16, fp32, "mixed"),
+    (8, 64, 8, fp32, "mixed"),
+    (3, 80, 64, fp32, "mixed"),
+    (4, 96, 8, fp32, "chunks"),
+    (1, 128, 64, fp32, "prompts"),
+    (8, 128, 32, fp32, "decode"),
+    (1, 80, 16, bf16, "mixed"),
+    (3, 64, 16, bf16, "mixed"),
+    (4, 96, 32, bf16, "mixed"),
+    (8, 128, 64, bf16, "mixed"),
+    (3, 128, 8, bf16, "decode"),
+    (4, 64, 32, bf16, "prompts"),
+    (8, 80, 16, bf16, "chunks"),
+]
+
+
+def _run(batch, kv_cache=None, **kwargs) -> torch.Tensor:
+    out = torch.full_like(batch.query, float("nan"))  # poisoned: every element must be written
+    result = unified_attention_cpu(
+        batch.query, batch.kv_cache if kv_cache is None else kv_cache, batch.query_start_loc,
+        batch.seq_lens, batch.block_table, batch.scale, out=out, **kwargs,
+    )  # fmt: skip
+    assert result is out
+    assert not out.isnan().any(), "some output elements were never written"
+    return out
+
+
+def _reference(batch, kv_cache=None) -> torch.Tensor:
+    return unified_attention_torch(
+        batch.query, batch.kv_cache if kv_cache is None else kv_cache, batch.query_start_loc,
+        batch.seq_lens, batch.block_table, batch.scale,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "queries_per_kv,head_dim,block_size,dtype,mix",
+    CASES,
+    ids=[f"gqa{g}-d{d}-bs{b}-{str(t)[6:]}-{m}" for g, d, b, t, m in CASES],
+)
+def test_cpu_attention_matches_reference(rng, queries_per_kv, head_dim, block_size, dtype, mix):
+    query_lens, context_lens = MIXES[mix]
+    batch = random_batch(
+        rng, query_lens, context_lens, 2, queries_per_kv, head_dim, block_size, dtype
+    )
+    assert rel_err(_run(batch), _reference(batch)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("kv_split_size", [16, 64, 100])
+@pytest.mark.parametrize("dtype", [fp32, bf16])
+def test_split_kv_partials_merge_exactly(rng, kv_split_size, dtype):
+    """Forced small KV chunks: decodes and prefill tiles both split, empty chunks weigh 0."""
+    batch = random_batch(rng, [1, 1, 9, 1], [700, 3, 250, 129], 2, 4, 64, 16, dtype)
+    assert rel_err(_run(batch, kv_split_size=kv_split_size), _reference(batch)) < TOLERANCE[dtype]
+
+
+def test_long_decode_splits_by_itself_and_stays_exact(rng):
+    # One request, long context: the kernel's own choice splits it over the threads.
+    batch = random_batch(rng, [1], [3000], 1, 8, 128, 32, fp32)
+    assert rel_err(_run(batch), _reference(batch)) < 1e-5
+
+
+def test_bf16_cache_under_an_fp32_model(rng):
+    """kv_cache_dtype=bfloat16: fp32 queries read bf16 K/V, accumulating in fp32."""
+    batch = random_batch(rng, [1, 6, 1], [40, 9, 300], 2, 3, 64, 16, fp32)
+    kv_bf16 = batch.kv_cache.to(bf16)
+    out = _run(batch, kv_cache=kv_bf16)
+    assert out.dtype == fp32
+    assert rel_err(out, _reference(batch, kv_bf16)) < 1e-5
+
+
+def test_int64_metadata_and_contiguous_query(rng):
+    batch = random_batch(rng, [3, 1, 17], [5, 20, 40], 2, 2, 64, 32, fp32, torch.int64)
+    batch.query = batch.query.contiguous()
+    assert rel_err(_run(batch), _reference(batch)) < 1e-5
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_random_batches_match_reference(rng, case):
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=rng))]
+
+    num_seqs = int(torch.randint(1, 8, (1,), generator=rng))
+    query_lens = [
+        pick([1, 1, int(torch.randint(2, 80, (1,), generator=rng))]) for _ in range(num_seqs)
+    ]
+    context_lens = [
+        pick([0, int(torch.randint(1, 300, (1,), generator=rng))]) for _ in range(num_seqs)
+    ]
+    dtype = pick([fp32, bf16])
+    batch = random_batch(
+        rng, query_lens, context_lens, pick([1, 2, 3]), pick([1, 3, 4, 8]),
+        pick([64, 80, 96, 128]), pick([8, 16, 32, 64]), dtype, pick([torch.int32, torch.int64]),
+    )  # fmt: skip
+    split = pick([0, 0, 32])
+    assert rel_err(_run(batch, kv_split_size=split), _reference(batch)) < TOLERANCE[dtype]
+
+
+def test_public_entry_points_use_the_cpu_kernels(rng):
+    assert select_backend("cpu") == "cpu"
+    batch = random_batch(rng, [3, 1], [5, 20], 2, 2, 64, 32, fp32)
+    out = unified_attention(
+        batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
+        batch.scale, backend="cpu",
+    )  # fmt: skip
+    assert rel_err(out, _reference(batch)) < 1e-5
+
+
+def test_shape_mismatch_is_reported(rng):
+    batch = random_batch(rng, [2], [0], 2, 3, 64, 16, fp32)
+    with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):
+        unified_attention_cpu(
+            batch.query[:, :5], batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+            batch.block_table, batch.scale,
+        )  # fmt: skip
+
+
+KV_CASES = [
+    # num_kv_heads, head_dim, block_size, input dtype, cache dtype
+    (1, 64, 16, fp32, fp32),
+    (3, 64, 32, fp32, bf16),  # cast on write, rounded to nearest even like torch
+    (2, 128, 8, bf16, bf16),
+    (2, 80, 64, fp32, fp32),
+]
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads,head_dim,block_size,dtype,cache_dtype",
+    KV_CASES,
+    ids=[f"kv{h}-d{d}-bs{b}-{str(t)[6:]}-{str(c)[6:]}" for h, d, b, t, c in KV_CASES],
+)
+def test_write_kv_matches_reference(rng, num_kv_heads, head_dim, block_size, dtype, cache_dtype):
+    num_blocks, num_tokens = 5, 11
+    qkv = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, generator=rng).to(dtype)
+    key, value = qkv[:, num_kv_heads : 2 * num_kv_heads], qkv[:, 2 * num_kv_heads :]
+    slots = torch.randperm(num_blocks * block_size, generator=rng)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=rng)[:3]] = -1  # padding tokens
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    expected = torch.full(shape, float("nan"), dtype=cache_dtype)
+    actual = expected.clone()
+
+    write_kv_torch(key, value, expected, slots)
+    write_kv_cpu(key, value, actual, slots)
+
+    assert torch.equal(actual.isnan(), expected.isnan())
+    assert torch.equal(actual.nan_to_num(), expected.nan_to_num())
+    assert (~actual.isnan()).view(2, -1, num_kv_heads * head_dim).all(-1).sum() == 2 * 8
+
+
+def test_write_kv_refuses_a_slot_beyond_the_cache():
+    key = torch.zeros(2, 1, 64)
+    with pytest.raises(RuntimeError, match="out of range"):
+        write_kv(key, key, torch.zeros(2, 1, 16, 1, 64), torch.tensor([3, 16]), backend="cpu")
