@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -12,26 +13,81 @@ _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
+def _doc(text: str, **extra: Any) -> dict[str, Any]:
+    """Field metadata: the help text of the setting (its `pagedq worker` flag), and e.g. choices."""
+    return {"help": text, **extra}
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything ``LLMEngine`` needs; "auto" values are resolved when the engine starts."""
 
-    model: str = "smollm2"
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    kv_cache_memory: int | float | str | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
-    priority_aging_seconds: float | None = 60.0
-    attention_backend: str = "auto"
-    admission_reserve_blocks: int = 4
-    seed: int = 0
+    model: str = field(
+        default="smollm2",
+        metadata=_doc("alias, .gguf file, local HF folder (safetensors) or hub id"),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=_doc(
+            "auto (bf16 where the device computes it fast, else fp32), float32, bfloat16, float16"
+        ),
+    )
+    device: str = field(
+        default="auto", metadata=_doc("auto (cuda when present, else cpu), cpu, cuda, cuda:1 ...")
+    )
+    block_size: int = field(default=16, metadata=_doc("tokens per KV block (8, 16, 32 or 64)"))
+    max_num_seqs: int = field(default=256, metadata=_doc("requests in the running batch at most"))
+    max_num_batched_tokens: int = field(
+        default=2048, metadata=_doc("tokens per step at most (prefill chunks plus decodes)")
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=_doc("longest prompt + output in tokens (none: the model's and KV cache's limit)"),
+    )
+    kv_cache_memory: int | float | str | None = field(
+        default=None,
+        metadata=_doc(
+            "KV pool size: 512MiB, 4GiB or bytes (none: 2 GiB on CPU; on CUDA "
+            "gpu_memory_utilization of the device memory)"
+        ),
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=_doc("fraction of CUDA memory the engine may use (weights plus KV cache)"),
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_doc("automatic prefix caching of full KV blocks")
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata=_doc("split long prompts over steps within the token budget")
+    )
+    # "priority" orders held requests by their `priority` (lower first, ties by arrival,
+    # waiting ones age); with equal priorities it is FCFS.
+    scheduling_policy: str = field(
+        default="priority",
+        metadata=_doc(
+            "order of the requests the engine holds: priority (lower `priority` first, ties by "
+            "arrival, waiting requests age) or fcfs",
+            choices=("priority", "fcfs"),
+        ),
+    )
+    priority_aging_seconds: float | None = field(
+        default=60.0,
+        metadata=_doc(
+            "a waiting request gains one priority level per this many seconds (none: no aging)"
+        ),
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata=_doc("auto (triton on CUDA, else torch), triton or torch"),
+    )
+    admission_reserve_blocks: int = field(
+        default=4,
+        metadata=_doc("free KV blocks kept back when admitting a new request (room to decode)"),
+    )
+    seed: int = field(
+        default=0, metadata=_doc("seed of the engine's sampler for unseeded requests")
+    )
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
