@@ -95,7 +95,8 @@ def test_a_field_of_unknown_type_needs_a_spec():
 
 def test_the_readme_configuration_table_is_the_generated_one():
     readme = (REPO / "README.md").read_text()
-    match = re.search(r"<!-- worker-flags:start -->\n(.*?)\n<!-- worker-flags:end -->", readme, re.S)
+    pattern = r"<!-- worker-flags:start -->\n(.*?)\n<!-- worker-flags:end -->"
+    match = re.search(pattern, readme, re.S)
     assert match, "README.md has no worker-flags table"
     assert match.group(1) == flags_markdown(), (
         "README's flag table is stale: paste the output of "
