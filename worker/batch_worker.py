@@ -104,7 +104,6 @@ class ControlLoop:
             lambda: self.loop.stats,
             lambda: len(self.in_flight),
             extra_fn=lambda stats: {"queues": self.adapter.queues},
-            ttl_s=max(5, config.lease_ttl),
             health=self.health,
         )
         self.ender = JobEnder(self.adapter, engine.model_name, self.metrics, engine.tokenizer)
