@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -14,33 +15,100 @@ _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
+def _doc(text: str, **extra: Any) -> dict[str, Any]:
+    """Field metadata: the help text of the setting (its `pagedq worker` flag), and e.g. choices."""
+    return {"help": text, **extra}
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything ``LLMEngine`` needs; "auto" values are resolved when the engine starts."""
 
-    model: str = "smollm2"
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    kv_cache_memory: int | float | str | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
-    # A waiting request's priority improves by 1 per this many seconds (None: no aging); it is
-    # also the wait after which the fair policy's starvation boost is full. See SCHEDULING.md.
-    priority_aging_seconds: float | None = 60.0
-    # GiB of host memory for swap preemption (0: recompute only).
-    swap_space: float = 4.0
-    # Share weights of tenants under the "fair" policy; unnamed tenants weigh 1.
-    tenant_weights: dict[str, float] = field(default_factory=dict)
-    attention_backend: str = "auto"
-    kv_cache_dtype: str = "auto"
-    admission_reserve_blocks: int = 4
-    seed: int = 0
+    model: str = field(
+        default="smollm2",
+        metadata=_doc("alias, .gguf file, local HF folder (safetensors) or hub id"),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=_doc(
+            "auto (bf16 where the device computes it fast, else fp32), float32, bfloat16, float16"
+        ),
+    )
+    device: str = field(
+        default="auto", metadata=_doc("auto (cuda when present, else cpu), cpu, cuda, cuda:1 ...")
+    )
+    block_size: int = field(default=16, metadata=_doc("tokens per KV block (8, 16, 32 or 64)"))
+    max_num_seqs: int = field(default=256, metadata=_doc("requests in the running batch at most"))
+    max_num_batched_tokens: int = field(
+        default=2048, metadata=_doc("tokens per step at most (prefill chunks plus decodes)")
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=_doc("longest prompt + output in tokens (none: the model's and KV cache's limit)"),
+    )
+    kv_cache_memory: int | float | str | None = field(
+        default=None,
+        metadata=_doc(
+            "KV pool size: 512MiB, 4GiB or bytes (none: 2 GiB on CPU; on CUDA "
+            "gpu_memory_utilization of the device memory)"
+        ),
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=_doc("fraction of CUDA memory the engine may use (weights plus KV cache)"),
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_doc("automatic prefix caching of full KV blocks")
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata=_doc("split long prompts over steps within the token budget")
+    )
+    # "fair" shares the engine between tenants (weighted fair queueing), then orders by
+    # `priority` like "priority"; with one tenant it is "priority". See docs/SCHEDULING.md.
+    scheduling_policy: str = field(
+        default="fair",
+        metadata=_doc(
+            "order of the requests the engine holds: fair (tenants share by --tenant-weight, "
+            "then priority), priority (lower `priority` first, ties by arrival, waiting "
+            "requests age) or fcfs",
+            choices=("fair", "priority", "fcfs"),
+        ),
+    )
+    priority_aging_seconds: float | None = field(
+        default=60.0,
+        metadata=_doc(
+            "a waiting request gains one priority level per this many seconds (none: no aging)"
+        ),
+    )
+    swap_space: float = field(
+        default=4.0,
+        metadata=_doc("GiB of host memory for swap preemption (0: recompute only)"),
+    )
+    tenant_weights: dict[str, float] = field(
+        default_factory=dict,
+        metadata=_doc(
+            "share weight of a tenant, NAME=W, repeatable (unnamed tenants weigh 1); also the "
+            "weights of the queue's fair dequeue"
+        ),
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata=_doc(
+            "auto (triton on CUDA, the C++ kernel on CPU, else torch), triton, cpu or torch",
+            choices=("auto", "triton", "cpu", "torch"),
+        ),
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_doc("dtype of the KV cache: auto (the model dtype), bfloat16, float32, float16"),
+    )
+    admission_reserve_blocks: int = field(
+        default=4,
+        metadata=_doc("free KV blocks kept back when admitting a new request (room to decode)"),
+    )
+    seed: int = field(
+        default=0, metadata=_doc("seed of the engine's sampler for unseeded requests")
+    )
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):

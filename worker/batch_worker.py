@@ -18,19 +18,29 @@ from typing import Any
 import redis
 import structlog
 
-import worker.engine_loop as engine_loop
+from producer.job_data import PayloadTooLargeError
 from producer.keys import canonical_model, model_queue
 from producer.schema import GenerationRequest
 from worker.cancels import CancelListener
 from worker.config import WorkerConfig
-from worker.engine_loop import AddFailed, AddRequest, EngineCrashed, EngineLoop, StepOutputs
+from worker.engine_loop import (
+    AddFailed,
+    AddRequest,
+    EngineCrashed,
+    EngineLoop,
+    RequestFailed,
+    StepOutputs,
+)
+from worker.health import WorkerHealth
 from worker.inflight import InFlight
-from worker.job_endings import JobEnder
+from worker.job_endings import Ending, JobEnder
 from worker.jobs import JobRejected, parse_job, sampling_kwargs
 from worker.leases import Leases
+from worker.limits import ModelLimits
 from worker.metrics import WorkerMetrics
 from worker.redis_link import FIRST_BACKOFF_S, MAX_BACKOFF_S, UNAVAILABLE, RedisLink
-from worker.rq_adapter import Claim, RQAdapter, ScriptCall
+from worker.rq_adapter import Claim, RQAdapter
+from worker.status_publisher import StatusPublisher
 from worker.streams import StreamState
 
 log = structlog.get_logger("pagedq.worker")
@@ -46,8 +56,6 @@ CANCEL_POLL_S = 1.0
 ADMISSION_BURST_S = 0.05
 # Set only by tests: seconds to sleep right after the dequeue script (to kill the worker there).
 SLEEP_AFTER_DEQUEUE_ENV = "PAGEDQ_TEST_SLEEP_AFTER_DEQUEUE"
-# engine_loop may define RequestFailed (a request the engine dropped after isolating it).
-RequestFailed = getattr(engine_loop, "RequestFailed", None)
 
 
 class WorkerNameTaken(Exception):
@@ -63,12 +71,15 @@ class ControlLoop:
         engine: Any,
         connection: redis.Redis,
         metrics: WorkerMetrics | None = None,
+        health: WorkerHealth | None = None,
         *,
         name: str,
     ) -> None:
         self.config = config
         self.engine = engine
         self.model = canonical_model(config.model)
+        self.limits = config.limits
+        self.model_limits = ModelLimits.from_engine(engine)
         queues = [model_queue(config.queue, config.model), config.queue]
         self.adapter = RQAdapter(
             connection,
@@ -80,9 +91,22 @@ class ControlLoop:
             max_crashes=config.max_crashes,
         )
         self.link = RedisLink(self.adapter.scripts)
-        self.loop = EngineLoop(engine)
-        self.metrics = metrics or WorkerMetrics()
-        self.ender = JobEnder(self.adapter, engine.model_name)
+        self.metrics = metrics or WorkerMetrics(engine.model_name)
+        self.health = health or WorkerHealth(engine.model_name)
+        self.loop = EngineLoop(engine, on_step=self.metrics.observe_step)
+        self.metrics.attach(lambda: self.loop.stats, lambda: len(self.in_flight))
+        self.health.attach(self.loop.is_alive, lambda: self.loop.last_step_at)
+        self.status = StatusPublisher(
+            connection,
+            name,
+            engine.model_name,
+            config.queue,
+            lambda: self.loop.stats,
+            lambda: len(self.in_flight),
+            extra_fn=lambda stats: {"queues": self.adapter.queues},
+            health=self.health,
+        )
+        self.ender = JobEnder(self.adapter, engine.model_name, self.metrics, engine.tokenizer)
         self.leases = Leases(config.lease_ttl)
         self.cancels = CancelListener(connection)
         self.in_flight: dict[str, InFlight] = {}
@@ -127,6 +151,7 @@ class ControlLoop:
                 self._handle_cancels()
                 self._enforce_timeouts()
                 self._maintain()
+                self._publish_status()
                 if not self.in_flight and not self._stopping and self._queue_empty:
                     time.sleep(
                         min(self._idle_poll_s, max(0.0, self._next_dequeue_at - time.monotonic()))
@@ -138,6 +163,8 @@ class ControlLoop:
             self._requeue_all("worker stopping", count_crash=False)
             self.loop.stop()
             self.cancels.stop()
+            if self.link.up:
+                self.status.clear()
             self._unregister()
             log.info("worker stopped", worker=self.name, jobs_ended=self.num_ended)
         return self.exit_code
@@ -246,18 +273,23 @@ class ControlLoop:
             return
         try:
             params = self._sampling_params(request)
-            prompt = request.prompt
-            if prompt is None:
-                messages = [m.model_dump() for m in request.messages or []]
-                prompt = self.engine.apply_chat_template(messages)
         except ValueError as exc:
             self._fail(item, f"invalid request: {exc}")
             return
-        self.loop.add(AddRequest(claim.job_id, prompt, params, request.priority))
+        # Chat templating and tokenizing run on the engine loop's tokenizer thread.
+        messages = None
+        if request.prompt is None:
+            messages = [m.model_dump() for m in request.messages or []]
+        self.loop.add(
+            AddRequest(claim.job_id, request.prompt, params, request.priority, messages=messages)
+        )
         log.debug("job started", job_id=claim.job_id, attempt=claim.attempt)
 
     def _parse(self, claim: Claim) -> GenerationRequest:
-        job = claim.rq_job()
+        try:
+            job = claim.rq_job(self.limits.max_payload_bytes)
+        except PayloadTooLargeError as exc:
+            raise JobRejected(str(exc)) from None
         # Aliases and paths of our model name it too: parse_job compares names literally.
         model_name = self.engine.model_name
         try:
@@ -266,12 +298,12 @@ class ControlLoop:
             asked = None
         if isinstance(asked, str) and canonical_model(asked) == self.model:
             model_name = asked
-        return parse_job(job, model_name)
+        return parse_job(job, model_name, self.limits, self.model_limits)
 
     def _sampling_params(self, request: GenerationRequest) -> Any:
         from engine import SamplingParams
 
-        return SamplingParams(**sampling_kwargs(request))
+        return SamplingParams(**sampling_kwargs(request, self.limits))
 
     # --- engine events ------------------------------------------------------------------------
 
@@ -289,12 +321,16 @@ class ControlLoop:
         for event in events:
             if isinstance(event, StepOutputs):
                 self._on_step(event)
-            elif isinstance(event, AddFailed) or (
-                RequestFailed is not None and isinstance(event, RequestFailed)
-            ):
+            elif isinstance(event, AddFailed):
                 item = self.in_flight.get(event.request_id)
                 if item is not None:
                     self._fail(item, f"invalid request: {event.error}")
+            elif isinstance(event, RequestFailed):
+                # Step isolation found this job to make the engine raise: it would fail the
+                # same way on any worker, so it fails now, without a retry.
+                item = self.in_flight.get(event.request_id)
+                if item is not None:
+                    self._fail(item, f"engine error: {event.error}")
             elif isinstance(event, EngineCrashed):
                 log.error("engine crashed", error=event.error)
                 self._requeue_all(f"engine crashed: {event.error}", count_crash=True)
@@ -304,7 +340,7 @@ class ControlLoop:
 
     def _on_step(self, event: StepOutputs) -> None:
         entries = []
-        ends: list[tuple[InFlight, ScriptCall]] = []
+        ends: list[Ending] = []
         for output in event.outputs:
             item = self.in_flight.get(output.request_id)
             if item is None:
@@ -316,65 +352,56 @@ class ControlLoop:
             self._observe_tokens(item, output, event.time)
             if output.finished:
                 del self.in_flight[item.job_id]
-                ends.append((item, self.ender.finish(item, output)))
-                self.metrics.prompt_tokens.inc(len(output.prompt_token_ids or []))
+                ends.append(self.ender.finish(item, output))
         calls: list = [self.adapter.stream_call(entries)] if entries else []
-        calls += [call for _, call in ends]
+        calls += [ending.call for ending in ends]
         self.link.run(calls, lambda replies: self._on_step_written(replies, bool(entries), ends))
 
-    def _on_step_written(
-        self, replies: list[Any], has_entries: bool, ends: list[tuple[InFlight, ScriptCall]]
-    ) -> None:
+    def _on_step_written(self, replies: list[Any], has_entries: bool, ends: list[Ending]) -> None:
         if has_entries:
             for job_id in replies[0]:
                 self._drop(job_id.decode(), "lease lost: stream entry refused")
             replies = replies[1:]
-        for (item, _), reply in zip(ends, replies, strict=True):
-            self._ended(item, "finished", reply)
+        for ending, reply in zip(ends, replies, strict=True):
+            self._ended(ending, reply)
 
-    def _ended(self, item: InFlight, status: str, reply: Any) -> None:
+    def _ended(self, ending: Ending, reply: Any) -> None:
+        """The ending script ran: count, observe and log the end unless the lease was lost."""
         if not reply:
-            log.warning("lease lost: job not ended by this worker", job_id=item.job_id)
+            log.warning("lease lost: job not ended by this worker", job_id=ending.job_id)
             return
         self.num_ended += 1
-        self.metrics.jobs.labels(status).inc()
-        self.metrics.e2e_latency.observe(time.time() - item.enqueued_at)
-        log.info("job " + status, job_id=item.job_id)
+        self.ender.record(ending)
 
     def _observe_tokens(self, item: InFlight, output: Any, t: float) -> None:
         num_tokens = sum(len(c.token_ids) for c in output.outputs)
         num_new, item.num_tokens_seen = num_tokens - item.num_tokens_seen, num_tokens
         if item.first_token_at is None and output.outputs[0].token_ids:
             item.first_token_at = t
-            self.metrics.ttft.observe(t - item.started_at)
+            self.metrics.observe_first_token(t - item.enqueued_at)
             since = None
         else:
             since = t - item.last_token_at if item.last_token_at else None
-        self.metrics.observe_tokens(max(0, num_new), since)
+        self.metrics.observe_new_tokens(max(0, num_new), since)
         item.last_token_at = t
 
     # --- endings other than finished ------------------------------------------------------------
 
+    def _run_ending(self, ending: Ending) -> None:
+        self.link.run([ending.call], lambda replies: self._ended(ending, replies[0]))
+
     def _fail(self, item: InFlight, message: str) -> None:
         self.in_flight.pop(item.job_id, None)
         self.loop.abort(item.job_id)
-        log.warning("job failing", job_id=item.job_id, error=message)
-        self.link.run([self.ender.fail(item, message)], lambda r: self._ended(item, "failed", r[0]))
+        self._run_ending(self.ender.fail(item, message))
 
     def _end_claim(self, claim: Claim, message: str) -> None:
-        log.warning("job failing before start", job_id=claim.job_id, error=message)
-
-        def done(replies: list[Any]) -> None:
-            if replies[0]:
-                self.num_ended += 1
-                self.metrics.jobs.labels("failed").inc()
-
-        self.link.run([self.ender.fail_claim(claim, message)], done)
+        self._run_ending(self.ender.fail_claim(claim, message))
 
     def _cancel(self, job_id: str) -> None:
         item = self.in_flight.pop(job_id)
         self.loop.abort(job_id)
-        self.link.run([self.ender.cancel(item)], lambda r: self._ended(item, "canceled", r[0]))
+        self._run_ending(self.ender.cancel(item))
 
     def _drop(self, job_id: str, why: str) -> None:
         """Forget a job whose lease is gone: another worker runs it now."""
@@ -433,24 +460,22 @@ class ControlLoop:
                 log.warning("reaped expired leases", requeued=reaped[0], failed=reaped[1])
 
     def _heartbeat(self) -> None:
-        stats = self.loop.stats
-        status = {
-            "in_flight": len(self.in_flight),
-            "running": stats.num_running,
-            "waiting": stats.num_waiting,
-            "kv_cache_usage": stats.kv_cache_usage,
-            "model": self.engine.model_name,
-            "queue": self.config.queue,
-            "queues": self.adapter.queues,
-            "updated_at": time.time(),
-        }
         claims = [i.claim for i in self.in_flight.values()]
         state = "busy" if claims else "idle"
-        call = self.adapter.heartbeat_call(claims, state, status)
+        # The heartbeat script also writes the status key: the same JSON as StatusPublisher's.
+        call = self.adapter.heartbeat_call(claims, state, self.status.status())
         ok, lost = self.link.attempt(lambda: self.adapter.scripts.call(call))
+        if ok:
+            self.health.redis_ok()
         for member in lost or []:
             job_id = member.decode().rsplit(":", 1)[0]
             item = self.in_flight.get(job_id)
             if item is not None and item.claim.member == member.decode():
                 self._drop(job_id, "lease lost: another worker reaped it")
-        self.metrics.observe_stats(stats, len(self.in_flight))
+
+    def _publish_status(self) -> None:
+        """Keep `pagedq status` fresh (StatusPublisher writes at most every half second)."""
+        if self.link.up:
+            self.status.maybe_publish()
+        else:
+            self.health.redis_error("unreachable: buffering writes until it is back")

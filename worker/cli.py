@@ -5,134 +5,116 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 
-from worker.config import REDIS_URL_ENV, WorkerConfig
+from engine.config import EngineConfig
+from worker.config import DEFAULT_REDIS_URL, LIMIT_HELP, REDIS_URL_ENV, WorkerConfig
+from worker.flags import (
+    Flag,
+    FlagSpec,
+    add_dataclass_flags,
+    check_bounds,
+    dataclass_from_args,
+    show_default,
+)
+from worker.limits import JobLimits
+
+# Engine fields whose flag is not the field's own name, or that need a NAME=VALUE form.
+ENGINE_FLAG_SPECS = {
+    "tenant_weights": FlagSpec(flag="--tenant-weight", metavar="NAME=WEIGHT"),
+}
 
 
-def build_worker_parser() -> argparse.ArgumentParser:
-    """The argument parser of `pagedq worker`."""
-    d = WorkerConfig()
+@dataclass(frozen=True, slots=True)
+class WorkerFlags:
+    """The parser of `pagedq worker` and the generated flags, by config section."""
+
+    parser: argparse.ArgumentParser
+    engine: list[Flag]
+    limits: list[Flag]
+    worker: list[Flag]
+
+    @property
+    def all(self) -> list[Flag]:
+        """Every generated flag, in --help order."""
+        return [*self.engine, *self.limits, *self.worker]
+
+
+def worker_flags() -> WorkerFlags:
+    """Build `pagedq worker`'s parser from EngineConfig, JobLimits and WorkerConfig."""
     p = argparse.ArgumentParser(
         prog="pagedq worker",
         description="Serve one queue with one model: a continuously batching RQ worker.",
     )
-    p.add_argument(
-        "--redis-url",
-        default=os.environ.get(REDIS_URL_ENV) or d.redis_url,
-        help=f"redis:// or rediss:// URL, user:password@ for ACL users (default: ${REDIS_URL_ENV}"
-        f" or {d.redis_url})",
+    engine = add_dataclass_flags(
+        p.add_argument_group("engine (EngineConfig, the LLM(...) keyword arguments)"),
+        EngineConfig,
+        specs=ENGINE_FLAG_SPECS,
     )
-    p.add_argument("--queue", default=d.queue, help="queue name (default: %(default)s)")
-    p.add_argument("--model", default=d.model, help="model id, HF folder or GGUF file")
-    p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", default=d.dtype, help="auto, float32, bfloat16, float16")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    p.add_argument("--max-model-len", type=int, default=None)
+    # Old spelling of --no-enable-prefix-caching, kept for existing deployments.
     p.add_argument(
-        "--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (default: auto)"
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help=argparse.SUPPRESS,
     )
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument(
-        "--scheduling-policy",
-        choices=["priority", "fcfs"],
-        default=d.scheduling_policy,
-        help="order of the jobs held by the engine (default %(default)s: lower priority first)",
+    limits = add_dataclass_flags(
+        p.add_argument_group("per-job limits (JobLimits, docs/LIMITS.md)"),
+        JobLimits,
+        helps=LIMIT_HELP,
     )
-    p.add_argument(
-        "--result-ttl",
-        type=int,
-        default=d.result_ttl,
-        help="seconds a finished job's result (pagedq:result:{id}), RQ job and registry entries "
-        "are kept (default 7 days)",
+    defaults = WorkerConfig(redis_url=os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL)
+    own = add_dataclass_flags(
+        p.add_argument_group("worker"), WorkerConfig, defaults=defaults, skip=("engine", "limits")
     )
-    p.add_argument("--stream-ttl", type=int, default=d.stream_ttl, help="seconds (default 1 day)")
-    p.add_argument(
-        "--lease-ttl",
-        type=int,
-        default=d.lease_ttl,
-        help="seconds after which a dead worker's jobs are re-run elsewhere (default %(default)s)",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=d.drain_timeout,
-        help="on SIGTERM, seconds to finish in-flight jobs before requeueing them",
-    )
-    p.add_argument(
-        "--max-crashes",
-        type=int,
-        default=d.max_crashes,
-        help="a job in flight during this many worker crashes fails instead of re-running "
-        "(default %(default)s)",
-    )
-    p.add_argument(
-        "--job-timeout",
-        type=float,
-        default=d.job_timeout,
-        help="longest wall-clock seconds a job may run; a job's own RQ `timeout` may only "
-        "shorten it; a job over it fails with error 'timeout' (default %(default)s)",
-    )
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 = off")
-    p.add_argument(
-        "--metrics-host",
-        default=d.metrics_host,
-        help="address /metrics binds to (default %(default)s; 0.0.0.0 for all interfaces)",
-    )
-    p.add_argument("--log-format", choices=["console", "json"], default="console")
-    p.add_argument("--log-level", default="INFO")
-    p.add_argument("--name", default=None, help="worker name (default: random)")
-    p.add_argument(
-        "--burst", action="store_true", help="exit once the queue is empty and nothing is in flight"
-    )
-    return p
+    return WorkerFlags(p, engine, limits, own)
+
+
+def build_worker_parser() -> argparse.ArgumentParser:
+    """The argument parser of `pagedq worker`."""
+    return worker_flags().parser
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
-    """The WorkerConfig of parsed `pagedq worker` arguments."""
-    return WorkerConfig(
-        redis_url=args.redis_url,
-        queue=args.queue,
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size,
-        enable_prefix_caching=not args.no_prefix_caching,
-        max_model_len=args.max_model_len,
-        scheduling_policy=args.scheduling_policy,
-        result_ttl=args.result_ttl,
-        stream_ttl=args.stream_ttl,
-        lease_ttl=args.lease_ttl,
-        metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
-        max_crashes=args.max_crashes,
-        job_timeout=args.job_timeout,
-        name=args.name,
-        burst=args.burst,
-        drain_timeout=args.drain_timeout,
+    """The WorkerConfig of parsed `pagedq worker` arguments (ValueError from a bad value)."""
+    return dataclass_from_args(
+        WorkerConfig,
+        args,
+        engine=dataclass_from_args(EngineConfig, args),
+        limits=dataclass_from_args(JobLimits, args),
     )
+
+
+def flags_markdown() -> str:
+    """The README's table of `pagedq worker` flags (regenerate with
+    `python -c "from worker.cli import flags_markdown; print(flags_markdown())"`)."""
+    lines = ["| flag | default | meaning |", "|---|---|---|"]
+    defaults = {EngineConfig: EngineConfig(), JobLimits: JobLimits(), WorkerConfig: WorkerConfig()}
+    for flag in worker_flags().all:
+        name = f"`{flag.flag}`"
+        if flag.kind == "bool":
+            name = f"`{flag.flag}` / `--no-{flag.flag[2:]}`"
+        default = show_default(getattr(defaults[flag.owner], flag.field))
+        text = flag.help.replace("%%", "%").replace("|", "\\|")
+        lines.append(f"| {name} | `{default}` | {text} |")
+    return "\n".join(lines)
 
 
 def worker_main(argv: list[str] | None = None) -> int:
     """`pagedq worker ...` (argv without the subcommand): load the model once, then serve."""
     parser = build_worker_parser()
     args = parser.parse_args(argv)
-    for flag, value, low in (
-        ("--max-crashes", args.max_crashes, 1),
-        ("--job-timeout", args.job_timeout, 0.001),
-        ("--lease-ttl", args.lease_ttl, 1),
-    ):
-        if not value >= low:
-            parser.error(f"{flag}: must be >= {low}, got {value}")
+    for cls in (EngineConfig, JobLimits, WorkerConfig):
+        check_bounds(parser, cls, args)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     from worker.logs import configure_logging
     from worker.service import run_worker
 
-    configure_logging(args.log_format, args.log_level.upper())
-    return run_worker(config_from_args(args))
+    configure_logging(config.log_format, config.log_level.upper())
+    return run_worker(config)
 
 
 def demo_main(argv: list[str] | None = None) -> int:

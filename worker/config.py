@@ -1,45 +1,118 @@
-"""Settings of one worker process (engine settings, Redis, TTLs, leases)."""
+"""Settings of one worker process: the engine's (`EngineConfig`), the per-job limits
+(`JobLimits`) and the worker's own (Redis, TTLs, leases, metrics, logs).
+
+Each setting is declared once, in its dataclass; `pagedq worker`'s flags are generated from
+these declarations (worker/cli.py, worker/flags.py).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+from worker.limits import JobLimits
 
 DEFAULT_RESULT_TTL = 7 * 24 * 3600
 DEFAULT_STREAM_TTL = 24 * 3600
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 REDIS_URL_ENV = "PAGEDQ_REDIS_URL"
 
+# Help texts of the JobLimits fields (worker/limits.py documents what each one checks).
+LIMIT_HELP = {
+    "max_n": "completions per job (`n`) at most",
+    "max_payload_bytes": "largest job data once inflated, checked before any JSON parsing "
+    "(a zlib bomb stops there)",
+    "max_stop": "stop strings per job at most",
+    "max_stop_token_ids": "stop token ids per job at most",
+    "max_tokens": "cap on each job's `max_tokens` (`min_tokens` with it); none: only the "
+    "context limits a generation",
+    "max_logprobs": "top log-probabilities per token at most (0-20)",
+}
+
+
+def _doc(text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": text, **extra}
+
 
 @dataclass(slots=True)
 class WorkerConfig:
-    """Everything `pagedq worker` needs; the CLI flags map one to one onto these fields."""
+    """Everything `pagedq worker` needs: `engine` and `limits` are their own declarations."""
 
-    redis_url: str = DEFAULT_REDIS_URL
-    queue: str = "pagedq"
-    model: str = "smollm2"
-    device: str = "auto"
-    dtype: str = "auto"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    kv_cache_memory: str | None = None  # e.g. "512MiB"; None = the engine decides
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    # "priority" orders the jobs a worker holds by their `priority` field (ties by arrival);
-    # "fcfs" ignores it.
-    scheduling_policy: str = "priority"
-    result_ttl: int = DEFAULT_RESULT_TTL
-    stream_ttl: int = DEFAULT_STREAM_TTL
-    # A job whose execution lease is not renewed for this long is taken as abandoned and
-    # re-run elsewhere; heartbeats renew every lease_ttl / 3 seconds.
-    lease_ttl: int = 60
-    # A job in flight during this many worker crashes (expired leases, engine crashes) fails.
-    max_crashes: int = 2
-    # Longest wall-clock time a job may run; a job's own RQ `timeout` may only shorten it.
-    job_timeout: float = 3600.0
-    metrics_port: int = 0
-    metrics_host: str = "127.0.0.1"
-    name: str | None = None
-    burst: bool = False
-    # On SIGTERM, in-flight jobs get this long to finish before they are requeued.
-    drain_timeout: float = 30.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    limits: JobLimits = field(default_factory=JobLimits)
+    redis_url: str = field(
+        default=DEFAULT_REDIS_URL,
+        metadata=_doc(
+            f"the Redis holding the queue, ${REDIS_URL_ENV} when set; rediss:// for TLS, "
+            "redis://user:password@host for ACL users (passwords are never logged)",
+            env=REDIS_URL_ENV,
+        ),
+    )
+    queue: str = field(
+        default="pagedq",
+        metadata=_doc("RQ queue name; the worker also serves `{queue}@{model}`"),
+    )
+    result_ttl: int = field(
+        default=DEFAULT_RESULT_TTL,
+        metadata=_doc(
+            "seconds a job's result (`pagedq:result:{id}`), RQ job and registry entries are kept",
+            min=1,
+        ),
+    )
+    stream_ttl: int = field(
+        default=DEFAULT_STREAM_TTL,
+        metadata=_doc("seconds a job's token stream is kept", min=1),
+    )
+    lease_ttl: int = field(
+        default=60,
+        metadata=_doc(
+            "seconds after which a dead worker's jobs are re-run elsewhere (heartbeats renew "
+            "leases every lease_ttl / 3 s); a stale registration under --name is taken over then",
+            min=1,
+        ),
+    )
+    max_crashes: int = field(
+        default=2,
+        metadata=_doc(
+            "a job in flight during this many worker crashes fails instead of re-running", min=1
+        ),
+    )
+    job_timeout: float = field(
+        default=3600.0,
+        metadata=_doc(
+            "longest wall-clock seconds a job runs (a job's RQ `timeout` may only shorten it); "
+            "over it the job fails with error 'timeout'",
+            min=0.001,
+        ),
+    )
+    drain_timeout: float = field(
+        default=30.0,
+        metadata=_doc("on SIGTERM, seconds to finish in-flight jobs before requeueing them", min=0),
+    )
+    metrics_port: int = field(
+        default=0,
+        metadata=_doc("port of Prometheus /metrics and /healthz; 0 = off", min=0),
+    )
+    metrics_host: str = field(
+        default="127.0.0.1",
+        metadata=_doc("address /metrics and /healthz bind to (0.0.0.0: all interfaces)"),
+    )
+    log_format: str = field(
+        default="console",
+        metadata=_doc(
+            "log line format; json: one JSON object per line", choices=("console", "json")
+        ),
+    )
+    log_level: str = field(default="INFO", metadata=_doc("DEBUG, INFO, WARNING or ERROR"))
+    name: str | None = field(
+        default=None, metadata=_doc("worker name in RQ and `pagedq status` (none: random)")
+    )
+    burst: bool = field(
+        default=False, metadata=_doc("exit once the queue is empty and nothing is in flight")
+    )
+
+    @property
+    def model(self) -> str:
+        """The served model (the engine's `model`)."""
+        return self.engine.model

@@ -17,7 +17,7 @@ import copy
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,8 +96,12 @@ class EngineCrashed:
 class EngineLoop:
     """Owns an `LLMEngine` and steps it on its own daemon thread."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, on_step: Callable[[int], None] | None = None) -> None:
         self.engine = engine
+        # Called on the engine thread after each step with its scheduled tokens (metrics).
+        self.on_step = on_step
+        # Wall time of the latest step that ran (None before the first one).
+        self.last_step_at: float | None = None
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.stats = engine.get_stats()
@@ -113,7 +117,7 @@ class EngineLoop:
         self._pending_lock = threading.Lock()
         self._pending: set[str] = set()
         self._canceled: set[str] = set()
-        self._tokenizer = _own_copy(engine.tokenizer)
+        self._tokenizer = own_copy(engine.tokenizer)
         self._tokenizer_thread = threading.Thread(
             target=self._tokenize_forever, name="tokenizer", daemon=True
         )
@@ -130,6 +134,10 @@ class EngineLoop:
         self._to_tokenize.put(None)
         self._thread.join(timeout)
         self._tokenizer_thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        """True while the engine thread runs."""
+        return self._thread.is_alive()
 
     def add(self, command: AddRequest) -> None:
         """Queue a request for the running batch (tokenized first, off the caller's thread)."""
@@ -242,6 +250,11 @@ class EngineLoop:
                     outputs = self.engine.step() if busy else []
                     failed = dict(self.engine.pop_failed_requests())
                     self.stats = self.engine.get_stats()
+                    sched_out = self.engine.last_scheduler_output if busy else None
+                if busy:
+                    self.last_step_at = time.time()
+                    if self.on_step is not None and sched_out is not None:
+                        self.on_step(sched_out.total_num_scheduled_tokens)
                 if failed:
                     # The culprit's final "abort" output is not a finish: it is a failure.
                     outputs = [o for o in outputs if o.request_id not in failed]
@@ -261,7 +274,7 @@ class EngineLoop:
             self.events.put(EngineCrashed(f"{type(exc).__name__}: {exc}"))
 
 
-def _own_copy(tokenizer: Any) -> Any:
+def own_copy(tokenizer: Any) -> Any:
     """A private copy for the tokenizer thread: fast tokenizers are not safe to share."""
     try:
         return copy.deepcopy(tokenizer)

@@ -192,6 +192,15 @@ def sampling_kwargs(request: GenerationRequest, limits: JobLimits | None = None)
     return kwargs
 
 
+def token_texts(logprobs: list[dict[int, float]] | None, decode: Any) -> dict[int, str] | None:
+    """The text of every token id in `logprobs` (`decode([id])` each, in one batch call);
+    None without logprobs. `decode` is a tokenizer's `batch_decode`."""
+    if logprobs is None:
+        return None
+    ids = sorted({int(t) for entry in logprobs for t in entry})
+    return dict(zip(ids, decode([[t] for t in ids]), strict=True))
+
+
 def build_result(
     job_id: str,
     request: GenerationRequest | None,
@@ -202,8 +211,12 @@ def build_result(
     worker: str,
     timings: dict[str, float | None],
     error: str | None = None,
+    batch_decode: Any = None,
 ) -> GenerationResult:
-    """The GenerationResult of a job from its last RequestOutput (None if it never ran)."""
+    """The GenerationResult of a job from its last RequestOutput (None if it never ran).
+
+    With `batch_decode` (a tokenizer's), each choice with logprobs gets `token_texts`.
+    """
     completions = list(output.outputs) if output is not None else []
     choices = [
         {
@@ -212,6 +225,7 @@ def build_result(
             "token_ids": list(c.token_ids),
             "finish_reason": c.finish_reason,
             "logprobs": c.logprobs,
+            "token_texts": token_texts(c.logprobs, batch_decode) if batch_decode else None,
         }
         for c in completions
     ]
@@ -226,6 +240,7 @@ def build_result(
             "token_ids": first.get("token_ids", []),
             "finish_reason": first.get("finish_reason"),
             "logprobs": first.get("logprobs"),
+            "token_texts": first.get("token_texts"),
             "choices": choices if len(choices) > 1 else [],
             "usage": {
                 "prompt_tokens": len(prompt_ids),

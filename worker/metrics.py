@@ -15,7 +15,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from worker.metrics_legacy import LegacyMetricsMixin
 from worker.metrics_server import MetricsServer
 
 # Latency buckets from a few ms (a GPU decode step) to many minutes (a long CPU job).
@@ -132,7 +131,7 @@ class EngineStatsCollector(Collector):
         yield c
 
 
-class WorkerMetrics(LegacyMetricsMixin):
+class WorkerMetrics:
     """A worker's metrics in a registry of their own: engine state plus per-request figures.
 
     `stats_fn` returns an `EngineStats`-like snapshot (the engine loop's latest, refreshed every
@@ -216,14 +215,10 @@ class WorkerMetrics(LegacyMetricsMixin):
         self._stats_fn, self._in_flight_fn = stats_fn, in_flight_fn
 
     def _stats(self) -> Any:
-        if self._stats_fn is None:
-            return self._legacy_stats  # TEMPORARY (worker/metrics_legacy.py); None otherwise
-        return self._stats_fn()
+        return None if self._stats_fn is None else self._stats_fn()
 
     def _in_flight(self) -> int:
-        if self._in_flight_fn is None:
-            return self._legacy_in_flight  # TEMPORARY (worker/metrics_legacy.py); 0 otherwise
-        return self._in_flight_fn()
+        return 0 if self._in_flight_fn is None else self._in_flight_fn()
 
     # --- called by the control loop ----------------------------------------------------------
 

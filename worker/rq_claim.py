@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import zlib
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -11,8 +10,8 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-# Largest job data a worker inflates (RQ zlib-compresses job data).
-MAX_JOB_DATA_BYTES = 16 * 1024 * 1024
+from producer.job_data import inflate
+
 # RQ's Job wants a connection even to read its data; this one is never connected.
 _NEVER_USED = redis.Redis(host="never-used.invalid")
 
@@ -37,21 +36,15 @@ class Claim:
         """The job's entry in RQ's started registry (`job_id:execution_id`)."""
         return f"{self.job_id}:{self.execution}"
 
-    def rq_job(self) -> Job:
+    def rq_job(self, max_bytes: int) -> Job:
         """An unsaved RQ Job carrying this claim's data, to read its function and arguments.
 
         The data is JSON (RQ's JSONSerializer), zlib-compressed or not as RQ writes it;
-        ValueError when it inflates past MAX_JOB_DATA_BYTES (a zip bomb).
+        PayloadTooLargeError (a ValueError) past `max_bytes` once inflated (a zlib bomb stops
+        there): the worker's `JobLimits.max_payload_bytes`.
         """
-        try:
-            inflater = zlib.decompressobj()
-            data = inflater.decompress(self.data, MAX_JOB_DATA_BYTES)
-            if inflater.unconsumed_tail:
-                raise ValueError(f"data: over {MAX_JOB_DATA_BYTES} bytes once decompressed")
-        except zlib.error:
-            data = self.data
         job = Job(id=self.job_id, connection=_NEVER_USED, serializer=JSONSerializer)
-        job.data = data
+        job.data = inflate(self.data, max_bytes)
         return job
 
     def timeout_s(self, limit: float) -> float:

@@ -17,7 +17,10 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from worker.config import WorkerConfig
+from worker.health import WorkerHealth
+from worker.logs import log_engine_ready
 from worker.metrics import WorkerMetrics
+from worker.metrics_server import MetricsPortInUse
 
 log = structlog.get_logger("pagedq.worker")
 
@@ -54,22 +57,9 @@ def connect(url: str) -> redis.Redis:
 
 def build_engine(config: WorkerConfig):
     """The LLMEngine of a worker config."""
-    from engine import EngineConfig, LLMEngine
+    from engine import LLMEngine
 
-    return LLMEngine(
-        EngineConfig(
-            model=config.model,
-            device=config.device,
-            dtype=config.dtype,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            kv_cache_memory=config.kv_cache_memory,
-            enable_prefix_caching=config.enable_prefix_caching,
-            max_model_len=config.max_model_len,
-            scheduling_policy=config.scheduling_policy,
-        )
-    )
+    return LLMEngine(config.engine)
 
 
 def run_worker(config: WorkerConfig) -> int:
@@ -92,7 +82,10 @@ def run_worker(config: WorkerConfig) -> int:
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         log.error("cannot reach Redis", redis_url=url, error=str(exc))
         return EXIT_ERROR
-    metrics = WorkerMetrics()
+    # Health and metrics exist before the model loads: /healthz says "starting" meanwhile, and a
+    # busy port fails the start in a second, not after the load.
+    health = WorkerHealth(config.model)
+    metrics = WorkerMetrics(config.model, health_fn=health.report)
     if config.metrics_port:
         try:
             metrics.serve(config.metrics_port, config.metrics_host)
@@ -101,7 +94,7 @@ def run_worker(config: WorkerConfig) -> int:
                 "cannot serve metrics",
                 host=config.metrics_host,
                 port=config.metrics_port,
-                error=exc.strerror or str(exc),
+                error=str(exc) if isinstance(exc, MetricsPortInUse) else exc.strerror or str(exc),
             )
             return EXIT_ERROR
         log.info("metrics served", host=config.metrics_host, port=config.metrics_port)
@@ -109,13 +102,15 @@ def run_worker(config: WorkerConfig) -> int:
     if _name_in_use(connection, name, config):
         return EXIT_ERROR
     t0 = time.monotonic()
-    log.info("loading model", model=config.model, device=config.device, dtype=config.dtype)
+    log.info(
+        "loading model", model=config.model, device=config.engine.device, dtype=config.engine.dtype
+    )
     engine = build_engine(config)
-    log.info("model loaded", model=engine.model_name, seconds=round(time.monotonic() - t0, 1))
+    log_engine_ready(engine, time.monotonic() - t0)
 
     from worker.batch_worker import ControlLoop, WorkerNameTaken
 
-    loop = ControlLoop(config, engine, connection, metrics, name=name)
+    loop = ControlLoop(config, engine, connection, metrics, health, name=name)
     try:
         return loop.run(burst=config.burst)
     except WorkerNameTaken:

@@ -1,5 +1,6 @@
 """Bad-input matrix: bad jobs sent raw (as a producer in another language would) and through
-`Client` each fail alone with a message naming the field; 16 good batch-mates stay
+`Client` each fail alone with a message naming the field; so does a job that makes an engine
+step raise (the test-only fault hook, PAGEDQ_TEST_FAULTS=1): 16 good batch-mates stay
 token-identical to a run without them, and the one worker process stays alive."""
 
 # ruff: noqa: E501 (the matrix reads best one case per line)
@@ -16,6 +17,7 @@ from redis import Redis
 from rq.registry import FailedJobRegistry, FinishedJobRegistry
 from worker_helpers import make_client
 
+from engine.llm_engine import FAULT_ENV, FAULT_MARKER
 from producer.errors import InvalidRequestError, JobFailedError
 from producer.keys import result_key
 from producer.schema import GENERATE_FUNC
@@ -45,7 +47,7 @@ def raw(payload_json: str) -> bytes:
 # (name, data bytes, compress like RQ does, text the error must contain)
 RAW_BAD: list[tuple[str, bytes, bool, str]] = [
     ("top_k_2_63", raw('{"prompt": "hi", "top_k": 9223372036854775808}'), True, "top_k: must be <= 9223372036854775807"),
-    ("stop_id_1e9_min1", data_of({"prompt": "hi", "stop_token_ids": [10**9], "min_tokens": 1}), True, "stop_token_ids=[1000000000] is invalid: token ids must be < vocab size 49152"),
+    ("stop_id_1e9_min1", data_of({"prompt": "hi", "stop_token_ids": [10**9], "min_tokens": 1}), True, "stop_token_ids: must be token ids < vocab size 49152, got [1000000000]"),
     ("temp_inf", raw('{"prompt": "hi", "temperature": Infinity}'), True, "temperature: Input should be a finite number"),
     ("temp_nan", raw('{"prompt": "hi", "temperature": NaN}'), False, "temperature: Input should be a finite number"),
     ("top_p_nan", raw('{"prompt": "hi", "top_p": NaN}'), True, "top_p: Input should be a finite number"),
@@ -54,10 +56,10 @@ RAW_BAD: list[tuple[str, bytes, bool, str]] = [
     ("n_1000", data_of({"prompt": "hi", "n": 1000}), True, "n: must be <= 128, got 1000"),
     ("n_17", data_of({"prompt": "hi", "n": 17}), False, "n: must be <= 16 (this worker's max_n), got 17"),
     ("max_tokens_1e9", data_of({"prompt": "hi", "max_tokens": 10**9}), True, "max_tokens: must be <= 1048576, got 1000000000"),
-    ("ids_ge_vocab", data_of({"prompt": [1, 2, 49152]}), True, "prompt token ids must be in [0, 49152): got [49152]"),
+    ("ids_ge_vocab", data_of({"prompt": [1, 2, 49152]}), True, "prompt: must be token ids < vocab size 49152, got [49152]"),
     ("ids_negative", data_of({"prompt": [5, -3]}), True, "prompt: token ids must be in [0, 2147483647], got [-3]"),
     ("ids_past_int64", raw('{"prompt": [1, 18446744073709551616]}'), True, "prompt: token ids must be in [0, 2147483647]"),
-    ("over_payload_limit", data_of({"prompt": "x" * (2**20 + 10)}), True, "must be at most max_payload_bytes=1048576"),
+    ("over_payload_limit", data_of({"prompt": "x" * (2**20 + 10)}), True, "inflates to more than max_payload_bytes=1048576"),
     ("zlib_bomb", data_of({"prompt": "a" * (32 * 2**20)}), True, "max_payload_bytes=1048576"),
     ("not_json_pickle", b"\x80\x05\x95\x10\x00\x00\x00\x00\x00\x00\x00\x8c\x02os\x94.", False, "job data is not valid JSON"),
     ("not_json_zlib", zlib.compress(b"{not json"), False, "job data is not valid JSON"),
@@ -81,16 +83,19 @@ RAW_BAD: list[tuple[str, bytes, bool, str]] = [
     ("logprobs_21", data_of({"prompt": "hi", "logprobs": 21}), True, "logprobs: must be in [0, 20], got 21"),
     ("ids_too_long", data_of({"prompt": LONG_IDS}), True, "must be shorter than max_model_len"),
     ("text_too_long", data_of({"prompt": "hello " * 3000}), True, "must be shorter than max_model_len"),
-    ("min_tokens_no_room", data_of({"prompt": [1] * 1000, "min_tokens": 900, "max_tokens": 900}), True, "min_tokens=900 is invalid: must be <="),
+    ("min_tokens_no_room", data_of({"prompt": [1] * 1000, "min_tokens": 900, "max_tokens": 900}), True, "min_tokens: must be <= max_model_len - prompt tokens"),
     ("other_model", data_of({"prompt": "hi", "model": "llama-70b"}), True, "job asks for 'llama-70b'"),
     ("metadata_list", data_of({"prompt": "hi", "metadata": [1]}), True, "metadata: Input should be a valid dictionary"),
+    # Passes every check, then makes each engine step it is part of raise: step isolation fails it.
+    ("engine_fault", data_of({"prompt": f"Write one sentence about {FAULT_MARKER}.", **GOOD}), True, "engine error: InjectedFault: injected test fault"),
+    ("engine_fault_chat", data_of({"messages": [{"role": "user", "content": FAULT_MARKER}], **GOOD}), False, "engine error: InjectedFault: injected test fault"),
 ]  # fmt: skip
 
 # Fields the Client refuses before anything is enqueued, and ones only the worker can judge.
 CLIENT_REFUSED = [{"top_k": 2**63}, {"temperature": float("inf")}, {"n": 1000}, {"seed": -(2**64)}]
 CLIENT_WORKER_BAD = [
-    ({"stop_token_ids": [10**9], "min_tokens": 1}, "token ids must be < vocab size 49152"),
-    ({"prompt": [0, 60000]}, "prompt token ids must be in [0, 49152)"),
+    ({"stop_token_ids": [10**9], "min_tokens": 1}, "token ids < vocab size 49152"),
+    ({"prompt": [0, 60000]}, "prompt: must be token ids < vocab size 49152"),
     ({"n": 17}, "n: must be <= 16"),
 ]
 
@@ -131,7 +136,9 @@ def wait_results(redis: Redis, job_ids: list[str], timeout: float = 300) -> dict
 
 @pytest.fixture(scope="module")
 def service(worker_factory):
-    worker = worker_factory(QUEUE, NAME, "--max-num-seqs", "16", "--dtype", "float32")
+    worker = worker_factory(
+        QUEUE, NAME, "--max-num-seqs", "16", "--dtype", "float32", env={FAULT_ENV: "1"}
+    )
     worker.wait_ready()
     return worker
 

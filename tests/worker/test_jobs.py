@@ -10,7 +10,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from producer.schema import GENERATE_FUNC, GenerationRequest
-from worker.jobs import JobRejected, parse_job, sampling_kwargs
+from worker.jobs import JobRejected, build_result, parse_job, sampling_kwargs
 from worker.streams import StreamState
 
 
@@ -83,3 +83,33 @@ def test_wire_schema_and_engine_sampling_params_name_the_same_fields():
     for name in SAMPLING_FIELDS:
         wire_default = GenerationRequest.model_fields[name].default
         assert wire_default == getattr(SamplingParams(), name) or name == "stop_token_ids"
+
+
+def test_token_texts_decode_every_id_of_the_logprobs_once_per_choice():
+    calls = []
+
+    def batch_decode(batch: list[list[int]]) -> list[str]:
+        calls.append(batch)
+        return [f"<{ids[0]}>" for ids in batch]
+
+    def completion(index: int, logprobs):
+        return SimpleNamespace(
+            index=index, text="ab", token_ids=[5, 7], finish_reason="length", logprobs=logprobs
+        )
+
+    output = SimpleNamespace(
+        prompt_token_ids=[1, 2],
+        outputs=[
+            completion(0, [{5: -0.1, 9: -2.0}, {7: -0.2, 5: -3.0}]),
+            completion(1, [{5: -0.1}, {7: -0.2}]),
+        ],
+    )
+    request = GenerationRequest.parse({"prompt": "hi", "n": 2, "logprobs": 1})
+    args = dict(status="finished", model="m", worker="w", timings={})
+    result = build_result("j", request, output, batch_decode=batch_decode, **args)
+    assert result.choices[0].token_texts == {5: "<5>", 7: "<7>", 9: "<9>"}
+    assert result.choices[1].token_texts == {5: "<5>", 7: "<7>"}
+    assert calls == [[[5], [7], [9]], [[5], [7]]]
+    plain = SimpleNamespace(prompt_token_ids=[1], outputs=[completion(0, None)])
+    assert build_result("j", request, plain, batch_decode=batch_decode, **args).token_texts is None
+    assert build_result("j", request, output, **args).choices[0].token_texts is None

@@ -12,12 +12,6 @@ from worker_helpers import REPO, make_client
 
 QUEUE = "q-logs"
 NAME = "w-logs"
-# The wiring of log_job_end / log_engine_ready into the control loop and the service is the
-# lead's (docs/OPERATIONS.md, "Wiring"); until then these tests xfail, and strict=True makes them
-# fail as XPASS once wired, as a reminder to remove the marker.
-NEEDS_WIRING = pytest.mark.xfail(
-    strict=True, reason="needs log_job_end / log_engine_ready wired into worker/ (lead)"
-)
 
 PROBE = textwrap.dedent(
     """
@@ -118,7 +112,6 @@ def test_every_line_of_a_json_worker_log_is_a_json_object(worker_run):
 
 
 @pytest.mark.slow
-@NEEDS_WIRING
 def test_one_job_end_line_per_job_with_tokens_and_timings(worker_run):
     job_ids, text = worker_run
     ends = [r for r in parse_lines(text) if r["event"] == "job ended"]
@@ -133,7 +126,6 @@ def test_one_job_end_line_per_job_with_tokens_and_timings(worker_run):
 
 
 @pytest.mark.slow
-@NEEDS_WIRING
 def test_the_start_line_names_the_device_and_dtype_chosen(worker_run):
     _, text = worker_run
     (loaded,) = [r for r in parse_lines(text) if r["event"] == "model loaded"]

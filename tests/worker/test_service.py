@@ -136,6 +136,20 @@ def test_stream_deltas_concatenate_to_the_final_text(service, client):
     assert "Paris" in result.text
 
 
+def test_logprobs_come_with_the_text_of_every_token_id_they_name(service, client):
+    service.wait_ready()
+    job_id = client.submit(prompt="The capital of France is", temperature=0.0, max_tokens=4,
+                           logprobs=3)  # fmt: skip
+    result = client.result(job_id, timeout=120)
+    named = {t for entry in result.logprobs for t in entry}
+    assert len(result.logprobs) == len(result.token_ids) == 4
+    assert set(result.token_texts) == named and len(named) > 4
+    # Greedy tokens are each one's top candidate; their texts spell the result.
+    assert "".join(result.token_texts[t] for t in result.token_ids) == result.text
+    plain = client.result(client.submit(prompt="Hi", max_tokens=2), timeout=120)
+    assert plain.token_texts is None
+
+
 def test_cancel_stops_a_running_job_and_frees_its_blocks(service, client):
     service.wait_ready()
     job_id = client.submit(prompt="Tell me a very long story.", ignore_eos=True, max_tokens=600)

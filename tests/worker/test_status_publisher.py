@@ -168,11 +168,7 @@ def test_pagedq_status_sees_the_engine_empty_within_a_second(
         loop.stop()
 
 
-# --- a real worker process (needs the lead's wiring, docs/OPERATIONS.md) ----------------------
-
-NEEDS_WIRING = pytest.mark.xfail(
-    strict=True, reason="needs StatusPublisher and the collector wired into worker/ (lead)"
-)
+# --- a real worker process --------------------------------------------------------------------
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -186,7 +182,6 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 @pytest.mark.slow
-@NEEDS_WIRING
 def test_a_worker_shows_zero_one_second_after_its_last_job(private_redis, worker_factory):
     port = free_port()
     worker = worker_factory("q-fresh", "w-fresh", "--metrics-port", str(port))
