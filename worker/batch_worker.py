@@ -41,6 +41,7 @@ from worker.metrics import WorkerMetrics
 from worker.redis_link import FIRST_BACKOFF_S, MAX_BACKOFF_S, UNAVAILABLE, RedisLink
 from worker.rq_adapter import Claim, RQAdapter
 from worker.status_publisher import StatusPublisher
+from worker.status_report import build_status
 from worker.streams import StreamState
 
 log = structlog.get_logger("pagedq.worker")
@@ -89,6 +90,7 @@ class ControlLoop:
             result_ttl=config.result_ttl,
             stream_ttl=config.stream_ttl,
             max_crashes=config.max_crashes,
+            aging_seconds=config.engine.priority_aging_seconds or 0,
         )
         self.link = RedisLink(self.adapter.scripts)
         self.metrics = metrics or WorkerMetrics(engine.model_name)
@@ -103,7 +105,7 @@ class ControlLoop:
             config.queue,
             lambda: self.loop.stats,
             lambda: len(self.in_flight),
-            extra_fn=lambda stats: {"queues": self.adapter.queues},
+            extra_fn=lambda stats: build_status(stats, self.in_flight, self._config_summary()),
             health=self.health,
         )
         self.ender = JobEnder(self.adapter, engine.model_name, self.metrics, engine.tokenizer)
@@ -169,11 +171,27 @@ class ControlLoop:
             log.info("worker stopped", worker=self.name, jobs_ended=self.num_ended)
         return self.exit_code
 
+    def _config_summary(self) -> dict[str, Any]:
+        """The settings `pagedq diagnose` may advise changing, published with the status."""
+        engine = self.config.engine
+        return {
+            "model": self.engine.model_name,
+            "queue": self.config.queue,
+            "queues": self.adapter.queues,
+            "max_num_seqs": engine.max_num_seqs,
+            "max_num_batched_tokens": engine.max_num_batched_tokens,
+            "kv_cache_memory": engine.kv_cache_memory,
+            "swap_space": engine.swap_space,
+            "scheduling_policy": engine.scheduling_policy,
+            "tenant_weights": engine.tenant_weights,
+        }
+
     def _register(self) -> bool:
-        """Register with RQ, waiting (with backoff) while Redis is unreachable."""
+        """Register with RQ (and publish tenant weights), waiting while Redis is unreachable."""
         backoff = FIRST_BACKOFF_S
         while True:
             try:
+                self.adapter.set_tenant_weights(self.config.engine.tenant_weights)
                 return self.adapter.register()
             except UNAVAILABLE as exc:
                 log.warning("redis unreachable, retrying", retry_in_s=backoff, error=str(exc))
@@ -281,7 +299,14 @@ class ControlLoop:
         if request.prompt is None:
             messages = [m.model_dump() for m in request.messages or []]
         self.loop.add(
-            AddRequest(claim.job_id, request.prompt, params, request.priority, messages=messages)
+            AddRequest(
+                claim.job_id,
+                request.prompt,
+                params,
+                request.priority,
+                messages=messages,
+                tenant=request.tenant,
+            )
         )
         log.debug("job started", job_id=claim.job_id, attempt=claim.attempt)
 

@@ -41,6 +41,7 @@ class AddRequest:
     params: Any  # engine.SamplingParams
     priority: int = 0
     messages: list[dict] | None = None
+    tenant: str | None = None
 
 
 @dataclass(slots=True)
@@ -52,6 +53,7 @@ class _Tokenized:
     token_ids: list[int]
     params: Any
     priority: int
+    tenant: str | None = None
 
 
 @dataclass(slots=True)
@@ -192,7 +194,11 @@ class EngineLoop:
                 continue
             try:
                 self.engine.add_request(
-                    command.request_id, command.token_ids, command.params, command.priority
+                    command.request_id,
+                    command.token_ids,
+                    command.params,
+                    command.priority,
+                    tenant=command.tenant,
                 )
             except ValueError as exc:
                 self.events.put(AddFailed(command.request_id, str(exc)))
@@ -237,7 +243,12 @@ class EngineLoop:
         else:
             token_ids = prompt
         return _Tokenized(
-            command.request_id, text, list(token_ids), command.params, command.priority
+            command.request_id,
+            text,
+            list(token_ids),
+            command.params,
+            command.priority,
+            command.tenant,
         )
 
     def _run(self) -> None:
