@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     admission_reserve_blocks: int = 4
     seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU; None = physical cores
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
@@ -42,6 +44,14 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(
                 f"dtype={self.dtype!r} is invalid: must be 'auto' or one of {list(DTYPES)}"
+            )
+        if self.num_threads is not None and (
+            isinstance(self.num_threads, bool)
+            or not isinstance(self.num_threads, int)
+            or self.num_threads < 1
+        ):
+            raise ValueError(
+                f"num_threads={self.num_threads!r} is invalid: must be None (auto) or an int >= 1"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
@@ -94,3 +104,35 @@ def parse_memory(value: int | float | str) -> int:
         )
     unit = (m.group(2) or "").lower()[:1]
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on: its CPU affinity, one thread per core.
+
+    SMT siblings share a core's FPUs, so a GEMM-bound step gains nothing from them and loses
+    to the synchronisation; ``/proc/cpuinfo``'s (physical id, core id) pairs tell them apart.
+    """
+    allowed = os.sched_getaffinity(0)
+    cores: set[tuple[str, str]] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            blocks = f.read().split("\n\n")
+    except OSError:
+        return len(allowed)
+    for block in blocks:
+        fields = dict(
+            (k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in block.splitlines())
+        )
+        if fields.get("processor", "").isdigit() and int(fields["processor"]) in allowed:
+            cores.add((fields.get("physical id", "0"), fields.get("core id", fields["processor"])))
+    return max(1, min(len(cores) or len(allowed), len(allowed)))
+
+
+def apply_num_threads(num_threads: int | None, device: torch.device) -> int:
+    """Set torch's intra-op threads for a CPU engine (``None`` = physical cores); returns it."""
+    if device.type != "cpu":
+        return torch.get_num_threads()
+    wanted = num_threads or physical_cores()
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
+    return wanted
