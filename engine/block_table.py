@@ -20,7 +20,9 @@ class BlockTable:
     def __init__(self, num_rows: int = 64, num_cols: int = 64) -> None:
         self.table = torch.full((num_rows, num_cols), -1, dtype=torch.int32)
         self.free_rows = list(range(num_rows - 1, -1, -1))
-        self.entries: dict[str, list[int]] = {}  # request_id -> [row, num_blocks written]
+        # request_id -> [row, num_blocks written, the Request]: an id may be reused at once by a
+        # new request after the old one finished, so the entry also checks the object.
+        self.entries: dict[str, list] = {}
 
     def update(self, scheduled: list[ScheduledRequest]) -> tuple[list[int], int]:
         """Sync rows with the step's block ids; returns each request's row and the widest row."""
@@ -30,9 +32,12 @@ class BlockTable:
         for s in scheduled:
             rid, block_ids = s.request.request_id, s.block_ids
             entry = previous.pop(rid, None)
+            if entry is not None and entry[2] is not s.request:
+                previous[f"{rid}\0stale"] = entry  # freed below, with the unscheduled ones
+                entry = None
             if entry is None:
-                entry = [self._take_row(), 0]
-            row, written = entry
+                entry = [self._take_row(), 0, s.request]
+            row, written, _ = entry
             num_blocks = len(block_ids)
             assert num_blocks >= written, (rid, num_blocks, written)
             if num_blocks > written:
@@ -44,7 +49,7 @@ class BlockTable:
             rows.append(row)
             max_blocks = max(max_blocks, num_blocks)
         if previous:
-            freed = [row for row, _ in previous.values()]
+            freed = [entry[0] for entry in previous.values()]
             self.table[torch.tensor(freed)] = -1
             self.free_rows.extend(freed)
         self.entries = current
