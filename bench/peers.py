@@ -339,7 +339,9 @@ def main() -> None:
             if result is not None:
                 results[engine] = result
         tables.append((work, results))
-    print(f"\nload average {load_before} before, {load_average()} after (2 cores, shared)")
+        if len(names) > 1:
+            print_table(work, results, args)  # partial results survive an interrupted run
+    print(f"\nload average {load_before} before, {load_average()} after ({os.cpu_count()} CPUs)")
     for work, results in tables:
         print_table(work, results, args)
     for note in notes:
