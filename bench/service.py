@@ -34,8 +34,11 @@ def start_worker(redis_url: str, queue: str, args, log_path: Path) -> subprocess
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--kv-cache-memory", f"{args.kv_cache_gib}GiB", "--log-level", "WARNING",
     ]  # fmt: skip
+    import peers
+
+    env = {**os.environ, **peers.bind_env()}  # pinned like the offline child
     with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 
 
 def wait_ready(conn, proc: subprocess.Popen, log_path: Path, timeout: float = 600) -> None:
@@ -101,7 +104,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
-    args.hf_batch_size = 16  # unused here; peers' child command line carries it
+    args.hf_batch_size, args.no_bind = 16, False  # what peers' child command line carries
 
     from throughput import make_workload
 
