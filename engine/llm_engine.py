@@ -10,6 +10,7 @@ import torch
 
 from engine.config import (
     EngineConfig,
+    apply_num_threads,
     parse_memory,
     resolve_device,
     resolve_dtype,
@@ -90,6 +91,7 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.num_threads = apply_num_threads(config.num_threads, self.device)
         self.model_name = config.model
         self.model, self.hf_config, self.tokenizer = load_model(
             config.model, self.dtype, self.device, config.attention_backend

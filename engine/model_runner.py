@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.block_table import BlockTable
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 
@@ -27,36 +28,56 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.eos_ids = eos_ids
+        self.block_table = BlockTable()
+        model.prepack()
 
     def prepare_inputs(self, sched: SchedulerOutput):
-        """Flat ``input_ids``, ``positions``, attention metadata, and the rows to sample."""
-        bs = self.block_size
-        input_ids, positions, slot_mapping = [], [], []
-        query_start_loc, seq_lens, logits_indices, sample_rows = [0], [], [], []
-        max_blocks = max(len(s.block_ids) for s in sched.scheduled)
-        block_table = []
-        for row, s in enumerate(sched.scheduled):
+        """Flat ``input_ids``, ``positions``, attention metadata, and the rows to sample.
+
+        One O(1) pass per request collects its numbers; everything per token is a torch op.
+        """
+        scheduled = sched.scheduled
+        input_ids, starts, num_new, sample_rows = [], [], [], []
+        for row, s in enumerate(scheduled):
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_new_tokens
             input_ids.extend(req.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            ids = s.block_ids
-            slot_mapping.extend(ids[p // bs] * bs + p % bs for p in range(start, end))
-            query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
-            seq_lens.append(end)
-            block_table.append(ids + [-1] * (max_blocks - len(ids)))
+            starts.append(start)
+            num_new.append(s.num_new_tokens)
             # Only a request whose every token is now computed gets a next-token sample.
             if end == req.num_tokens:
-                logits_indices.append(query_start_loc[-1] - 1)
                 sample_rows.append(row)
-        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        rows, max_blocks = self.block_table.update(scheduled)
+        block_table = self.block_table.table[:, :max_blocks].index_select(0, torch.tensor(rows))
+        starts_t = torch.tensor(starts)
+        num_new_t = torch.tensor(num_new)
+        query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.long)
+        torch.cumsum(num_new_t, 0, out=query_start_loc[1:])
+        num_tokens = len(input_ids)
+        if num_tokens == len(scheduled):  # decodes only: one token per request
+            token_req, positions = None, starts_t
+            token_blocks = block_table.gather(1, (positions // self.block_size)[:, None])[:, 0]
+        else:
+            token_req = torch.repeat_interleave(num_new_t, output_size=num_tokens)
+            offsets = torch.arange(num_tokens) - query_start_loc[token_req]
+            positions = starts_t[token_req] + offsets
+            token_blocks = block_table[token_req, positions // self.block_size]
+        slot_mapping = token_blocks.long() * self.block_size + positions % self.block_size
+        if len(sample_rows) == num_tokens:  # every token samples: all of hidden, no gather
+            logits_indices = slice(None)
+        else:
+            logits_indices = query_start_loc[1:][sample_rows] - 1 if sample_rows else None
+        to = lambda x: x.to(self.device, non_blocking=True)  # noqa: E731
         meta = AttentionMetadata(
-            slot_mapping=t(slot_mapping),
-            query_start_loc=t(query_start_loc),
-            seq_lens=t(seq_lens),
-            block_table=t(block_table),
+            slot_mapping=to(slot_mapping),
+            query_start_loc=to(query_start_loc),
+            seq_lens=to(starts_t + num_new_t),
+            block_table=to(block_table),
         )
-        return t(input_ids), t(positions), meta, logits_indices, sample_rows
+        ids = torch.tensor(input_ids, device=self.device)
+        if isinstance(logits_indices, torch.Tensor):
+            logits_indices = to(logits_indices)
+        return ids, to(positions), meta, logits_indices, sample_rows
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput):

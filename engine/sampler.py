@@ -18,6 +18,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request], eos_ids: set[int]):
         """Returns the sampled token ids and, per row, a logprobs dict or None."""
+        if all(_plain_greedy(r) for r in requests):
+            # The common batch: no sort, no softmax, no copies; one argmax over the logits.
+            return logits.argmax(dim=-1).tolist(), [None] * len(requests)
         raw_logprobs = self._logprobs_source(logits, requests)
         logits = self._apply_penalties(logits, requests)
         logits = self._apply_min_tokens(logits, requests, eos_ids)
@@ -131,6 +134,20 @@ class Sampler:
                 len(unseeded), probs.shape[1], device=probs.device
             ).exponential_(generator=self.generator)
         return (probs / noise).argmax(dim=-1)
+
+
+def _plain_greedy(r: Request) -> bool:
+    """Greedy with nothing that changes or reads the logits first (penalties, min_tokens,
+    logprobs)."""
+    p = r.params
+    return (
+        p.temperature == 0
+        and p.logprobs is None
+        and p.repetition_penalty == 1.0
+        and not p.presence_penalty
+        and not p.frequency_penalty
+        and r.num_output_tokens >= p.min_tokens
+    )
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

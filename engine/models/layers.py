@@ -66,3 +66,22 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate ``q`` ``[T, heads, D]`` and ``k`` ``[T, kv_heads, D]`` by their positions."""
         return rotary_torch(positions, q, k, self.cos, self.sin)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """``(cos, signed_sin)`` ``[T, 1, D]`` of a step, gathered once for every layer.
+
+        ``signed_sin`` carries rotate-half's minus sign, so ``apply`` needs no negation.
+        """
+        half = self.cos.shape[1] // 2
+        cos = self.cos[positions].to(dtype)
+        sin = self.sin[positions].to(dtype)
+        sin[:, :half].neg_()
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[T, heads, D]``; bit for bit ``forward``'s (and Hugging Face's) result.
+
+        ``cat(-x2, x1) * sin`` equals ``roll(x, D/2) * signed_sin`` exactly: negation is exact.
+        """
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin

@@ -10,6 +10,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.layers import RMSNorm, RotaryEmbedding
+from engine.models.packed_linear import pack, prepack_supported
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -34,16 +35,17 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(self.head_dim**-0.5, backend)
 
-    def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+    def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """``rope`` is the step's ``(cos, signed_sin)`` from ``RotaryEmbedding.cos_sin``."""
+        num_tokens, heads = hidden.shape[0], self.num_heads
+        qkv = self.qkv_proj(hidden)
+        # q and k sit side by side in qkv: one rotation for both, on a view (no split copies).
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, meta)
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        qk = self.rotary.apply(qk, *rope)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, -1, self.head_dim)
+        out = self.attn(qk[:, :heads], qk[:, heads:], v, kv_cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -72,8 +74,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, kv_cache, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+    def forward(self, rope, hidden, kv_cache, meta) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -101,18 +103,41 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.packed_lm_head = None
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` of one flat batch."""
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, meta)
+            hidden = layer(rope, hidden, kv_cache, meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 of the rows that need sampling."""
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden).float()
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def prepack(self) -> bool:
+        """Reorder every projection and the LM head for oneDNN where that is faster (CPU fp32).
+
+        Idempotent; call after the weights are loaded and the model is on its device and dtype.
+        A tied LM head gets its own packed copy: the embedding still needs the plain table.
+        """
+        weight = self.embed_tokens.weight
+        if self.packed_lm_head is not None or not prepack_supported(weight.device, weight.dtype):
+            return self.packed_lm_head is not None
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj, attn.o_proj = pack(attn.qkv_proj), pack(attn.o_proj)
+            mlp.gate_up_proj, mlp.down_proj = pack(mlp.gate_up_proj), pack(mlp.down_proj)
+        if self.tie_word_embeddings:
+            self.packed_lm_head = pack(_Tied(weight))
+        else:
+            self.lm_head = self.packed_lm_head = pack(self.lm_head)
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face named tensors, merging q/k/v and gate/up into their fused layers."""
@@ -150,6 +175,13 @@ class LlamaForCausalLM(nn.Module):
             return offsets[shard], sizes[shard]
         size = self.layers[0].mlp.intermediate_size
         return (0 if shard == "gate" else size), size
+
+
+class _Tied:
+    """The embedding table seen as a bias-free linear layer (the tied LM head)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight, self.bias = weight, None
 
 
 _FUSED = {

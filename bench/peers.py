@@ -1,0 +1,366 @@
+"""pagedq against its peers on one workload: vLLM's CPU build and Hugging Face static batching.
+
+    python bench/peers.py                        # both workloads, every engine found
+    python bench/peers.py --quick                # a one-minute sanity run
+    python bench/peers.py --workload mixed --engines pagedq,vllm
+
+Workloads (greedy, ignore_eos, fp32, the default model):
+  uniform  64 short chat prompts x 128 new tokens
+  mixed    96 chat prompts of 20-400 tokens x 16-512 new tokens (seeded)
+
+Each engine runs in its own process on the same token ids: pagedq and Hugging Face in this
+venv, vLLM in ``$PEERS_DIR/venv-vllm`` (``PEERS_DIR=/work/peers bash ../shared/peers/setup_vllm.sh``
+installs it) with the settings its setup script recommends (tcmalloc, both cores bound, 4 GiB KV
+cache); pagedq and HF get their OpenMP threads pinned the same way (``--no-bind`` skips that).
+Without the venv the vLLM column is skipped with a note. Every engine is fed all requests at
+once and stepped to the end; a token's time is the end of the step that returned it. Prints
+output tokens/s, time to first token and inter-token latency (p50/p99), and pagedq's
+ratio to each peer. The machine is shared and noisy: compare ratios from one run.
+
+This file imports only the standard library at the top: vLLM's venv runs it as a child too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+WORKLOADS = {
+    # name: (num_requests, min_prompt, max_prompt, min_output, max_output)
+    "uniform": (64, 20, 48, 128, 128),
+    "mixed": (96, 20, 400, 16, 512),
+}
+QUICK = {"uniform": (16, 20, 48, 32, 32), "mixed": (24, 20, 200, 8, 96)}
+
+
+# --- metrics -------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by nearest rank; nan for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
+
+
+def summarize(elapsed: float, token_times: dict[str, list[float]]) -> dict:
+    """Tokens/s, TTFT and ITL from each request's token timestamps (seconds since start)."""
+    ttft = [times[0] for times in token_times.values() if times]
+    itl = [b - a for times in token_times.values() for a, b in zip(times, times[1:])]
+    tokens = sum(len(t) for t in token_times.values())
+    return {
+        "tokens": tokens,
+        "elapsed": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "itl_p50": percentile(itl, 50),
+        "itl_p99": percentile(itl, 99),
+    }
+
+
+class TokenClock:
+    """Stamps each request's new tokens with the time the engine returned them."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.times: dict[str, list[float]] = {}
+
+    def seen(self, request_id: str, num_tokens: int) -> None:
+        """The request now has ``num_tokens`` output tokens."""
+        times = self.times.setdefault(request_id, [])
+        now = time.perf_counter() - self.start
+        times.extend([now] * (num_tokens - len(times)))
+
+    def result(self) -> dict:
+        """The summary of the run so far."""
+        return summarize(time.perf_counter() - self.start, self.times)
+
+
+# --- children: one engine each -------------------------------------------------------------
+def run_pagedq(work: dict, args) -> dict:
+    """Step pagedq's LLMEngine over every request at once."""
+    sys.path.insert(0, str(ROOT))
+    from engine import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=f"{args.kv_cache_gib}GiB",
+    )
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate(work["prompts"][:2], warm, use_tqdm=False)
+    engine = llm.llm_engine
+    clock = TokenClock()
+    for i, (prompt, n) in enumerate(zip(work["prompts"], work["out_lens"])):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        engine.add_request(str(i), prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            clock.seen(out.request_id, len(out.outputs[0].token_ids))
+    result = clock.result()
+    result["threads"] = engine.num_threads if hasattr(engine, "num_threads") else None
+    return result
+
+
+def run_vllm(work: dict, args) -> dict:
+    """Step vLLM's LLMEngine (inside its ``LLM``) over every request at once."""
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    llm = LLM(
+        model=args.vllm_model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=True,
+        seed=0,
+    )
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in work["prompts"][:2]], warm, use_tqdm=False)
+    engine = llm.llm_engine
+    clock = TokenClock()
+    for i, (prompt, n) in enumerate(zip(work["prompts"], work["out_lens"])):
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=n,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.CUMULATIVE,
+        )
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            clock.seen(out.request_id, len(out.outputs[0].token_ids))
+    return clock.result()
+
+
+def run_hf(work: dict, args) -> dict:
+    """Hugging Face ``generate`` in static batches (left padded), every batch to its longest."""
+    import torch
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    sys.path.insert(0, str(ROOT))
+    from engine.model_loader import resolve_model
+
+    src = resolve_model(args.model)
+    kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        src.folder, dtype=getattr(torch, args.dtype), **kwargs
+    ).eval()
+
+    class Stamp(StoppingCriteria):
+        def __init__(self, clock, ids, lens):
+            self.clock, self.ids, self.lens, self.step = clock, ids, lens, 0
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.step += 1
+            for rid, n in zip(self.ids, self.lens):
+                if self.step <= n:
+                    self.clock.seen(rid, self.step)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    def generate(prompts, lens, clock=None, ids=()):
+        width = max(len(p) for p in prompts)
+        x = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        stop = StoppingCriteriaList([Stamp(clock, ids, lens)] if clock else [])
+        with torch.inference_mode():
+            model.generate(x, attention_mask=mask, do_sample=False, pad_token_id=0,
+                           max_new_tokens=max(lens), min_new_tokens=max(lens),
+                           stopping_criteria=stop)  # fmt: skip
+
+    generate(work["prompts"][:2], [4, 4])
+    clock = TokenClock()
+    prompts, lens, bs = work["prompts"], work["out_lens"], args.hf_batch_size
+    for i in range(0, len(prompts), bs):
+        ids = [str(j) for j in range(i, min(i + bs, len(prompts)))]
+        generate(prompts[i : i + bs], lens[i : i + bs], clock, ids)
+    return clock.result()
+
+
+CHILDREN = {"pagedq": run_pagedq, "vllm": run_vllm, "hf": run_hf}
+
+
+# --- the parent ----------------------------------------------------------------------------
+def make_work(args, name: str) -> dict:
+    """Token ids and output lengths of a workload, from the default model's chat template."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT))
+    from throughput import make_workload
+
+    from engine.model_loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(args.model))
+    spec = (QUICK if args.quick else WORKLOADS)[name]
+    if args.num_requests:
+        spec = (args.num_requests, *spec[1:])
+    prompts, out_lens = make_workload(tok, *spec, seed=args.seed)
+    return {"name": name, "spec": spec, "prompts": prompts, "out_lens": out_lens}
+
+
+def peers_dir(args) -> Path | None:
+    """The folder setup_vllm.sh filled, if there is one."""
+    for candidate in (args.peers_dir, os.environ.get("PEERS_DIR"), "/work/peers"):
+        if candidate and (Path(candidate) / "venv-vllm" / "bin" / "python").exists():
+            return Path(candidate)
+    return None
+
+
+def child_command(engine: str, args, peers: Path | None, io: tuple[str, str]):
+    """(argv, env) of one engine's child process."""
+    env = dict(os.environ)
+    python = sys.executable
+    extra = []
+    if engine != "vllm" and not args.no_bind:
+        env.update(bind_env())
+    if engine == "vllm":
+        python = str(peers / "venv-vllm" / "bin" / "python")
+        cpus = sorted(os.sched_getaffinity(0))
+        env.update(
+            VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}-{cpus[-1]}",
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
+        )
+        if os.path.exists(TCMALLOC):
+            env["LD_PRELOAD"] = TCMALLOC
+        extra = ["--vllm-model", str(peers / "smollm2-hf")]
+    argv = [python, __file__, "--child", engine, "--io", *io, *extra, *passthrough(args)]
+    return argv, env
+
+
+def bind_env() -> dict[str, str]:
+    """OpenMP threads pinned one per allowed CPU, as vLLM pins its own.
+
+    On a shared host an unpinned OpenMP thread that gets descheduled stalls its partner at every
+    barrier: pinning measured ~4x faster for pagedq on the loaded 2-core machine.
+    """
+    return {"GOMP_CPU_AFFINITY": " ".join(str(c) for c in sorted(os.sched_getaffinity(0)))}
+
+
+def passthrough(args) -> list[str]:
+    """The parent's engine settings, repeated for a child."""
+    return [
+        "--model", args.model, "--dtype", args.dtype,
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--kv-cache-gib", str(args.kv_cache_gib), "--hf-batch-size", str(args.hf_batch_size),
+        *(["--no-bind"] if args.no_bind else []),
+    ]  # fmt: skip
+
+
+def run_child(engine: str, work: dict, args, peers) -> dict | None:
+    """Run one engine on ``work`` in its own process; None (and a note) if it failed."""
+    with tempfile.TemporaryDirectory(prefix="pagedq-peers-") as tmp:
+        src, dst = os.path.join(tmp, "work.json"), os.path.join(tmp, "result.json")
+        Path(src).write_text(json.dumps(work))
+        argv, env = child_command(engine, args, peers, (src, dst))
+        print(f"[{work['name']}] running {engine} ...", flush=True)
+        log = None if args.verbose else subprocess.DEVNULL
+        proc = subprocess.run(argv, env=env, stdout=log, stderr=None if args.verbose else log)
+        if proc.returncode != 0 or not os.path.exists(dst):
+            print(f"[{work['name']}] {engine} failed (exit {proc.returncode}); rerun with -v")
+            return None
+        return json.loads(Path(dst).read_text())
+
+
+def load_average() -> str:
+    """The 1-minute load average (the machine is shared)."""
+    try:
+        return open("/proc/loadavg").read().split()[0]
+    except OSError:
+        return "?"
+
+
+def print_table(work: dict, results: dict[str, dict], args) -> None:
+    """The workload's table, pagedq's ratios, and notes."""
+    n, p_lo, p_hi, o_lo, o_hi = work["spec"]
+    print(
+        f"\n### {work['name']}: {n} requests, prompts {p_lo}-{p_hi} tokens "
+        f"(mean {sum(map(len, work['prompts'])) / n:.0f}), outputs {o_lo}-{o_hi} "
+        f"(total {sum(work['out_lens'])}), {args.dtype}, greedy, ignore_eos"
+    )
+    print("| engine | output tokens/s | pagedq / engine | TTFT p50 / p99 s | ITL p50 / p99 ms |")
+    print("|---|---:|---:|---:|---:|")
+    base = results.get("pagedq")
+    for engine, r in results.items():
+        ratio = f"{base['tokens_per_s'] / r['tokens_per_s']:.2f}" if base else "-"
+        print(
+            f"| {LABELS[engine]} | {r['tokens_per_s']:.1f} | {ratio} | "
+            f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | "
+            f"{r['itl_p50'] * 1e3:.0f} / {r['itl_p99'] * 1e3:.0f} |"
+        )
+
+
+LABELS = {
+    "pagedq": "pagedq",
+    "vllm": "vLLM CPU (tcmalloc, cores bound)",
+    "hf": "HF static batching",
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=["uniform", "mixed", "both"], default="both")
+    ap.add_argument("--engines", default="pagedq,vllm,hf", help="comma list of pagedq,vllm,hf")
+    ap.add_argument("--quick", action="store_true", help="small sizes for a sanity run")
+    ap.add_argument("--num-requests", type=int, default=None, help="override the request count")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--kv-cache-gib", type=int, default=4)
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peers-dir", default=None, help="where setup_vllm.sh installed vLLM")
+    ap.add_argument("--no-bind", action="store_true", help="leave pagedq/HF threads unpinned")
+    ap.add_argument("-v", "--verbose", action="store_true", help="show the children's output")
+    ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    ap.add_argument("--io", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--vllm-model", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.child:
+        work = json.loads(Path(args.io[0]).read_text())
+        Path(args.io[1]).write_text(json.dumps(CHILDREN[args.child](work, args)))
+        return
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    peers = peers_dir(args)
+    notes = []
+    if "vllm" in engines and peers is None:
+        engines.remove("vllm")
+        notes.append(
+            "vLLM: skipped, no venv-vllm in --peers-dir, $PEERS_DIR or /work/peers "
+            "(install: PEERS_DIR=/work/peers bash ../shared/peers/setup_vllm.sh)"
+        )
+    names = ["uniform", "mixed"] if args.workload == "both" else [args.workload]
+    load_before = load_average()
+    tables = []
+    for name in names:
+        work = make_work(args, name)
+        results = {}
+        for engine in engines:
+            result = run_child(engine, work, args, peers)
+            if result is not None:
+                results[engine] = result
+        tables.append((work, results))
+        if len(names) > 1:
+            print_table(work, results, args)  # partial results survive an interrupted run
+    print(f"\nload average {load_before} before, {load_average()} after ({os.cpu_count()} CPUs)")
+    for work, results in tables:
+        print_table(work, results, args)
+    for note in notes:
+        print(note)
+
+
+if __name__ == "__main__":
+    main()
