@@ -112,7 +112,7 @@ class EngineConfig:
     )
     num_threads: int | None = field(
         default=None,
-        metadata=_doc("torch intra-op threads on CPU (none: the physical cores this process may use)"),
+        metadata=_doc("torch intra-op threads on CPU (none: the physical cores it may use)"),
     )
 
     def __post_init__(self) -> None:
