@@ -38,7 +38,7 @@ def test_no_flags_give_the_declared_defaults(monkeypatch):
     config = parse()
     assert config == WorkerConfig()
     assert config.engine == EngineConfig() and config.limits == JobLimits()
-    assert EngineConfig().scheduling_policy == config.engine.scheduling_policy == "priority"
+    assert EngineConfig().scheduling_policy == config.engine.scheduling_policy == "fair"
 
 
 def test_flags_set_nested_fields_and_bad_values_are_usage_errors():

@@ -150,7 +150,7 @@ def test_counters_and_histograms_count_exactly(tiny_llama_dir):
     assert value(m, "pagedq:num_preemptions_total", kind="swap") == 0
 
 
-def test_preemptions_are_counted_as_recompute(tiny_llama_dir):
+def test_preemptions_are_counted_by_kind(tiny_llama_dir):
     # 8 KV blocks of 16 tokens; 4 requests that each grow to 4 blocks cannot all stay resident.
     engine = make_engine(tiny_llama_dir, "64KiB")
     assert engine.kv_cache_manager.block_pool.num_blocks == 8
@@ -160,10 +160,11 @@ def test_preemptions_are_counted_as_recompute(tiny_llama_dir):
     driver.run()
     m = scrape(driver.metrics)
 
-    assert engine.scheduler.num_preemptions > 0
-    assert value(m, "pagedq:num_preemptions_total", kind="recompute") == (
-        engine.scheduler.num_preemptions
-    )
+    # The swap pool is on by default: each preemption is counted under the kind it took.
+    by_kind = engine.scheduler.num_preemptions_by_kind
+    assert engine.scheduler.num_preemptions == by_kind["recompute"] + by_kind["swap"] > 0
+    for kind in ("recompute", "swap"):
+        assert value(m, "pagedq:num_preemptions_total", kind=kind) == by_kind[kind]
     assert value(m, "pagedq:request_success_total", finished_reason="length") == 4
     assert value(m, "pagedq:kv_cache_usage_perc") == 0
 
