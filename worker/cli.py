@@ -1,4 +1,4 @@
-"""`pagedq worker` and `pagedq demo`; producer.cli dispatches its subcommands here."""
+"""`pagedq worker` and `pagedq demo` (the `pagedq` entry module, pagedq_cli.py, dispatches here)."""
 
 from __future__ import annotations
 
