@@ -239,9 +239,9 @@ void attend_item(const WorkItem& w, const Layout& L, const scalar_t* query, cons
 
 // ---- the vector path (head_dim a multiple of 16) ---------------------------------------------
 // GCC/Clang vector extensions: 16 floats, lowered to whatever the target has (one zmm with
-// AVX-512, two ymm with AVX2, ...). Keys are scored 16 at a time: one accumulator vector per
-// key, then a transpose-reduce gives the 16 dot products in one vector without 16 horizontal
-// sums.
+// AVX-512, two ymm with AVX2, ...). Keys are scored 16 at a time. Decode tiles (few rows): one
+// accumulator vector per key, then a transpose-reduce gives the 16 dot products in one vector
+// without 16 horizontal sums. Prefill tiles: K^T of the tile, several rows at once.
 typedef float vfloat __attribute__((vector_size(64), aligned(4)));
 typedef int32_t vint __attribute__((vector_size(64), aligned(4)));
 typedef uint32_t vuint __attribute__((vector_size(64), aligned(4)));
