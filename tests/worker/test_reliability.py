@@ -205,10 +205,7 @@ def test_each_model_runs_only_on_the_worker_serving_it(workers, client, tiny_lla
 
 
 def test_a_frozen_worker_resumed_after_its_lease_ends_nothing_twice(workers, client):
-    r = workers["R"]
-    job_ids = client.submit_many(
-        {"prompt": f"Count slowly {i}", "ignore_eos": True, "max_tokens": 16} for i in range(8)
-    )
+    r, m = workers["R"], workers["M"]
     held: list[str] = []
 
     def r_holds_some() -> bool:
@@ -216,7 +213,12 @@ def test_a_frozen_worker_resumed_after_its_lease_ends_nothing_twice(workers, cli
                    b"rel-r" and _status(client, j) == "started"]  # fmt: skip
         return bool(held)
 
-    _wait(r_holds_some, what="R to hold jobs")
+    # M (a tiny model, fast) would take every job itself: it waits until R holds some.
+    with m.paused():
+        job_ids = client.submit_many(
+            {"prompt": f"Count slowly {i}", "ignore_eos": True, "max_tokens": 16} for i in range(8)
+        )
+        _wait(r_holds_some, what="R to hold jobs")
     with r.paused():
         # M's reaper finds R's expired leases and re-runs R's jobs.
         results = {j: client.result(j, timeout=120) for j in held}
