@@ -239,9 +239,9 @@ void attend_item(const WorkItem& w, const Layout& L, const scalar_t* query, cons
 
 // ---- the vector path (head_dim a multiple of 16) ---------------------------------------------
 // GCC/Clang vector extensions: 16 floats, lowered to whatever the target has (one zmm with
-// AVX-512, two ymm with AVX2, ...). Keys are scored 16 at a time: one accumulator vector per
-// key, then a transpose-reduce gives the 16 dot products in one vector without 16 horizontal
-// sums.
+// AVX-512, two ymm with AVX2, ...). Keys are scored 16 at a time. Decode tiles (few rows): one
+// accumulator vector per key, then a transpose-reduce gives the 16 dot products in one vector
+// without 16 horizontal sums. Prefill tiles: K^T of the tile, several rows at once.
 typedef float vfloat __attribute__((vector_size(64), aligned(4)));
 typedef int32_t vint __attribute__((vector_size(64), aligned(4)));
 typedef uint32_t vuint __attribute__((vector_size(64), aligned(4)));
@@ -251,6 +251,10 @@ constexpr int kLanes = 16;
 // 64 x 512 decode from 7.8 to 5.8 ms per layer; prefetching into L1 one tile ahead did nothing
 // (the prefetches stalled on L1 miss buffers).
 constexpr int kPrefetchTiles = 8;
+// Query rows scored together against one K/V tile (6 x D/16 accumulators stay in registers).
+constexpr int kRowBlock = 6;
+// Tiles with fewer rows (decodes) skip the K transpose and score row by row.
+constexpr int kBlockedMinRows = 12;
 
 inline vfloat load16(const float* p) {
   vfloat v;
@@ -316,6 +320,7 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
   const int64_t head_off = static_cast<int64_t>(w.kv_head) * D;
   float* k_tile = kv_tile;  // bf16 caches: the tile's K and V converted once, used by all rows
   float* v_tile = kv_tile + kLanes * D;
+  float* k_t = kv_tile + 2 * kLanes * D;  // K^T of the tile, D x 16
   alignas(64) float score[kLanes];
 
   int key = w.key_begin;
@@ -359,44 +364,102 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
     }
     const bool needs_mask = key + n - 1 > first_pos;
 
-    for (int i = 0; i < rows; ++i) {
-      vfloat q[C];
-      for (int c = 0; c < C; ++c) q[c] = load16(q_f + i * D + c * kLanes);
-      vfloat dots[kLanes];
-      for (int j = 0; j < kLanes; ++j) {
-        vfloat a = {};
-        if (j < n) {
-          const float* kr = kf + j * kv_stride;
-          for (int c = 0; c < C; ++c) a += q[c] * load16(kr + c * kLanes);
+    if (rows < kBlockedMinRows) {  // decodes: one row at a time
+      for (int i = 0; i < rows; ++i) {
+        vfloat q[C];
+        for (int c = 0; c < C; ++c) q[c] = load16(q_f + i * D + c * kLanes);
+        vfloat dots[kLanes];
+        for (int j = 0; j < kLanes; ++j) {
+          vfloat a = {};
+          if (j < n) {
+            const float* kr = kf + j * kv_stride;
+            for (int c = 0; c < C; ++c) a += q[c] * load16(kr + c * kLanes);
+          }
+          dots[j] = a;
         }
-        dots[j] = a;
+        store16(score, transpose_reduce(dots));
+        // keys past the tile (j >= n) and, on the diagonal, keys after the row's position
+        const int64_t visible = needs_mask ? first_pos + i / G - key + 1 : n;
+        const int limit = static_cast<int>(std::min<int64_t>(visible, n));
+        if (limit <= 0) continue;  // nothing visible to this row in this tile
+        float mx = kNegInf;
+        for (int j = 0; j < limit; ++j) mx = std::max(mx, score[j]);
+        const float m_new = std::max(m[i], mx);
+        float sum = 0.f;
+  #pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < kLanes; ++j) {
+          const float p = j < limit ? exp2_neg(score[j] - m_new) : 0.f;
+          score[j] = p;
+          sum += p;
+        }
+        const float alpha = exp2_neg(m[i] - m_new);
+        l[i] = l[i] * alpha + sum;
+        m[i] = m_new;
+        vfloat a[C];
+        for (int c = 0; c < C; ++c) a[c] = load16(acc + i * D + c * kLanes) * alpha;
+        for (int j = 0; j < limit; ++j) {
+          const float p = score[j];
+          const float* vr = vf + j * kv_stride;
+          for (int c = 0; c < C; ++c) a[c] += p * load16(vr + c * kLanes);
+        }
+        for (int c = 0; c < C; ++c) store16(acc + i * D + c * kLanes, a[c]);
       }
-      store16(score, transpose_reduce(dots));
-      // keys past the tile (j >= n) and, on the diagonal, keys after the row's position
-      const int64_t visible = needs_mask ? first_pos + i / G - key + 1 : n;
-      const int limit = static_cast<int>(std::min<int64_t>(visible, n));
-      if (limit <= 0) continue;  // nothing visible to this row in this tile
-      float mx = kNegInf;
-      for (int j = 0; j < limit; ++j) mx = std::max(mx, score[j]);
-      const float m_new = std::max(m[i], mx);
-      float sum = 0.f;
+      key += n;
+      continue;
+    }
+    // K^T of the tile (zero past n): a row's 16 scores are then D broadcast-FMAs, no
+    // horizontal sums; rows go kRowBlock at a time so that each K^T and V vector loaded serves
+    // all of them (a prefill tile has ~30 rows, all sharing the tile).
+    for (int j = 0; j < kLanes; ++j)
+      for (int d = 0; d < D; ++d) k_t[d * kLanes + j] = j < n ? kf[j * kv_stride + d] : 0.f;
+    for (int i0 = 0; i0 < rows; i0 += kRowBlock) {
+      vfloat s[kRowBlock] = {};
+      const float* qb = q_f + i0 * D;
+      for (int d = 0; d < D; ++d) {
+        const vfloat kd = load16(k_t + d * kLanes);
+        for (int r = 0; r < kRowBlock; ++r) s[r] += qb[r * D + d] * kd;
+      }
+      alignas(64) float p[kRowBlock][kLanes];
+      float alpha[kRowBlock];
+      int jmax = 0;
+      for (int r = 0; r < kRowBlock; ++r) {
+        const int i = i0 + r;
+        store16(p[r], s[r]);
+        // keys past the tile (j >= n) and, on the diagonal, keys after the row's position
+        const int64_t visible = i >= rows ? 0 : needs_mask ? first_pos + i / G - key + 1 : n;
+        const int limit = static_cast<int>(std::min<int64_t>(visible, n));
+        if (limit <= 0) {  // nothing visible to this row in this tile: leave it as it is
+          for (int j = 0; j < kLanes; ++j) p[r][j] = 0.f;
+          alpha[r] = 1.f;
+          continue;
+        }
+        jmax = std::max(jmax, limit);
+        float mx = kNegInf;
+        for (int j = 0; j < limit; ++j) mx = std::max(mx, p[r][j]);
+        const float m_new = std::max(m[i], mx);
+        float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int j = 0; j < kLanes; ++j) {
-        const float p = j < limit ? exp2_neg(score[j] - m_new) : 0.f;
-        score[j] = p;
-        sum += p;
+        for (int j = 0; j < kLanes; ++j) {
+          const float e = j < limit ? exp2_neg(p[r][j] - m_new) : 0.f;
+          p[r][j] = e;
+          sum += e;
+        }
+        alpha[r] = exp2_neg(m[i] - m_new);
+        l[i] = l[i] * alpha[r] + sum;
+        m[i] = m_new;
       }
-      const float alpha = exp2_neg(m[i] - m_new);
-      l[i] = l[i] * alpha + sum;
-      m[i] = m_new;
-      vfloat a[C];
-      for (int c = 0; c < C; ++c) a[c] = load16(acc + i * D + c * kLanes) * alpha;
-      for (int j = 0; j < limit; ++j) {
-        const float p = score[j];
+      vfloat a[kRowBlock][C];
+      for (int r = 0; r < kRowBlock; ++r)
+        for (int c = 0; c < C; ++c) a[r][c] = load16(acc + (i0 + r) * D + c * kLanes) * alpha[r];
+      for (int j = 0; j < jmax; ++j) {
         const float* vr = vf + j * kv_stride;
-        for (int c = 0; c < C; ++c) a[c] += p * load16(vr + c * kLanes);
+        for (int c = 0; c < C; ++c) {
+          const vfloat v = load16(vr + c * kLanes);
+          for (int r = 0; r < kRowBlock; ++r) a[r][c] += p[r][j] * v;
+        }
       }
-      for (int c = 0; c < C; ++c) store16(acc + i * D + c * kLanes, a[c]);
+      for (int r = 0; r < kRowBlock; ++r)
+        for (int c = 0; c < C; ++c) store16(acc + (i0 + r) * D + c * kLanes, a[r][c]);
     }
     key += n;
   }
@@ -464,7 +527,8 @@ void run(const std::vector<WorkItem>& items, const std::vector<SplitGroup>& grou
   const int D = L.head_dim;
   std::vector<float> partial_acc(num_partial_rows * D);
   std::vector<float> partial_ml(num_partial_rows * 2);
-  const int max_rows = std::max(kMaxTileRows, L.group);
+  // rounded up to whole row blocks: the vector path reads (and ignores) rows past the tile
+  const int max_rows = (std::max(kMaxTileRows, L.group) + kRowBlock - 1) / kRowBlock * kRowBlock;
 
   // Items are sorted by cost, largest first; threads take the next one from a shared counter.
   std::atomic<int64_t> next{0};
