@@ -124,6 +124,16 @@ return pq_charge(ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]))
 )
 
 
+def publish_weights(connection: Any, bases: list[str], weights: dict[str, float]) -> None:
+    """Write tenant weights once per root queue of ``bases`` (model queues share their root's)."""
+    keys = sorted({weights_key(base) for base in bases})
+    if weights and keys:
+        with connection.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.hset(key, mapping={t: str(w) for t, w in weights.items()})
+            pipe.execute()
+
+
 class FairQueue:
     """The fair pick and the end-of-job charge for the base queues one worker serves."""
 
@@ -143,12 +153,7 @@ class FairQueue:
 
     def set_weights(self, weights: dict[str, float]) -> None:
         """Publish tenant weights (shared by every worker of these queues; last writer wins)."""
-        if not weights:
-            return
-        with self.connection.pipeline(transaction=False) as pipe:
-            for base in self.bases:
-                pipe.hset(weights_key(base), mapping={t: str(w) for t, w in weights.items()})
-            pipe.execute()
+        publish_weights(self.connection, self.bases, weights)
 
     def pick(self) -> tuple[str, str, str, str, int] | None:
         """Pop the next job: (queue name, job id, base, tenant, estimated cost), or None."""

@@ -24,8 +24,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import utcformat
 
 from producer.keys import STREAM_MAXLEN, worker_key
-from producer.routing import weights_key
-from worker.fair_queue import DEFAULT_AGING_SECONDS, DEFAULT_MAX_WAIT_SECONDS
+from worker.fair_queue import DEFAULT_AGING_SECONDS, DEFAULT_MAX_WAIT_SECONDS, publish_weights
 from worker.rq_calls import Command, ScriptCall, ScriptRunner
 from worker.rq_claim import Claim
 
@@ -142,11 +141,7 @@ class RQAdapter:
 
     def set_tenant_weights(self, weights: dict[str, float]) -> None:
         """Publish tenant weights for the fair pick (shared by all workers; last writer wins)."""
-        if weights:
-            with self.connection.pipeline(transaction=False) as pipe:
-                for q in self.queues:
-                    pipe.hset(weights_key(q), mapping={t: str(w) for t, w in weights.items()})
-                pipe.execute()
+        publish_weights(self.connection, self.queues, weights)
 
     # --- dequeue ------------------------------------------------------------------------------
 
