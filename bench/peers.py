@@ -221,6 +221,9 @@ def child_command(engine: str, args, peers: Path | None, io: tuple[str, str]):
     python = sys.executable
     extra = []
     if engine != "vllm" and not args.no_bind:
+        sys.path.insert(0, str(ROOT))
+        from engine.cpu_threads import bind_env
+
         env.update(bind_env())
     if engine == "vllm":
         python = str(peers / "venv-vllm" / "bin" / "python")
@@ -235,15 +238,6 @@ def child_command(engine: str, args, peers: Path | None, io: tuple[str, str]):
         extra = ["--vllm-model", str(peers / "smollm2-hf")]
     argv = [python, __file__, "--child", engine, "--io", *io, *extra, *passthrough(args)]
     return argv, env
-
-
-def bind_env() -> dict[str, str]:
-    """OpenMP threads pinned one per allowed CPU, as vLLM pins its own.
-
-    On a shared host an unpinned OpenMP thread that gets descheduled stalls its partner at every
-    barrier: pinning measured ~4x faster for pagedq on the loaded 2-core machine.
-    """
-    return {"GOMP_CPU_AFFINITY": " ".join(str(c) for c in sorted(os.sched_getaffinity(0)))}
 
 
 def passthrough(args) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,7 +111,10 @@ class EngineConfig:
     )
     num_threads: int | None = field(
         default=None,
-        metadata=_doc("torch intra-op threads on CPU (none: the physical cores it may use)"),
+        metadata=_doc(
+            "torch intra-op threads on CPU (none: OMP_NUM_THREADS if set, else the physical "
+            "cores it may use)"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -213,35 +215,3 @@ def parse_memory(value: int | float | str) -> int:
         )
     unit = (m.group(2) or "").lower()[:1]
     return int(float(m.group(1)) * _UNITS[unit])
-
-
-def physical_cores() -> int:
-    """Physical cores this process may run on: its CPU affinity, one thread per core.
-
-    SMT siblings share a core's FPUs, so a GEMM-bound step gains nothing from them and loses
-    to the synchronisation; ``/proc/cpuinfo``'s (physical id, core id) pairs tell them apart.
-    """
-    allowed = os.sched_getaffinity(0)
-    cores: set[tuple[str, str]] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            blocks = f.read().split("\n\n")
-    except OSError:
-        return len(allowed)
-    for block in blocks:
-        fields = dict(
-            (k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in block.splitlines())
-        )
-        if fields.get("processor", "").isdigit() and int(fields["processor"]) in allowed:
-            cores.add((fields.get("physical id", "0"), fields.get("core id", fields["processor"])))
-    return max(1, min(len(cores) or len(allowed), len(allowed)))
-
-
-def apply_num_threads(num_threads: int | None, device: torch.device) -> int:
-    """Set torch's intra-op threads for a CPU engine (``None`` = physical cores); returns it."""
-    if device.type != "cpu":
-        return torch.get_num_threads()
-    wanted = num_threads or physical_cores()
-    if torch.get_num_threads() != wanted:
-        torch.set_num_threads(wanted)
-    return wanted

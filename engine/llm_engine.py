@@ -10,12 +10,12 @@ import torch
 
 from engine.config import (
     EngineConfig,
-    apply_num_threads,
     parse_memory,
     resolve_device,
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
+from engine.cpu_threads import apply_num_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_model

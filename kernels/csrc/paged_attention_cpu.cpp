@@ -237,41 +237,63 @@ void attend_item(const WorkItem& w, const Layout& L, const scalar_t* query, cons
   }
 }
 
-// ---- the vector path (head_dim a multiple of 16) ---------------------------------------------
-// GCC/Clang vector extensions: 16 floats, lowered to whatever the target has (one zmm with
-// AVX-512, two ymm with AVX2, ...). Keys are scored 16 at a time. Decode tiles (few rows): one
-// accumulator vector per key, then a transpose-reduce gives the 16 dot products in one vector
-// without 16 horizontal sums. Prefill tiles: K^T of the tile, several rows at once.
-typedef float vfloat __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vint __attribute__((vector_size(64), aligned(4)));
-typedef uint32_t vuint __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t vhalf __attribute__((vector_size(32), aligned(2)));
+// ---- the vector path (head_dim a multiple of the vector width) ------------------------------
+// GCC/Clang vector extensions of the target's native width: 16 floats with AVX-512, 8 with AVX2
+// (vectors wider than the registers spill: on an AVX2 host the 16-wide version ran 3-6x slower).
+// Keys come in tiles of 16 (never crossing a cache block). Decode tiles (few rows): each row
+// accumulates one vector per key, and a transpose-reduce turns kLanes of them into kLanes dot
+// products without horizontal sums. Prefill tiles: K^T of the tile once, then several rows at a
+// time with broadcast FMAs, so that every K^T and V vector loaded serves all of them.
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
-// Prefetch distance in key tiles, into L2 (prefetcht2): on the 2-core AVX-512 VM this took a
+constexpr int kAccVecs = 16;  // accumulator vectors a decode row keeps in registers (of 32)
+constexpr int kRowBlock = 6;  // prefill rows scored together (6 x 1 score accumulators)
+constexpr int kPvRows = 6;    // prefill rows of one p @ V pass ...
+constexpr int kPvVecs = 4;    // ... times output vectors: accumulators in registers
+#else
+constexpr int kLanes = 8;
+constexpr int kAccVecs = 8;  // of 16 registers
+constexpr int kRowBlock = 6;  // 6 x 2 score accumulators
+constexpr int kPvRows = 3;    // 3 x 4 (6 x 2 spilled on GCC 12: it hoists all 6 broadcasts)
+constexpr int kPvVecs = 4;
+#endif
+typedef float vfloat __attribute__((vector_size(kLanes * 4), aligned(4)));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * 4), aligned(4)));
+typedef uint16_t vhalf __attribute__((vector_size(kLanes * 2), aligned(2)));
+constexpr int kTile = 16;                  // keys per tile
+constexpr int kTileVecs = kTile / kLanes;  // vectors of one row of a tile's scores
+// Prefetch distance in key tiles, into L2 (prefetcht2): on a 2-core AVX-512 VM this took a
 // 64 x 512 decode from 7.8 to 5.8 ms per layer; prefetching into L1 one tile ahead did nothing
 // (the prefetches stalled on L1 miss buffers).
 constexpr int kPrefetchTiles = 8;
-// Query rows scored together against one K/V tile (6 x D/16 accumulators stay in registers).
-constexpr int kRowBlock = 6;
 // Tiles with fewer rows (decodes) skip the K transpose and score row by row.
 constexpr int kBlockedMinRows = 12;
 
-inline vfloat load16(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
+// The largest divisor of c that is at most cap: vectors per pass when c do not fit at once.
+constexpr int pass_vecs(int c, int cap) {
+  for (int b = cap < c ? cap : c; b > 1; --b)
+    if (c % b == 0) return b;
+  return 1;
 }
-inline vfloat load16(const c10::BFloat16* p) {
-  vhalf h;
-  std::memcpy(&h, p, sizeof(h));
+
+// Loads and stores through may_alias types of element alignment: plain vector moves. (A memcpy
+// into a vector went through the stack on GCC 12 for znver3, a store-forwarding stall per load
+// that made the kernel 5x slower.)
+typedef float vfloat_u __attribute__((vector_size(kLanes * 4), aligned(4), may_alias));
+typedef uint16_t vhalf_u __attribute__((vector_size(kLanes * 2), aligned(2), may_alias));
+inline vfloat loadv(const float* p) { return *reinterpret_cast<const vfloat_u*>(p); }
+inline vfloat loadv(const c10::BFloat16* p) {
+  const vhalf h = *reinterpret_cast<const vhalf_u*>(p);
   vuint bits = __builtin_convertvector(h, vuint) << 16;
   return reinterpret_cast<vfloat&>(bits);
 }
-inline void store16(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+inline void storev(float* p, vfloat v) { *reinterpret_cast<vfloat_u*>(p) = v; }
 
-// r[j] = sum of the lanes of v[j], for 16 vectors.
-inline vfloat transpose_reduce(vfloat* v) {
+// r[j] = sum of the lanes of v[j], for kLanes vectors: each round halves the lanes per vector
+// and the number of vectors.
 #define PQ_SH(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+inline vfloat transpose_reduce(vfloat* v) {
+#if defined(__AVX512F__)
   vfloat a[8], b[4], c[2];
   for (int k = 0; k < 8; ++k)
     a[k] = PQ_SH(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -289,7 +311,98 @@ inline vfloat transpose_reduce(vfloat* v) {
                  31);
   return PQ_SH(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          PQ_SH(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  vfloat a[4], b[2];
+  for (int k = 0; k < 4; ++k)
+    a[k] = PQ_SH(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           PQ_SH(v[2 * k], v[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int k = 0; k < 2; ++k)
+    b[k] = PQ_SH(a[2 * k], a[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           PQ_SH(a[2 * k], a[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return PQ_SH(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14) + PQ_SH(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
 #undef PQ_SH
+
+// exp2_neg on every lane (the same polynomial, in vector registers).
+inline vfloat exp2_neg_v(vfloat x) {
+  typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
+  const vfloat floor_x = x < -125.f ? vfloat{} - 125.f : x;
+  const vfloat magic = vfloat{} + 12582912.f;
+  const vfloat n = (floor_x + magic) - magic;
+  const vfloat f = (floor_x - n) * 0.6931471805599453f;
+  vfloat p = vfloat{} + 1.f / 5040.f;
+  p = p * f + 1.f / 720.f;
+  p = p * f + 1.f / 120.f;
+  p = p * f + 1.f / 24.f;
+  p = p * f + 1.f / 6.f;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  const vfloat r = p * reinterpret_cast<const vfloat&>(bits);
+  return x <= -125.f ? vfloat{} : r;
+}
+
+// Online-softmax update of one row with a tile's scores s[0, kTile), of which the first `limit`
+// are visible: s becomes p (0 past limit); returns alpha, the factor on the row's old sums.
+inline float softmax_update(float* s, int limit, float& m, float& l) {
+  typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
+  vint lane;
+  for (int j = 0; j < kLanes; ++j) lane[j] = j;
+  vfloat v[kTileVecs];
+  vfloat mx = vfloat{} + kNegInf;
+#pragma GCC unroll 4
+  for (int k = 0; k < kTileVecs; ++k) {
+    v[k] = loadv(s + k * kLanes);
+    const vint visible = lane + k * kLanes < limit;
+    v[k] = visible ? v[k] : vfloat{} + kNegInf;
+    mx = mx > v[k] ? mx : v[k];
+  }
+  float m_tile = kNegInf;
+  for (int j = 0; j < kLanes; ++j) m_tile = std::max(m_tile, mx[j]);
+  const float m_new = std::max(m, m_tile);
+  vfloat sum = {};
+#pragma GCC unroll 4
+  for (int k = 0; k < kTileVecs; ++k) {
+    const vfloat p = exp2_neg_v(v[k] - m_new);  // -inf (hidden) gives 0
+    storev(s + k * kLanes, p);
+    sum += p;
+  }
+  float total = 0.f;
+  for (int j = 0; j < kLanes; ++j) total += sum[j];
+  const float alpha = exp2_neg(m - m_new);
+  l = l * alpha + total;
+  m = m_new;
+  return alpha;
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_j p[r][j] V[j] for `nrows` rows (R at most), in passes of CB
+// output vectors so that R x CB accumulators stay in registers.
+template <int D, int R, int CB>
+inline void accumulate_pv(float* acc, const float* p, int p_stride, const float* alpha,
+                          const float* vf, int64_t kv_stride, int keys) {
+  constexpr int C = D / kLanes;
+  for (int c0 = 0; c0 < C; c0 += CB) {
+    vfloat a[R][CB];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int c = 0; c < CB; ++c) a[r][c] = loadv(acc + r * D + (c0 + c) * kLanes) * alpha[r];
+    for (int j = 0; j < keys; ++j) {
+      const float* vr = vf + j * kv_stride + c0 * kLanes;
+#pragma GCC unroll 16
+      for (int c = 0; c < CB; ++c) {
+        const vfloat v = loadv(vr + c * kLanes);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) a[r][c] += p[r * p_stride + j] * v;
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int c = 0; c < CB; ++c) storev(acc + r * D + (c0 + c) * kLanes, a[r][c]);
+  }
 }
 
 template <typename scalar_t, typename cache_t, int D>
@@ -298,7 +411,7 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
                      const int64_t* qsl, const int64_t* seq_lens, float qk_scale, scalar_t* out,
                      float* partial_acc, float* partial_ml, float* q_f, float* acc, float* m,
                      float* l, float* kv_tile) {
-  static_assert(D % kLanes == 0, "the vector path needs head_dim % 16 == 0");
+  static_assert(D % kLanes == 0, "the vector path needs head_dim % kLanes == 0");
   constexpr int C = D / kLanes;
   const int G = L.group;
   const int rows = w.q_len * G;
@@ -319,25 +432,25 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
   const int64_t* bt_row = block_table + w.req * L.bt_sr;
   const int64_t head_off = static_cast<int64_t>(w.kv_head) * D;
   float* k_tile = kv_tile;  // bf16 caches: the tile's K and V converted once, used by all rows
-  float* v_tile = kv_tile + kLanes * D;
-  float* k_t = kv_tile + 2 * kLanes * D;  // K^T of the tile, D x 16
-  alignas(64) float score[kLanes];
+  float* v_tile = kv_tile + kTile * D;
+  float* k_t = kv_tile + 2 * kTile * D;  // K^T of the tile, D x kTile
+  alignas(64) float score[kTile];
 
   int key = w.key_begin;
   while (key < w.key_end) {
     const int in_block = key % L.block_size;
-    const int n = std::min({w.key_end - key, L.block_size - in_block, kLanes});
+    const int n = std::min({w.key_end - key, L.block_size - in_block, kTile});
     const int64_t block = bt_row[(key / L.block_size) * L.bt_sb];
     const int64_t base = block * L.cache_block + in_block * L.cache_slot + head_off;
     const cache_t* kp = k_cache + base;
     const cache_t* vp = v_cache + base;
     // Rows a few tiles ahead, so that many cache misses are in flight while this tile computes.
-    const int next = key + n + (kPrefetchTiles - 1) * kLanes;
+    const int next = key + n + (kPrefetchTiles - 1) * kTile;
     if (next < w.key_end) {
       const int64_t nb = bt_row[(next / L.block_size) * L.bt_sb];
       const int64_t nbase = nb * L.cache_block + (next % L.block_size) * L.cache_slot + head_off;
       const int nn = std::min(w.key_end - next, L.block_size - next % L.block_size);
-      for (int j = 0; j < std::min(nn, kLanes); ++j) {
+      for (int j = 0; j < std::min(nn, kTile); ++j) {
         for (int c = 0; c < D * (int)sizeof(cache_t); c += 64) {
           const int64_t row = nbase + j * L.cache_slot;
           __builtin_prefetch(reinterpret_cast<const char*>(k_cache + row) + c, 0, 1);
@@ -355,8 +468,8 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
     } else {
       for (int j = 0; j < n; ++j)
         for (int c = 0; c < C; ++c) {
-          store16(k_tile + j * D + c * kLanes, load16(kp + j * L.cache_slot + c * kLanes));
-          store16(v_tile + j * D + c * kLanes, load16(vp + j * L.cache_slot + c * kLanes));
+          storev(k_tile + j * D + c * kLanes, loadv(kp + j * L.cache_slot + c * kLanes));
+          storev(v_tile + j * D + c * kLanes, loadv(vp + j * L.cache_slot + c * kLanes));
         }
       kf = k_tile;
       vf = v_tile;
@@ -365,101 +478,71 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
     const bool needs_mask = key + n - 1 > first_pos;
 
     if (rows < kBlockedMinRows) {  // decodes: one row at a time
+      // Lanes past the tile read its last key again; their scores are never used.
+      const float* krow[kTile];
+      for (int j = 0; j < kTile; ++j) krow[j] = kf + std::min(j, n - 1) * kv_stride;
       for (int i = 0; i < rows; ++i) {
-        vfloat q[C];
-        for (int c = 0; c < C; ++c) q[c] = load16(q_f + i * D + c * kLanes);
-        vfloat dots[kLanes];
-        for (int j = 0; j < kLanes; ++j) {
-          vfloat a = {};
-          if (j < n) {
-            const float* kr = kf + j * kv_stride;
-            for (int c = 0; c < C; ++c) a += q[c] * load16(kr + c * kLanes);
-          }
-          dots[j] = a;
-        }
-        store16(score, transpose_reduce(dots));
         // keys past the tile (j >= n) and, on the diagonal, keys after the row's position
         const int64_t visible = needs_mask ? first_pos + i / G - key + 1 : n;
         const int limit = static_cast<int>(std::min<int64_t>(visible, n));
         if (limit <= 0) continue;  // nothing visible to this row in this tile
-        float mx = kNegInf;
-        for (int j = 0; j < limit; ++j) mx = std::max(mx, score[j]);
-        const float m_new = std::max(m[i], mx);
-        float sum = 0.f;
-  #pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < kLanes; ++j) {
-          const float p = j < limit ? exp2_neg(score[j] - m_new) : 0.f;
-          score[j] = p;
-          sum += p;
+        const float* qi = q_f + i * D;
+        for (int j0 = 0; j0 < kTile; j0 += kLanes) {
+          vfloat dots[kLanes] = {};
+          if (j0 < limit) {
+#pragma GCC unroll 16
+            for (int c = 0; c < C; ++c) {
+              const vfloat qc = loadv(qi + c * kLanes);
+#pragma GCC unroll 16
+              for (int j = 0; j < kLanes; ++j) dots[j] += qc * loadv(krow[j0 + j] + c * kLanes);
+            }
+          }
+          storev(score + j0, transpose_reduce(dots));
         }
-        const float alpha = exp2_neg(m[i] - m_new);
-        l[i] = l[i] * alpha + sum;
-        m[i] = m_new;
-        vfloat a[C];
-        for (int c = 0; c < C; ++c) a[c] = load16(acc + i * D + c * kLanes) * alpha;
-        for (int j = 0; j < limit; ++j) {
-          const float p = score[j];
-          const float* vr = vf + j * kv_stride;
-          for (int c = 0; c < C; ++c) a[c] += p * load16(vr + c * kLanes);
-        }
-        for (int c = 0; c < C; ++c) store16(acc + i * D + c * kLanes, a[c]);
+        const float alpha = softmax_update(score, limit, m[i], l[i]);
+        accumulate_pv<D, 1, pass_vecs(C, kAccVecs)>(acc + i * D, score, 0, &alpha, vf, kv_stride,
+                                                    limit);
       }
       key += n;
       continue;
     }
-    // K^T of the tile (zero past n): a row's 16 scores are then D broadcast-FMAs, no
-    // horizontal sums; rows go kRowBlock at a time so that each K^T and V vector loaded serves
-    // all of them (a prefill tile has ~30 rows, all sharing the tile).
-    for (int j = 0; j < kLanes; ++j)
-      for (int d = 0; d < D; ++d) k_t[d * kLanes + j] = j < n ? kf[j * kv_stride + d] : 0.f;
+    // Prefill: K^T of the tile (zero past n): a row's scores are then D broadcast-FMAs.
+    for (int j = 0; j < kTile; ++j)
+      for (int d = 0; d < D; ++d) k_t[d * kTile + j] = j < n ? kf[j * kv_stride + d] : 0.f;
     for (int i0 = 0; i0 < rows; i0 += kRowBlock) {
-      vfloat s[kRowBlock] = {};
+      vfloat s[kRowBlock][kTileVecs] = {};
       const float* qb = q_f + i0 * D;
       for (int d = 0; d < D; ++d) {
-        const vfloat kd = load16(k_t + d * kLanes);
-        for (int r = 0; r < kRowBlock; ++r) s[r] += qb[r * D + d] * kd;
+        vfloat kd[kTileVecs];
+#pragma GCC unroll 16
+        for (int v = 0; v < kTileVecs; ++v) kd[v] = loadv(k_t + d * kTile + v * kLanes);
+#pragma GCC unroll 16
+        for (int r = 0; r < kRowBlock; ++r) {
+          const float qv = qb[r * D + d];
+#pragma GCC unroll 16
+          for (int v = 0; v < kTileVecs; ++v) s[r][v] += qv * kd[v];
+        }
       }
-      alignas(64) float p[kRowBlock][kLanes];
+      alignas(64) float p[kRowBlock][kTile];
       float alpha[kRowBlock];
       int jmax = 0;
       for (int r = 0; r < kRowBlock; ++r) {
         const int i = i0 + r;
-        store16(p[r], s[r]);
-        // keys past the tile (j >= n) and, on the diagonal, keys after the row's position
+        for (int v = 0; v < kTileVecs; ++v) storev(p[r] + v * kLanes, s[r][v]);
         const int64_t visible = i >= rows ? 0 : needs_mask ? first_pos + i / G - key + 1 : n;
         const int limit = static_cast<int>(std::min<int64_t>(visible, n));
         if (limit <= 0) {  // nothing visible to this row in this tile: leave it as it is
-          for (int j = 0; j < kLanes; ++j) p[r][j] = 0.f;
+          for (int j = 0; j < kTile; ++j) p[r][j] = 0.f;
           alpha[r] = 1.f;
           continue;
         }
         jmax = std::max(jmax, limit);
-        float mx = kNegInf;
-        for (int j = 0; j < limit; ++j) mx = std::max(mx, p[r][j]);
-        const float m_new = std::max(m[i], mx);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < kLanes; ++j) {
-          const float e = j < limit ? exp2_neg(p[r][j] - m_new) : 0.f;
-          p[r][j] = e;
-          sum += e;
-        }
-        alpha[r] = exp2_neg(m[i] - m_new);
-        l[i] = l[i] * alpha[r] + sum;
-        m[i] = m_new;
+        alpha[r] = softmax_update(p[r], limit, m[i], l[i]);
       }
-      vfloat a[kRowBlock][C];
-      for (int r = 0; r < kRowBlock; ++r)
-        for (int c = 0; c < C; ++c) a[r][c] = load16(acc + (i0 + r) * D + c * kLanes) * alpha[r];
-      for (int j = 0; j < jmax; ++j) {
-        const float* vr = vf + j * kv_stride;
-        for (int c = 0; c < C; ++c) {
-          const vfloat v = load16(vr + c * kLanes);
-          for (int r = 0; r < kRowBlock; ++r) a[r][c] += p[r][j] * v;
-        }
-      }
-      for (int r = 0; r < kRowBlock; ++r)
-        for (int c = 0; c < C; ++c) store16(acc + (i0 + r) * D + c * kLanes, a[r][c]);
+      static_assert(kRowBlock % kPvRows == 0, "p @ V passes split the row block evenly");
+      for (int r0 = 0; r0 < kRowBlock; r0 += kPvRows)
+        accumulate_pv<D, kPvRows, pass_vecs(C, kPvVecs)>(acc + (i0 + r0) * D, p[r0], kTile,
+                                                         alpha + r0, vf, kv_stride, jmax);
     }
     key += n;
   }
