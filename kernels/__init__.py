@@ -13,6 +13,8 @@ from kernels import cpu_attention
 from kernels.reference import (
     AttentionPlan,
     build_plan,
+    rms_norm_torch,
+    silu_and_mul_torch,
     unified_attention_torch,
     write_kv_torch,
 )
@@ -119,10 +121,37 @@ def unified_attention(
     )
 
 
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(norm(x + residual) * weight, x + residual)``; without a residual ``(norm(x), None)``.
+
+    On the CPU backend the sum is written into ``residual`` in place (one pass); elsewhere the
+    torch reference runs (Hugging Face's numerics; fp32 inside).
+    """
+    if select_backend(x.device, backend) == "cpu" and _cpu_fits(x, weight):
+        if x.stride(-1) == 1 and weight.dtype == x.dtype:
+            return cpu_attention.rms_norm_cpu(x, weight, eps, residual)
+    return rms_norm_torch(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` of ``x`` ``[T, 2d]`` (gate first), as ``[T, d]``."""
+    if select_backend(x.device, backend) == "cpu" and _cpu_fits(x, x) and x.stride(-1) == 1:
+        return cpu_attention.silu_and_mul_cpu(x)
+    return silu_and_mul_torch(x)
+
+
 __all__ = [
     "BACKENDS",
     "plan_attention",
+    "rms_norm",
     "select_backend",
+    "silu_and_mul",
     "triton_available",
     "unified_attention",
     "write_kv",

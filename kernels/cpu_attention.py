@@ -1,6 +1,6 @@
 """The C++ paged attention for CPUs, built at first use and registered as ``torch.ops.pagedq``.
 
-``kernels/csrc/paged_attention_cpu.cpp`` is compiled with ``torch.utils.cpp_extension`` (g++ and
+``kernels/csrc/*.cpp`` (the paged attention, and RMSNorm and SiLU-and-mul) are compiled with ``torch.utils.cpp_extension`` (g++ and
 ninja) into a cache directory the first time a process needs it; later processes load the cached
 library directly, without a compiler. Where no compiler or ninja is found, or the build fails,
 ``cpu_kernels_available()`` warns once and returns False, and callers use the torch reference.
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "layers_cpu.cpp")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
@@ -49,7 +50,9 @@ def build_flags() -> list[str]:
 
 def extension_name() -> str:
     """A name unique to the source, the flags and the torch version, so stale builds never load."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.glob("*.[ch]*")):  # sources and the header they share
+        digest.update(path.name.encode() + path.read_bytes())
     digest.update(" ".join(build_flags()).encode())
     digest.update(torch.__version__.encode())
     return f"pagedq_cpu_{digest.hexdigest()[:12]}"
@@ -80,7 +83,7 @@ def _load() -> str | None:
     try:
         cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             extra_cflags=build_flags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -155,3 +158,25 @@ def write_kv_cpu(
     """C++ twin of ``write_kv_torch``: scatter by slot, converting to the cache dtype."""
     _require()
     torch.ops.pagedq.write_kv(key, value, kv_cache, slot_mapping)
+
+
+def rms_norm_cpu(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """C++ twin of ``rms_norm_torch``; with ``residual`` it is updated in place to ``x + residual``."""
+    _require()
+    x2 = x.reshape(-1, x.shape[-1])
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        torch.ops.pagedq.rms_norm(x2, weight, float(eps), out)
+        return out.view(x.shape), None
+    torch.ops.pagedq.fused_add_rms_norm(x2, residual.view(x2.shape), weight, float(eps), out)
+    return out.view(x.shape), residual
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    """C++ twin of ``silu_and_mul_torch`` (one pass, no gate/up copies)."""
+    _require()
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
+    torch.ops.pagedq.silu_and_mul(out, x)
+    return out

@@ -167,6 +167,12 @@ def rms_norm_torch(
     return weight * h.to(dtype), residual
 
 
+def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :d]) * x[:, d:]`` for ``x`` ``[T, 2d]``: SwiGLU's gate and up, as HF computes it."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def rotary_torch(
     positions: torch.Tensor,
     query: torch.Tensor,

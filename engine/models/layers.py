@@ -6,19 +6,26 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kernels.reference import rms_norm_torch, rotary_torch
+from kernels import rms_norm
+from kernels.reference import rotary_torch
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back, as Hugging Face does."""
+    """RMSNorm computed in fp32 and cast back, as Hugging Face does.
 
-    def __init__(self, size: int, eps: float) -> None:
+    ``norm(x)`` gives the normed ``x``; ``norm(x, residual)`` adds first and gives
+    ``(normed, x + residual)`` (one C++ pass on the CPU, which may reuse ``residual``'s memory).
+    """
+
+    def __init__(self, size: int, eps: float, backend: str = "auto") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.backend = backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_torch(x, self.weight, self.eps)[0]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        normed, summed = rms_norm(x, self.weight, self.eps, residual, backend=self.backend)
+        return normed if residual is None else (normed, summed)
 
 
 def rope_parameters(config) -> dict:

@@ -11,6 +11,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.layers import RMSNorm, RotaryEmbedding
 from engine.models.packed_linear import pack, prepack_supported
+from kernels import silu_and_mul
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -30,8 +31,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
         self.rotary = rotary
         self.attn = PagedAttention(self.head_dim**-0.5, backend)
 
@@ -52,16 +53,16 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward with merged gate/up projection."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, backend: str = "auto") -> None:
         super().__init__()
+        self.backend = backend
         self.intermediate_size = config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), backend=self.backend))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -70,13 +71,19 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding, backend: str) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, backend)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, backend)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
 
-    def forward(self, rope, hidden, kv_cache, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope, hidden, residual, kv_cache, meta):
+        """``(mlp output, residual stream)``: the residual add is fused into the next norm."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -99,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(config, self.rotary, attention_backend)
             for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attention_backend)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -109,9 +116,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[num_tokens, hidden]`` of one flat batch."""
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(rope, hidden, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 of the rows that need sampling."""

@@ -21,7 +21,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec_cpu.h"
+
 namespace {
+
+using namespace pagedq_vec;
+using pagedq_vec::loadv;  // overloaded below for bf16 caches
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -245,21 +250,16 @@ void attend_item(const WorkItem& w, const Layout& L, const scalar_t* query, cons
 // products without horizontal sums. Prefill tiles: K^T of the tile once, then several rows at a
 // time with broadcast FMAs, so that every K^T and V vector loaded serves all of them.
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
 constexpr int kAccVecs = 16;  // accumulator vectors a decode row keeps in registers (of 32)
 constexpr int kRowBlock = 6;  // prefill rows scored together (6 x 1 score accumulators)
 constexpr int kPvRows = 6;    // prefill rows of one p @ V pass ...
 constexpr int kPvVecs = 4;    // ... times output vectors: accumulators in registers
 #else
-constexpr int kLanes = 8;
 constexpr int kAccVecs = 8;  // of 16 registers
 constexpr int kRowBlock = 6;  // 6 x 2 score accumulators
 constexpr int kPvRows = 3;    // 3 x 4 (6 x 2 spilled on GCC 12: it hoists all 6 broadcasts)
 constexpr int kPvVecs = 4;
 #endif
-typedef float vfloat __attribute__((vector_size(kLanes * 4), aligned(4)));
-typedef uint32_t vuint __attribute__((vector_size(kLanes * 4), aligned(4)));
-typedef uint16_t vhalf __attribute__((vector_size(kLanes * 2), aligned(2)));
 constexpr int kTile = 16;                  // keys per tile
 constexpr int kTileVecs = kTile / kLanes;  // vectors of one row of a tile's scores
 // Prefetch distance in key tiles, into L2 (prefetcht2): on a 2-core AVX-512 VM this took a
@@ -269,6 +269,10 @@ constexpr int kPrefetchTiles = 8;
 // Tiles with fewer rows (decodes) skip the K transpose and score row by row.
 constexpr int kBlockedMinRows = 12;
 
+inline vfloat loadv(const c10::BFloat16* p) {
+  return widen_bf16(reinterpret_cast<const uint16_t*>(p));
+}
+
 // The largest divisor of c that is at most cap: vectors per pass when c do not fit at once.
 constexpr int pass_vecs(int c, int cap) {
   for (int b = cap < c ? cap : c; b > 1; --b)
@@ -276,18 +280,6 @@ constexpr int pass_vecs(int c, int cap) {
   return 1;
 }
 
-// Loads and stores through may_alias types of element alignment: plain vector moves. (A memcpy
-// into a vector went through the stack on GCC 12 for znver3, a store-forwarding stall per load
-// that made the kernel 5x slower.)
-typedef float vfloat_u __attribute__((vector_size(kLanes * 4), aligned(4), may_alias));
-typedef uint16_t vhalf_u __attribute__((vector_size(kLanes * 2), aligned(2), may_alias));
-inline vfloat loadv(const float* p) { return *reinterpret_cast<const vfloat_u*>(p); }
-inline vfloat loadv(const c10::BFloat16* p) {
-  const vhalf h = *reinterpret_cast<const vhalf_u*>(p);
-  vuint bits = __builtin_convertvector(h, vuint) << 16;
-  return reinterpret_cast<vfloat&>(bits);
-}
-inline void storev(float* p, vfloat v) { *reinterpret_cast<vfloat_u*>(p) = v; }
 
 // r[j] = sum of the lanes of v[j], for kLanes vectors: each round halves the lanes per vector
 // and the number of vectors.
@@ -324,30 +316,9 @@ inline vfloat transpose_reduce(vfloat* v) {
 }
 #undef PQ_SH
 
-// exp2_neg on every lane (the same polynomial, in vector registers).
-inline vfloat exp2_neg_v(vfloat x) {
-  typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
-  const vfloat floor_x = x < -125.f ? vfloat{} - 125.f : x;
-  const vfloat magic = vfloat{} + 12582912.f;
-  const vfloat n = (floor_x + magic) - magic;
-  const vfloat f = (floor_x - n) * 0.6931471805599453f;
-  vfloat p = vfloat{} + 1.f / 5040.f;
-  p = p * f + 1.f / 720.f;
-  p = p * f + 1.f / 120.f;
-  p = p * f + 1.f / 24.f;
-  p = p * f + 1.f / 6.f;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  const vfloat r = p * reinterpret_cast<const vfloat&>(bits);
-  return x <= -125.f ? vfloat{} : r;
-}
-
 // Online-softmax update of one row with a tile's scores s[0, kTile), of which the first `limit`
 // are visible: s becomes p (0 past limit); returns alpha, the factor on the row's old sums.
 inline float softmax_update(float* s, int limit, float& m, float& l) {
-  typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
   vint lane;
   for (int j = 0; j < kLanes; ++j) lane[j] = j;
   vfloat v[kTileVecs];
@@ -369,8 +340,7 @@ inline float softmax_update(float* s, int limit, float& m, float& l) {
     storev(s + k * kLanes, p);
     sum += p;
   }
-  float total = 0.f;
-  for (int j = 0; j < kLanes; ++j) total += sum[j];
+  const float total = sum_lanes(sum);
   const float alpha = exp2_neg(m - m_new);
   l = l * alpha + total;
   m = m_new;

@@ -1,0 +1,87 @@
+"""The C++ RMSNorm (plain and fused with the residual add) and SiLU-and-mul equal the reference."""
+
+import pytest
+import torch
+
+from kernels import rms_norm, silu_and_mul
+from kernels.cpu_attention import cpu_kernels_available, rms_norm_cpu, silu_and_mul_cpu
+from kernels.reference import rms_norm_torch, silu_and_mul_torch
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels_available(), reason="the C++ CPU kernels cannot be built here"
+)
+
+# (rows, hidden): a decode step, a prefill, sizes that leave a tail past the vector width
+SHAPES = [(1, 576), (37, 576), (5, 64), (3, 100), (130, 1536)]
+# fp32 differs from torch only in summation order; bf16 may round one step apart
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    err = ((got.float() - want.float()).abs() / (want.float().abs() + 1e-3)).max().item()
+    assert err < TOLERANCE[dtype], err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_matches_reference(shape, dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    weight = torch.randn(shape[1], generator=gen).to(dtype)
+    _close(rms_norm_cpu(x, weight, 1e-5)[0], rms_norm_torch(x, weight, 1e-5)[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_add_rms_norm_matches_reference(shape, dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=gen).to(dtype)
+    residual = torch.randn(shape, generator=gen).to(dtype)
+    weight = torch.randn(shape[1], generator=gen).to(dtype)
+    want, want_sum = rms_norm_torch(x, weight, 1e-6, residual.clone())
+    got, got_sum = rms_norm_cpu(x, weight, 1e-6, residual)
+    assert got_sum.data_ptr() == residual.data_ptr()  # the sum is written in place
+    assert torch.equal(got_sum, want_sum)  # one rounded add, exactly as torch's
+    _close(got, want, dtype)
+
+
+def test_rms_norm_reads_strided_rows_and_3d():
+    """Rows of a wider buffer (a view) and [T, heads, D] (Qwen3's q/k norm) are read in place."""
+    gen = torch.Generator().manual_seed(2)
+    buf = torch.randn(9, 200, generator=gen)
+    x = buf[:, 8:72]
+    weight = torch.randn(64, generator=gen)
+    _close(rms_norm(x, weight, 1e-6, backend="cpu")[0], rms_norm_torch(x, weight, 1e-6)[0], fp32)
+    x3 = torch.randn(4, 3, 64, generator=gen)
+    got = rms_norm(x3, weight, 1e-6, backend="cpu")[0]
+    _close(got, rms_norm_torch(x3, weight, 1e-6)[0], fp32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 3072), (33, 3072), (4, 200), (2, 18)])
+def test_silu_and_mul_matches_reference(shape, dtype):
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(shape, generator=gen) * 4).to(dtype)
+    x[0, 0], x[0, 1] = -200.0, 200.0  # exp over- and underflow
+    _close(silu_and_mul_cpu(x), silu_and_mul_torch(x), dtype)
+
+
+def test_nan_propagates():
+    x = torch.randn(2, 64)
+    x[1, 5] = float("nan")
+    normed = rms_norm_cpu(x, torch.ones(64), 1e-6)[0]
+    assert torch.isnan(normed[1]).all() and not torch.isnan(normed[0]).any()
+    act = silu_and_mul_cpu(torch.cat([x, x], dim=1))
+    assert torch.isnan(act[1, 5]) and not torch.isnan(act[0]).any()
+
+
+def test_torch_backend_uses_reference():
+    x = torch.randn(3, 64)
+    weight = torch.randn(64)
+    assert torch.equal(rms_norm(x, weight, 1e-6, backend="torch")[0], rms_norm_torch(x, weight, 1e-6)[0])
+    y = torch.randn(3, 128)
+    assert torch.equal(silu_and_mul(y, backend="torch"), silu_and_mul_torch(y))
+
+
+fp32 = torch.float32
