@@ -1,8 +1,8 @@
 """The C++ paged attention for CPUs, built at first use and registered as ``torch.ops.pagedq``.
 
-``kernels/csrc/*.cpp`` (the paged attention, and RMSNorm and SiLU-and-mul) are compiled with ``torch.utils.cpp_extension`` (g++ and
-ninja) into a cache directory the first time a process needs it; later processes load the cached
-library directly, without a compiler. Where no compiler or ninja is found, or the build fails,
+``kernels/csrc/*.cpp`` (the paged attention, RMSNorm and SiLU-and-mul) are compiled with
+``torch.utils.cpp_extension`` (g++ and ninja) into a cache directory the first time a process
+needs it; later processes load the cached library directly, without a compiler. Where no compiler or ninja is found, or the build fails,
 ``cpu_kernels_available()`` warns once and returns False, and callers use the torch reference.
 
 Environment:
@@ -163,7 +163,7 @@ def write_kv_cpu(
 def rms_norm_cpu(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """C++ twin of ``rms_norm_torch``; with ``residual`` it is updated in place to ``x + residual``."""
+    """C++ twin of ``rms_norm_torch``; a ``residual`` is updated in place to ``x + residual``."""
     _require()
     x2 = x.reshape(-1, x.shape[-1])
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)

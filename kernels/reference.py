@@ -168,7 +168,7 @@ def rms_norm_torch(
 
 
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[:, :d]) * x[:, d:]`` for ``x`` ``[T, 2d]``: SwiGLU's gate and up, as HF computes it."""
+    """``silu(x[:, :d]) * x[:, d:]`` for ``x`` ``[T, 2d]``: SwiGLU as Hugging Face computes it."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 

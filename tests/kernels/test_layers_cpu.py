@@ -79,7 +79,9 @@ def test_nan_propagates():
 def test_torch_backend_uses_reference():
     x = torch.randn(3, 64)
     weight = torch.randn(64)
-    assert torch.equal(rms_norm(x, weight, 1e-6, backend="torch")[0], rms_norm_torch(x, weight, 1e-6)[0])
+    assert torch.equal(
+        rms_norm(x, weight, 1e-6, backend="torch")[0], rms_norm_torch(x, weight, 1e-6)[0]
+    )
     y = torch.randn(3, 128)
     assert torch.equal(silu_and_mul(y, backend="torch"), silu_and_mul_torch(y))
 
