@@ -2,8 +2,9 @@
 
 ``kernels/csrc/*.cpp`` (the paged attention, RMSNorm and SiLU-and-mul) are compiled with
 ``torch.utils.cpp_extension`` (g++ and ninja) into a cache directory the first time a process
-needs it; later processes load the cached library directly, without a compiler. Where no compiler or ninja is found, or the build fails,
-``cpu_kernels_available()`` warns once and returns False, and callers use the torch reference.
+needs it; later processes load the cached library directly, without a compiler. Where no
+compiler or ninja is found, or the build fails, ``cpu_kernels_available()`` warns once and
+returns False, and callers use the torch reference.
 
 Environment:
 
