@@ -32,27 +32,6 @@ inline vfloat round_to(c10::BFloat16*, vfloat v) {
   return widen_bf16(tmp);
 }
 
-// e^x on every lane: n = round(x / ln 2), r = x - n ln 2 in two parts (Cody-Waite, so that r
-// keeps its precision for large |x|), a degree-7 Taylor polynomial of e^r, times 2^n. x is
-// clamped to [-87, 88] (e^x stays a normal float); relative error about 1e-7, like Sleef's.
-inline vfloat exp_v(vfloat x) {
-  x = x < -87.f ? vfloat{} - 87.f : x;
-  x = x > 88.f ? vfloat{} + 88.f : x;
-  const vfloat magic = vfloat{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  const vfloat n = (x * 1.4426950408889634f + magic) - magic;
-  const vfloat r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  vfloat p = vfloat{} + 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  return p * reinterpret_cast<const vfloat&>(bits);
-}
-
 template <typename T>
 void rms_norm_rows(const T* x, int64_t x_stride, T* residual, int64_t r_stride, const T* weight,
                    float eps, T* out, int64_t o_stride, int64_t rows, int64_t hidden) {

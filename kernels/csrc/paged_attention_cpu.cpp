@@ -50,27 +50,8 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
   return c10::BFloat16(x);  // round to nearest even, NaN kept
 }
 
-// 2^x for x <= 0 (x = -inf gives 0): round to nearest, then a degree-7 Taylor polynomial on
-// [-0.5, 0.5] (relative error < 1e-8); written so that the compiler vectorises it.
-inline float exp2_neg(float x) {
-  x = x < -125.f ? -125.f : x;
-  const float magic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  float n = (x + magic) - magic;
-  float f = (x - n) * 0.6931471805599453f;
-  float p = 1.f / 5040.f;
-  p = p * f + 1.f / 720.f;
-  p = p * f + 1.f / 120.f;
-  p = p * f + 1.f / 24.f;
-  p = p * f + 1.f / 6.f;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  float r = p * scale;
-  return x <= -125.f ? 0.f : r;
-}
+// 2^x for x <= 0 (x = -inf gives 0), one lane of exp2_neg_v.
+inline float exp2_neg(float x) { return pagedq_vec::exp2_neg_v(pagedq_vec::vfloat{} + x)[0]; }
 
 // ---- work items -------------------------------------------------------------------------------
 struct WorkItem {

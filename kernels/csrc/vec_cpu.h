@@ -41,24 +41,46 @@ inline void narrow_bf16(uint16_t* p, vfloat v) {
   *reinterpret_cast<vhalf_u*>(p) = __builtin_convertvector(out, vhalf);
 }
 
-// 2^x on every lane for x <= 0 (x = -inf gives 0): round to nearest, then a degree-7 Taylor
-// polynomial on [-0.5, 0.5] (relative error < 1e-8).
+// e^r for |r| <= ln(2) / 2, on a float or on every lane of a vfloat: a degree-7 Taylor
+// polynomial (relative error < 1e-8 there).
+template <typename V>
+inline V exp_taylor(V r) {
+  V p = r * 0.f + 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  return p * r + 1.f;
+}
+
+// 2^n for integral n in [-126, 127], as the float's exponent bits.
+inline vfloat pow2_int(vfloat n) {
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  return reinterpret_cast<const vfloat&>(bits);
+}
+
+// 1.5 * 2^23: adding it and taking it away rounds a float to the nearest integer.
+constexpr float kRoundMagic = 12582912.f;
+
+// 2^x on every lane for x <= 0 (x = -inf gives 0).
 inline vfloat exp2_neg_v(vfloat x) {
   const vfloat clamped = x < -125.f ? vfloat{} - 125.f : x;
-  const vfloat magic = vfloat{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  const vfloat n = (clamped + magic) - magic;
-  const vfloat f = (clamped - n) * 0.6931471805599453f;
-  vfloat p = vfloat{} + 1.f / 5040.f;
-  p = p * f + 1.f / 720.f;
-  p = p * f + 1.f / 120.f;
-  p = p * f + 1.f / 24.f;
-  p = p * f + 1.f / 6.f;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  const vfloat r = p * reinterpret_cast<const vfloat&>(bits);
+  const vfloat n = (clamped + kRoundMagic) - kRoundMagic;
+  const vfloat r = exp_taylor((clamped - n) * 0.6931471805599453f) * pow2_int(n);
   return x <= -125.f ? vfloat{} : r;
+}
+
+// e^x on every lane: n = round(x / ln 2), r = x - n ln 2 in two parts (Cody-Waite, so that r
+// keeps its precision for large |x|), e^r times 2^n. x is clamped to [-87, 88] (e^x stays a
+// normal float); relative error about 1e-7, like Sleef's.
+inline vfloat exp_v(vfloat x) {
+  x = x < -87.f ? vfloat{} - 87.f : x;
+  x = x > 88.f ? vfloat{} + 88.f : x;
+  const vfloat n = (x * 1.4426950408889634f + kRoundMagic) - kRoundMagic;
+  const vfloat r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  return exp_taylor(r) * pow2_int(n);
 }
 
 inline float sum_lanes(vfloat v) {

@@ -9,9 +9,6 @@ import redis
 
 from engine.cpu_threads import physical_cores
 
-# Empty values stand for "not set" (the test runner's own environment may set them).
-UNSET = {"OMP_NUM_THREADS": "", "GOMP_CPU_AFFINITY": ""}
-
 
 def _environ(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -20,11 +17,13 @@ def _environ(pid: int) -> dict[str, str]:
 
 @pytest.mark.parametrize("bind", ["auto", "none"])
 def test_worker_pins_threads_unless_told_not_to(
-    bind, worker_factory, tiny_llama_dir, private_redis
+    bind, worker_factory, tiny_llama_dir, private_redis, monkeypatch
 ):
+    for name in ("OMP_NUM_THREADS", "GOMP_CPU_AFFINITY"):  # the runner's own, if any
+        monkeypatch.delenv(name, raising=False)
     w = worker_factory(
         f"pin-{bind}", f"pin-{bind}", "--model", tiny_llama_dir,
-        env={**UNSET, "PAGEDQ_CPU_BIND": bind},
+        env={"PAGEDQ_CPU_BIND": bind},
     )  # fmt: skip
     w.wait_ready()
     env = _environ(w.process.pid)  # the same PID: the worker replaced itself, no child
