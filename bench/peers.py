@@ -221,8 +221,7 @@ def child_command(engine: str, args, peers: Path | None, io: tuple[str, str]):
     python = sys.executable
     extra = []
     if engine != "vllm" and not args.no_bind:
-        sys.path.insert(0, str(ROOT))
-        from engine.cpu_threads import bind_env
+        from engine.cpu_threads import bind_env  # main() put the repo on sys.path
 
         env.update(bind_env())
     if engine == "vllm":

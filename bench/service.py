@@ -34,11 +34,9 @@ def start_worker(redis_url: str, queue: str, args, log_path: Path) -> subprocess
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--kv-cache-memory", f"{args.kv_cache_gib}GiB", "--log-level", "WARNING",
     ]  # fmt: skip
-    import peers
-
-    env = {**os.environ, **peers.bind_env()}  # pinned like the offline child
+    # The worker pins its own threads (worker/cli.py), as peers.py pins the offline child.
     with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 def wait_ready(conn, proc: subprocess.Popen, log_path: Path, timeout: float = 600) -> None:

@@ -87,6 +87,53 @@ struct Dim<0> {
   static int get(int d) { return d; }
 };
 
+// Loads a work item's query rows into q_f (fp32, scaled by qk_scale) and clears its online-softmax
+// state. Row i is query token q_begin + i / G of the request and query head kv_head * G + i % G.
+template <typename scalar_t>
+void begin_item(const WorkItem& w, const Layout& L, int D, const scalar_t* query, int64_t q_start,
+                float qk_scale, float* q_f, float* acc, float* m, float* l) {
+  const int G = L.group;
+  for (int i = 0; i < w.q_len * G; ++i) {
+    const scalar_t* src =
+        query + (q_start + w.q_begin + i / G) * L.q_st + (w.kv_head * G + i % G) * L.q_sh;
+    float* q = q_f + i * D;
+    float* a = acc + i * D;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) {
+      q[d] = to_float(src[d]) * qk_scale;
+      a[d] = 0.f;
+    }
+    m[i] = kNegInf;
+    l[i] = 0.f;
+  }
+}
+
+// Ends a work item: a KV chunk of a split keeps its unnormalised accumulator, max and sum for the
+// merge; a whole item writes acc / l to its output rows.
+template <typename scalar_t>
+void finish_item(const WorkItem& w, const Layout& L, int D, int64_t q_start, const float* acc,
+                 const float* m, const float* l, scalar_t* out, float* partial_acc,
+                 float* partial_ml) {
+  const int G = L.group;
+  const int rows = w.q_len * G;
+  if (w.partial >= 0) {
+    for (int i = 0; i < rows; ++i) {
+      std::memcpy(partial_acc + (w.partial + i) * D, acc + i * D, D * sizeof(float));
+      partial_ml[2 * (w.partial + i)] = m[i];
+      partial_ml[2 * (w.partial + i) + 1] = l[i];
+    }
+    return;
+  }
+  for (int i = 0; i < rows; ++i) {
+    scalar_t* dst =
+        out + (q_start + w.q_begin + i / G) * L.o_st + (w.kv_head * G + i % G) * L.o_sh;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    const float* a = acc + i * D;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) dst[d] = from_float<scalar_t>(a[d] * inv);
+  }
+}
+
 // Online-softmax attention of one work item. q_scaled/acc/score are per-thread scratch.
 template <typename scalar_t, typename cache_t, int DT>
 void attend_item(const WorkItem& w, const Layout& L, const scalar_t* query, const cache_t* k_cache,
@@ -101,19 +148,7 @@ void attend_item(const WorkItem& w, const Layout& L, const scalar_t* query, cons
   const int64_t query_len = qsl[w.req + 1] - q_start;
   const int64_t context_len = seq_lens[w.req] - query_len;
 
-  for (int i = 0; i < rows; ++i) {
-    const int t = w.q_begin + i / G;
-    const int h = w.kv_head * G + i % G;
-    const scalar_t* src = query + (q_start + t) * L.q_st + h * L.q_sh;
-    float* dst = q_f + i * D;
-#pragma omp simd
-    for (int d = 0; d < D; ++d) dst[d] = to_float(src[d]) * qk_scale;
-    float* a = acc + i * D;
-#pragma omp simd
-    for (int d = 0; d < D; ++d) a[d] = 0.f;
-    m[i] = kNegInf;
-    l[i] = 0.f;
-  }
+  begin_item(w, L, D, query, q_start, qk_scale, q_f, acc, m, l);
   // Query row i sits at absolute position context_len + q_begin + i / G.
   const int64_t first_pos = context_len + w.q_begin;
   const int64_t* bt_row = block_table + w.req * L.bt_sr;
@@ -204,23 +239,7 @@ void attend_item(const WorkItem& w, const Layout& L, const scalar_t* query, cons
     key += n;
   }
 
-  if (w.partial >= 0) {  // split: keep the unnormalised accumulator, max and sum
-    for (int i = 0; i < rows; ++i) {
-      std::memcpy(partial_acc + (w.partial + i) * D, acc + i * D, D * sizeof(float));
-      partial_ml[2 * (w.partial + i)] = m[i];
-      partial_ml[2 * (w.partial + i) + 1] = l[i];
-    }
-    return;
-  }
-  for (int i = 0; i < rows; ++i) {
-    const int t = w.q_begin + i / G;
-    const int h = w.kv_head * G + i % G;
-    scalar_t* dst = out + (q_start + t) * L.o_st + h * L.o_sh;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    const float* a = acc + i * D;
-#pragma omp simd
-    for (int d = 0; d < D; ++d) dst[d] = from_float<scalar_t>(a[d] * inv);
-  }
+  finish_item(w, L, D, q_start, acc, m, l, out, partial_acc, partial_ml);
 }
 
 // ---- the vector path (head_dim a multiple of the vector width) ------------------------------
@@ -370,15 +389,7 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
   const int64_t query_len = qsl[w.req + 1] - q_start;
   const int64_t context_len = seq_lens[w.req] - query_len;
 
-  for (int i = 0; i < rows; ++i) {
-    const int t = w.q_begin + i / G;
-    const int h = w.kv_head * G + i % G;
-    const scalar_t* src = query + (q_start + t) * L.q_st + h * L.q_sh;
-    for (int d = 0; d < D; ++d) q_f[i * D + d] = to_float(src[d]) * qk_scale;
-    for (int d = 0; d < D; ++d) acc[i * D + d] = 0.f;
-    m[i] = kNegInf;
-    l[i] = 0.f;
-  }
+  begin_item(w, L, D, query, q_start, qk_scale, q_f, acc, m, l);
   const int64_t first_pos = context_len + w.q_begin;
   const int64_t* bt_row = block_table + w.req * L.bt_sr;
   const int64_t head_off = static_cast<int64_t>(w.kv_head) * D;
@@ -498,21 +509,7 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
     key += n;
   }
 
-  if (w.partial >= 0) {
-    for (int i = 0; i < rows; ++i) {
-      std::memcpy(partial_acc + (w.partial + i) * D, acc + i * D, D * sizeof(float));
-      partial_ml[2 * (w.partial + i)] = m[i];
-      partial_ml[2 * (w.partial + i) + 1] = l[i];
-    }
-    return;
-  }
-  for (int i = 0; i < rows; ++i) {
-    const int t = w.q_begin + i / G;
-    const int h = w.kv_head * G + i % G;
-    scalar_t* dst = out + (q_start + t) * L.o_st + h * L.o_sh;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    for (int d = 0; d < D; ++d) dst[d] = from_float<scalar_t>(acc[i * D + d] * inv);
-  }
+  finish_item(w, L, D, q_start, acc, m, l, out, partial_acc, partial_ml);
 }
 
 template <typename scalar_t>
