@@ -64,7 +64,7 @@ def paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, blo
 
 
 def workloads(seed: int) -> dict[str, tuple[list[int], list[int]]]:
-    """(query_lens, context_lens) of the three batches of issue 8."""
+    """(query_lens, context_lens) of issue 8's three batches, and a pure prefill."""
     rng = random.Random(seed)
     # A step of the mixed run: 96 running requests (prompts 20-400 tokens, some output so far),
     # 90 of them decoding and 6 prompts being prefilled whole.
@@ -73,6 +73,7 @@ def workloads(seed: int) -> dict[str, tuple[list[int], list[int]]]:
     mixed = ([1] * 90 + prompts[90:], decode_ctx + [0] * 6)
     return {
         "64 decodes x 512": ([1] * 64, [511] * 64),
+        "6 prompts x 300 (prefill)": ([300] * 6, [0] * 6),
         "mixed 96 (prompts 20-400)": mixed,
         "256 decodes x 512": ([1] * 256, [511] * 256),
     }
