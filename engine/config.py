@@ -31,7 +31,8 @@ class EngineConfig:
     dtype: str = field(
         default="auto",
         metadata=_doc(
-            "auto (bf16 where the device computes it fast, else fp32), float32, bfloat16, float16"
+            "auto (bf16 on CUDA, or fp16 without bf16; on CPU bf16 only with AMX, else fp32), "
+            "float32, bfloat16, float16"
         ),
     )
     device: str = field(
@@ -174,7 +175,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` -> bf16 where the device computes it fast, else fp32."""
+    """``auto`` -> bf16 where the device computes it fast (CUDA; CPUs with AMX), else fp32."""
     if dtype != "auto":
         return DTYPES[dtype]
     if device.type == "cuda":
@@ -190,12 +191,15 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
 
 
 def _cpu_has_fast_bf16() -> bool:
+    # Only AMX tiles make bf16 matrix products beat fp32. With AVX512-BF16 alone, oneDNN's bf16
+    # projections measured 1.3-1.6x slower than fp32, and a decode step at batch 64 1.22x slower
+    # (docs/PERFORMANCE.md); without either, bf16 is emulated and about 2.5x slower.
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            flags = f.read().split()
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return "amx_bf16" in flags
 
 
 def parse_memory(value: int | float | str) -> int:
