@@ -132,7 +132,7 @@ class LLMEngine:
             self.kv_caches,
             config.block_size,
             self.device,
-            Sampler(self.device, config.seed),
+            Sampler(self.device, config.seed, config.attention_backend),
             self.eos_token_ids,
         )
         self.parents: dict[str, _ParentRequest] = {}

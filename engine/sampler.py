@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.request import Request
+from kernels import argmax
 
 MIN_TEMPERATURE = 1e-5
 
@@ -12,15 +13,16 @@ MIN_TEMPERATURE = 1e-5
 class Sampler:
     """Picks one token per row of logits, each row under its own request's parameters."""
 
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, backend: str = "auto") -> None:
         self.device = device
+        self.backend = backend  # the engine's kernel backend: the CPU one has a parallel argmax
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request], eos_ids: set[int]):
         """Returns the sampled token ids and, per row, a logprobs dict or None."""
         if all(_plain_greedy(r) for r in requests):
             # The common batch: no sort, no softmax, no copies; one argmax over the logits.
-            return logits.argmax(dim=-1).tolist(), [None] * len(requests)
+            return argmax(logits, self.backend).tolist(), [None] * len(requests)
         raw_logprobs = self._logprobs_source(logits, requests)
         logits = self._apply_penalties(logits, requests)
         logits = self._apply_min_tokens(logits, requests, eos_ids)
@@ -29,7 +31,7 @@ class Sampler:
         random = [i for i, r in enumerate(requests) if not r.params.greedy]
         if greedy:
             idx = torch.tensor(greedy, device=logits.device)
-            sampled[idx] = logits[idx].argmax(dim=-1)
+            sampled[idx] = argmax(logits[idx], self.backend)
         if random:
             idx = torch.tensor(random, device=logits.device)
             sampled[idx] = self._sample(logits[idx], [requests[i] for i in random])

@@ -146,8 +146,23 @@ def silu_and_mul(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     return silu_and_mul_torch(x)
 
 
+def argmax(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of fp32 logits ``[rows, vocab]``, same indices (ties: the first)."""
+    if (
+        select_backend(x.device, backend) == "cpu"
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[0] > 0
+        and x.shape[1] > 0
+        and x.stride(-1) == 1
+    ):
+        return cpu_attention.argmax_cpu(x)
+    return x.argmax(dim=-1)
+
+
 __all__ = [
     "BACKENDS",
+    "argmax",
     "plan_attention",
     "rms_norm",
     "select_backend",

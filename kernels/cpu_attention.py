@@ -175,6 +175,14 @@ def rms_norm_cpu(
     return out.view(x.shape), residual
 
 
+def argmax_cpu(x: torch.Tensor) -> torch.Tensor:
+    """C++ twin of ``x.argmax(dim=-1)`` for fp32 ``[rows, n]`` (rows in parallel)."""
+    _require()
+    out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    torch.ops.pagedq.argmax_rows(out, x)
+    return out
+
+
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     """C++ twin of ``silu_and_mul_torch`` (one pass, no gate/up copies)."""
     _require()

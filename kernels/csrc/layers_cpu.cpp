@@ -1,5 +1,5 @@
-// RMSNorm (optionally fused with the residual add) and SiLU-and-mul for the CPU, registered as
-// torch ops pagedq::*. Each is one pass over the rows instead of the 5-8 elementwise torch ops of
+// RMSNorm (optionally fused with the residual add), SiLU-and-mul and the greedy sampler's argmax
+// for the CPU, registered as torch ops pagedq::*. Each is one pass over the rows instead of the 5-8 elementwise torch ops of
 // the reference (kernels/reference.py), and computes what the reference computes: fp32 inside,
 // rounded to the model dtype where Hugging Face rounds.
 #include <ATen/ATen.h>
@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "vec_cpu.h"
 
@@ -167,6 +168,51 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
                      }));
 }
 
+// out[r] = torch.argmax(x[r]): the first index of the row's largest value, or of its first NaN
+// (torch ranks NaN above everything). Rows run in parallel; aten's reduction over the last dim
+// ran on one thread, 9.6 ms for the [64, 49152] logits of a decode step.
+void argmax_rows(at::Tensor& out, const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kLong &&
+                  out.dim() == 1 && out.size(0) == x.size(0) && out.is_contiguous(),
+              "argmax_rows: x must be float32 [rows, n] and out int64 [rows], got ", x.sizes(),
+              " ", x.scalar_type(), " and ", out.sizes(), " ", out.scalar_type());
+  const int64_t n = x.size(1), stride = x.stride(0);
+  TORCH_CHECK(n > 0, "argmax_rows: rows must not be empty");
+  const float* base = x.data_ptr<float>();
+  int64_t* dst = out.data_ptr<int64_t>();
+  at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* p = base + r * stride;
+      vfloat mx = vfloat{} - std::numeric_limits<float>::infinity();
+      vint nan = {};
+      int64_t i = 0;
+      for (; i + kLanes <= n; i += kLanes) {
+        const vfloat v = loadv(p + i);
+        nan |= v != v;
+        mx = v > mx ? v : mx;
+      }
+      float m = -std::numeric_limits<float>::infinity();
+      bool has_nan = false;
+      for (int j = 0; j < kLanes; ++j) {
+        m = std::max(m, mx[j]);
+        has_nan |= nan[j] != 0;
+      }
+      for (; i < n; ++i) {
+        has_nan |= std::isnan(p[i]);
+        m = std::max(m, p[i]);
+      }
+      int64_t k = 0;
+      if (has_nan) {
+        while (!std::isnan(p[k])) ++k;
+      } else {
+        while (p[k] != m) ++k;
+      }
+      dst[r] = k;
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedq, m) {
@@ -175,10 +221,12 @@ TORCH_LIBRARY_FRAGMENT(pagedq, m) {
       "fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps, "
       "Tensor(b!) out) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedq, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }

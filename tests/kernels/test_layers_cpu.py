@@ -1,10 +1,15 @@
-"""The C++ RMSNorm (plain and fused with the residual add) and SiLU-and-mul equal the reference."""
+"""The C++ RMSNorm (plain and fused with the residual add), SiLU-and-mul and argmax equal torch."""
 
 import pytest
 import torch
 
-from kernels import rms_norm, silu_and_mul
-from kernels.cpu_attention import cpu_kernels_available, rms_norm_cpu, silu_and_mul_cpu
+from kernels import argmax, rms_norm, silu_and_mul
+from kernels.cpu_attention import (
+    argmax_cpu,
+    cpu_kernels_available,
+    rms_norm_cpu,
+    silu_and_mul_cpu,
+)
 from kernels.reference import rms_norm_torch, silu_and_mul_torch
 
 pytestmark = pytest.mark.skipif(
@@ -87,3 +92,27 @@ def test_torch_backend_uses_reference():
 
 
 fp32 = torch.float32
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (64, 49152), (5, 33), (2, 100)])
+def test_argmax_equals_torch(shape):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(shape, generator=gen)
+    assert torch.equal(argmax_cpu(x), x.argmax(dim=-1))
+
+
+def test_argmax_ties_nan_inf_and_strided_rows():
+    x = torch.zeros(6, 40)
+    x[0, [3, 17, 39]] = 5.0  # ties: the first
+    x[1, 25] = float("nan")  # NaN outranks everything
+    x[1, 30] = float("inf")
+    x[2] = float("-inf")  # nothing but -inf: index 0
+    x[3, 39] = 1.0  # in the tail past the last full vector
+    x[4, [5, 9]] = float("nan")
+    x[5, 20] = float("inf")
+    want = torch.tensor([3, 25, 0, 39, 5, 20])
+    assert torch.equal(x.argmax(dim=-1), want)
+    assert torch.equal(argmax_cpu(x), want)
+    wide = torch.randn(4, 80)
+    assert torch.equal(argmax(wide[:, 10:70]), wide[:, 10:70].argmax(dim=-1))  # row stride 80
+    assert torch.equal(argmax(wide, backend="torch"), wide.argmax(dim=-1))
