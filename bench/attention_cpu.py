@@ -10,6 +10,11 @@ fp32 model, i.e. ``kv_cache_dtype="bfloat16"``), interleaving the backends so th
 hits them alike, and prints medians, ratios and the time of 30 layers. It also prints the time of
 a plain sum over the batch's K/V bytes: the memory-streaming floor of a decode.
 
+``--layers 30`` gives each backend 30 copies of the cache, one per model layer, and cycles
+through them: the K/V then comes from DRAM, as in the engine, instead of a last-level cache that
+holds one layer's whole cache (260 MB of L3 on one development VM made the kernel look 1.3-2x
+faster than it runs inside a model).
+
 ``--engine`` runs one workload of ``bench/throughput.py`` (greedy, ``ignore_eos``) through the
 offline engine with ``attention_backend="torch"``, ``"cpu"``, and ``"cpu"`` with
 ``kv_cache_dtype="bfloat16"``, in rounds that alternate the backends, and prints output tokens/s
@@ -148,6 +153,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--layers", type=int, default=1,
+        help="distinct caches cycled through, one per layer (30: DRAM-cold, as in the model)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--clock", choices=["wall", "cpu"], default="wall",
@@ -166,22 +175,22 @@ def main() -> int:
         return 1
     print(f"SmolLM2-135M attention shapes (9 heads, 3 KV heads, head_dim 64), block size "
           f"{args.block_size}, fp32 model, {torch.get_num_threads()} threads; per layer, medians "
-          f"of {args.repeats}, {args.clock} clock")  # fmt: skip
+          f"of {args.repeats}, {args.clock} clock, {args.layers} layer cache(s)")  # fmt: skip
     print(f"{'batch':<28} {'torch ms':>9} {'cpu ms':>8} {'cpu bf16kv':>11} {'ratio':>6} "
           f"{'bf16/fp32':>9} {'sum(K/V) ms':>11} {'30 layers cpu':>14}")  # fmt: skip
     for name, (query_lens, context_lens) in workloads(args.seed).items():
         b = paged_batch(query_lens, context_lens, 9, 3, 64, args.block_size, args.seed)
-        kv_fp32 = b["kv_cache"]
-        kv_bf16 = kv_fp32.to(torch.bfloat16)
+        kv_fp32 = [b["kv_cache"]] + [b["kv_cache"].clone() for _ in range(args.layers - 1)]
+        kv_bf16 = [kv.to(torch.bfloat16) for kv in kv_fp32]
         # The reference's plan is built once per step and shared by every layer, as in the engine.
         plan = plan_attention(
             "torch", b["query_start_loc"], b["seq_lens"], b["block_table"], args.block_size
         )
         runs = {
-            "torch": lambda b=b, p=plan, kv=kv_fp32: run_layer("torch", b, kv, p),
-            "cpu": lambda b=b, kv=kv_fp32: run_layer("cpu", b, kv),
-            "cpu bf16kv": lambda b=b, kv=kv_bf16: run_layer("cpu", b, kv),
-            "sum": lambda kv=kv_fp32: kv.sum(),
+            "torch": lambda b=b, p=plan, kv=kv_fp32: [run_layer("torch", b, c, p) for c in kv],
+            "cpu": lambda b=b, kv=kv_fp32: [run_layer("cpu", b, c) for c in kv],
+            "cpu bf16kv": lambda b=b, kv=kv_bf16: [run_layer("cpu", b, c) for c in kv],
+            "sum": lambda kv=kv_fp32: [c.sum() for c in kv],
         }
         times: dict[str, list[float]] = {k: [] for k in runs}
         for fn in runs.values():
@@ -191,10 +200,10 @@ def main() -> int:
             for key, fn in runs.items():
                 start = clock()
                 fn()
-                times[key].append((clock() - start) * 1e3)
+                times[key].append((clock() - start) * 1e3 / args.layers)
         ms = {k: statistics.median(v) for k, v in times.items()}
         # sum() reads the whole pool; scale to the bytes the batch needs.
-        floor = ms["sum"] * b["kv_bytes"] / (kv_fp32.numel() * 4)
+        floor = ms["sum"] * b["kv_bytes"] / (kv_fp32[0].numel() * 4)
         print(f"{name:<28} {ms['torch']:>9.2f} {ms['cpu']:>8.2f} {ms['cpu bf16kv']:>11.2f} "
               f"{ms['torch'] / ms['cpu']:>5.1f}x {ms['cpu bf16kv'] / ms['cpu']:>9.2f} "
               f"{floor:>11.2f} {30 * ms['cpu']:>11.0f} ms")  # fmt: skip

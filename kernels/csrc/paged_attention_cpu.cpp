@@ -262,10 +262,33 @@ constexpr int kPvVecs = 4;
 #endif
 constexpr int kTile = 16;                  // keys per tile
 constexpr int kTileVecs = kTile / kLanes;  // vectors of one row of a tile's scores
-// Prefetch distance in key tiles, into L2 (prefetcht2): on a 2-core AVX-512 VM this took a
-// 64 x 512 decode from 7.8 to 5.8 ms per layer; prefetching into L1 one tile ahead did nothing
-// (the prefetches stalled on L1 miss buffers).
-constexpr int kPrefetchTiles = 8;
+// Prefetching. One tile ahead into L1 (prefetcht0) made a decode over 30 DRAM-cold layer caches
+// 14-16% faster on a 2-core Xeon VM (AVX-512, no AMX), where prefetching 2-16 tiles ahead into L2
+// did nothing; on an earlier AVX-512 VM, 8 tiles ahead into L2 took a 64 x 512 decode from 7.8
+// to 5.8 ms per layer and L1 did nothing. Both run: 8 tiles ahead into L2 as well.
+constexpr int kFarPrefetchTiles = 8;
+
+// Prefetches the K and V rows of the item's head for the tile that starts at `key` (none past
+// the item's keys) with the given locality hint (3: L1, 1: L2).
+// Always inlined: as a call it cost more than it saved (the caller's vectors spill around it).
+template <int Locality, typename cache_t>
+__attribute__((always_inline)) inline void prefetch_rows(const WorkItem& w, const Layout& L,
+                                                         int D, const int64_t* bt_row,
+                                                         int64_t head_off, const cache_t* k_cache,
+                                                         const cache_t* v_cache, int key) {
+  if (key >= w.key_end) return;
+  const int64_t block = bt_row[(key / L.block_size) * L.bt_sb];
+  const int64_t base = block * L.cache_block + (key % L.block_size) * L.cache_slot + head_off;
+  const int n = std::min({w.key_end - key, L.block_size - key % L.block_size, kTile});
+  for (int j = 0; j < n; ++j) {
+    const char* kr = reinterpret_cast<const char*>(k_cache + base + j * L.cache_slot);
+    const char* vr = reinterpret_cast<const char*>(v_cache + base + j * L.cache_slot);
+    for (int c = 0; c < D * static_cast<int>(sizeof(cache_t)); c += 64) {
+      __builtin_prefetch(kr + c, 0, Locality);
+      __builtin_prefetch(vr + c, 0, Locality);
+    }
+  }
+}
 // Tiles with fewer rows (decodes) skip the K transpose and score row by row.
 constexpr int kBlockedMinRows = 12;
 
@@ -406,20 +429,11 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
     const int64_t base = block * L.cache_block + in_block * L.cache_slot + head_off;
     const cache_t* kp = k_cache + base;
     const cache_t* vp = v_cache + base;
-    // Rows a few tiles ahead, so that many cache misses are in flight while this tile computes.
-    const int next = key + n + (kPrefetchTiles - 1) * kTile;
-    if (next < w.key_end) {
-      const int64_t nb = bt_row[(next / L.block_size) * L.bt_sb];
-      const int64_t nbase = nb * L.cache_block + (next % L.block_size) * L.cache_slot + head_off;
-      const int nn = std::min(w.key_end - next, L.block_size - next % L.block_size);
-      for (int j = 0; j < std::min(nn, kTile); ++j) {
-        for (int c = 0; c < D * (int)sizeof(cache_t); c += 64) {
-          const int64_t row = nbase + j * L.cache_slot;
-          __builtin_prefetch(reinterpret_cast<const char*>(k_cache + row) + c, 0, 1);
-          __builtin_prefetch(reinterpret_cast<const char*>(v_cache + row) + c, 0, 1);
-        }
-      }
-    }
+    // The next tile's rows into L1, so that its misses overlap this tile's compute.
+    prefetch_rows<3>(w, L, D, bt_row, head_off, k_cache, v_cache, key + n);
+    if (kFarPrefetchTiles > 0)  // and, on hosts where it helps, rows further ahead into L2
+      prefetch_rows<1>(w, L, D, bt_row, head_off, k_cache, v_cache,
+                       key + n + (kFarPrefetchTiles - 1) * kTile);
     const float* kf;
     const float* vf;
     int64_t kv_stride;
