@@ -3,6 +3,7 @@
     python bench/peers.py                        # both workloads, every engine found
     python bench/peers.py --quick                # a one-minute sanity run
     python bench/peers.py --workload mixed --engines pagedq,vllm
+    python bench/peers.py --rounds 3             # alternate the engines' order, report medians
 
 Workloads (greedy, ignore_eos, fp32, the default model):
   uniform  64 short chat prompts x 128 new tokens
@@ -273,6 +274,21 @@ def load_average() -> str:
         return "?"
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median tokens/s (the lower one of the middle two)."""
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
+
+
+def round_ratios(runs: dict[str, list[dict]]) -> dict[str, list[float]]:
+    """pagedq's tokens/s over each peer's, round by round (rounds both finished)."""
+    mine = runs.get("pagedq", [])
+    return {
+        engine: [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(mine, theirs)]
+        for engine, theirs in runs.items()
+        if engine != "pagedq"
+    }
+
+
 def print_table(work: dict, results: dict[str, dict], args) -> None:
     """The workload's table, pagedq's ratios, and notes."""
     n, p_lo, p_hi, o_lo, o_hi = work["spec"]
@@ -291,6 +307,10 @@ def print_table(work: dict, results: dict[str, dict], args) -> None:
             f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | "
             f"{r['itl_p50'] * 1e3:.0f} / {r['itl_p99'] * 1e3:.0f} |"
         )
+    for engine, ratios in work.get("round_ratios", {}).items():
+        if len(ratios) > 1:
+            shown = ", ".join(f"{x:.2f}" for x in ratios)
+            print(f"pagedq / {LABELS[engine]} by round: {shown} (median run shown above)")
 
 
 LABELS = {
@@ -315,6 +335,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peers-dir", default=None, help="where setup_vllm.sh installed vLLM")
     ap.add_argument("--no-bind", action="store_true", help="leave pagedq/HF threads unpinned")
+    ap.add_argument(
+        "--rounds", type=int, default=1,
+        help="run every engine this many times, alternating their order; report the median run",
+    )  # fmt: skip
     ap.add_argument("-v", "--verbose", action="store_true", help="show the children's output")
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     ap.add_argument("--io", nargs=2, help=argparse.SUPPRESS)
@@ -340,11 +364,15 @@ def main() -> None:
     tables = []
     for name in names:
         work = make_work(args, name)
-        results = {}
-        for engine in engines:
-            result = run_child(engine, work, args, peers)
-            if result is not None:
-                results[engine] = result
+        runs: dict[str, list[dict]] = {engine: [] for engine in engines}
+        for r in range(args.rounds):
+            # A machine whose speed drifts favours whoever runs first: alternate the order.
+            for engine in engines if r % 2 == 0 else engines[::-1]:
+                result = run_child(engine, work, args, peers)
+                if result is not None:
+                    runs[engine].append(result)
+        results = {engine: median_run(rs) for engine, rs in runs.items() if rs}
+        work["round_ratios"] = round_ratios(runs)
         tables.append((work, results))
         if len(names) > 1:
             print_table(work, results, args)  # partial results survive an interrupted run
