@@ -133,9 +133,13 @@ def rms_norm(
     On the CPU backend the sum is written into ``residual`` in place (one pass); elsewhere the
     torch reference runs (Hugging Face's numerics; fp32 inside).
     """
-    if select_backend(x.device, backend) == "cpu" and _cpu_fits(x, weight):
-        if x.stride(-1) == 1 and weight.dtype == x.dtype:
-            return cpu_attention.rms_norm_cpu(x, weight, eps, residual)
+    if (
+        select_backend(x.device, backend) == "cpu"
+        and _cpu_fits(x, weight)
+        and x.stride(-1) == 1
+        and weight.dtype == x.dtype
+    ):
+        return cpu_attention.rms_norm_cpu(x, weight, eps, residual)
     return rms_norm_torch(x, weight, eps, residual)
 
 

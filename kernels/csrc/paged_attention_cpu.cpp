@@ -265,7 +265,7 @@ constexpr int kTileVecs = kTile / kLanes;  // vectors of one row of a tile's sco
 // Prefetching. One tile ahead into L1 (prefetcht0) made a decode over 30 DRAM-cold layer caches
 // 14-16% faster on a 2-core Xeon VM (AVX-512, no AMX), where prefetching 2-16 tiles ahead into L2
 // did nothing; on an earlier AVX-512 VM, 8 tiles ahead into L2 took a 64 x 512 decode from 7.8
-// to 5.8 ms per layer and L1 did nothing. Both run: 8 tiles ahead into L2 as well.
+// to 5.8 ms per layer and L1 did nothing. Both run.
 constexpr int kFarPrefetchTiles = 8;
 
 // Prefetches the K and V rows of the item's head for the tile that starts at `key` (none past
@@ -431,9 +431,9 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
     const cache_t* vp = v_cache + base;
     // The next tile's rows into L1, so that its misses overlap this tile's compute.
     prefetch_rows<3>(w, L, D, bt_row, head_off, k_cache, v_cache, key + n);
-    if (kFarPrefetchTiles > 0)  // and, on hosts where it helps, rows further ahead into L2
-      prefetch_rows<1>(w, L, D, bt_row, head_off, k_cache, v_cache,
-                       key + n + (kFarPrefetchTiles - 1) * kTile);
+    // ... and rows further ahead into L2, which other hosts rewarded
+    prefetch_rows<1>(w, L, D, bt_row, head_off, k_cache, v_cache,
+                     key + n + (kFarPrefetchTiles - 1) * kTile);
     const float* kf;
     const float* vf;
     int64_t kv_stride;

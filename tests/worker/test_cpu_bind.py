@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from engine.config import EngineConfig
 from engine.cpu_threads import physical_cores
+from worker.cli import pin_threads_and_reexec
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -35,3 +37,9 @@ def test_worker_pins_threads_unless_told_not_to(
         assert not env.get("GOMP_CPU_AFFINITY")
     assert redis.Redis.from_url(private_redis.url).ping()
     assert w.stop() == 0
+
+
+def test_unknown_cpu_bind_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("PAGEDQ_CPU_BIND", "off")
+    with pytest.raises(ValueError, match=r"PAGEDQ_CPU_BIND='off'.*\['auto', 'none'\]"):
+        pin_threads_and_reexec(EngineConfig(device="cpu"), [])
