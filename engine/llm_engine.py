@@ -27,6 +27,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.step_isolation import StepIsolation
 from engine.swap import INITIAL_PREFILL_TOKENS_PER_S, PreemptionCostModel, SwapSpace
+from kernels import allocate_kv_cache
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
 # Test-only fault injection: with PAGEDQ_TEST_FAULTS=1 in the environment when the engine is
@@ -175,10 +176,17 @@ class LLMEngine:
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         attn = self.model.layers[0].self_attn
-        shape = (2, num_blocks, self.config.block_size, attn.num_kv_heads, attn.head_dim)
         kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
         return [
-            torch.zeros(shape, dtype=kv_dtype, device=self.device)
+            allocate_kv_cache(
+                num_blocks,
+                self.config.block_size,
+                attn.num_kv_heads,
+                attn.head_dim,
+                kv_dtype,
+                self.device,
+                self.config.attention_backend,
+            )  # fmt: skip
             for _ in range(self.hf_config.num_hidden_layers)
         ]
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_attention
+from kernels.huge_pages import zeros_huge
 from kernels.reference import (
     AttentionPlan,
     build_plan,
     rms_norm_torch,
+    rotary_apply_torch,
     silu_and_mul_torch,
     unified_attention_torch,
     write_kv_torch,
@@ -75,6 +77,33 @@ def write_kv(
     if chosen == "cpu" and _cpu_fits(key, kv_cache):
         return cpu_attention.write_kv_cpu(key, value, kv_cache, slot_mapping)
     return write_kv_torch(key, value, kv_cache, slot_mapping)
+
+
+def allocate_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """A zeroed paged KV cache of one layer, ``[2, num_blocks, block_size, num_kv_heads,
+    head_dim]``.
+
+    For the C++ CPU kernels the storage is head-major inside each block (a view of
+    ``[2, num_blocks, num_kv_heads, block_size, head_dim]``), so that the K (or V) of one head
+    in one block is a contiguous run of ``block_size * head_dim`` elements: a decode then reads
+    whole 4 KiB pages in order instead of 256-byte pieces at a stride, which the hardware
+    prefetchers follow better (docs/PERFORMANCE.md). Its memory is on transparent huge pages
+    where Linux gives them (``kernels.huge_pages``). Every backend indexes the cache through its
+    strides, so the shape is the same either way.
+    """
+    if select_backend(device, backend) == "cpu":
+        storage = (2, num_blocks, num_kv_heads, block_size, head_dim)
+        return zeros_huge(storage, dtype).transpose(2, 3)
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def plan_attention(
@@ -143,6 +172,25 @@ def rms_norm(
     return rms_norm_torch(x, weight, eps, residual)
 
 
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, backend: str = "auto"
+) -> torch.Tensor:
+    """``x`` ``[T, heads, D]`` rotated by a step's ``cos``/``signed_sin`` ``[T, 1, D]``.
+
+    On the CPU backend ``x`` is rotated in place (one pass, no copies) and returned; elsewhere a
+    new tensor. Bit for bit the reference either way.
+    """
+    if (
+        select_backend(x.device, backend) == "cpu"
+        and _cpu_fits(x, x)
+        and x.stride(-1) == 1
+        and cos.dtype == signed_sin.dtype == x.dtype
+        and cos.stride(-1) == 1
+    ):
+        return cpu_attention.rotary_cpu(x, cos, signed_sin)
+    return rotary_apply_torch(x, cos, signed_sin)
+
+
 def silu_and_mul(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """SwiGLU's ``silu(gate) * up`` of ``x`` ``[T, 2d]`` (gate first), as ``[T, d]``."""
     if select_backend(x.device, backend) == "cpu" and _cpu_fits(x, x) and x.stride(-1) == 1:
@@ -166,9 +214,11 @@ def argmax(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
 
 __all__ = [
     "BACKENDS",
+    "allocate_kv_cache",
     "argmax",
     "plan_attention",
     "rms_norm",
+    "apply_rotary",
     "select_backend",
     "silu_and_mul",
     "triton_available",

@@ -183,6 +183,13 @@ def argmax_cpu(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """C++ twin of ``rotary_apply_torch``, in place on ``x`` ``[T, heads, D]`` (returned)."""
+    _require()
+    torch.ops.pagedq.rotary(x, cos, signed_sin)
+    return x
+
+
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     """C++ twin of ``silu_and_mul_torch`` (one pass, no gate/up copies)."""
     _require()

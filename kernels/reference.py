@@ -16,13 +16,14 @@ def write_kv_torch(
 
     Slot ``s`` is row ``s % block_size`` of block ``s // block_size``; slots of -1 are skipped.
     """
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    block_size = kv_cache.shape[2]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    # (block, offset) indexing goes through the strides: any storage order of the cache works.
+    index = (slot_mapping // block_size, slot_mapping % block_size)
+    kv_cache[0].index_put_(index, key.to(kv_cache.dtype))
+    kv_cache[1].index_put_(index, value.to(kv_cache.dtype))
 
 
 def _gather_kv(
@@ -171,6 +172,18 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :d]) * x[:, d:]`` for ``x`` ``[T, 2d]``: SwiGLU as Hugging Face computes it."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def rotary_apply_torch(
+    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, D]`` by a step's ``cos`` and ``signed_sin`` ``[T, 1, D]``.
+
+    ``signed_sin`` carries rotate-half's minus sign: ``cat(-x2, x1) * sin`` equals
+    ``roll(x, D/2) * signed_sin`` exactly (negation is exact), so this is bit for bit
+    ``rotary_torch``'s (and Hugging Face's) result.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 def rotary_torch(

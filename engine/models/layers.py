@@ -7,7 +7,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels import rms_norm
-from kernels.reference import rotary_torch
+from kernels.reference import rotary_apply_torch, rotary_torch
 
 
 class RMSNorm(nn.Module):
@@ -87,8 +87,5 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ``[T, heads, D]``; bit for bit ``forward``'s (and Hugging Face's) result.
-
-        ``cat(-x2, x1) * sin`` equals ``roll(x, D/2) * signed_sin`` exactly: negation is exact.
-        """
-        return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+        """Rotate ``x`` ``[T, heads, D]``; bit for bit ``forward``'s (and Hugging Face's) result."""
+        return rotary_apply_torch(x, cos, signed_sin)

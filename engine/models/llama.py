@@ -11,7 +11,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.layers import RMSNorm, RotaryEmbedding
 from engine.models.packed_linear import pack, prepack_supported
-from kernels import silu_and_mul
+from kernels import apply_rotary, silu_and_mul
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -34,6 +34,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
         self.rotary = rotary
+        self.backend = backend
         self.attn = PagedAttention(self.head_dim**-0.5, backend)
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -44,7 +45,8 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
-        qk = self.rotary.apply(qk, *rope)
+        # In place on qkv where the backend can (the C++ kernel on the CPU).
+        qk = apply_rotary(qk, *rope, backend=self.backend)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, -1, self.head_dim)
         out = self.attn(qk[:, :heads], qk[:, heads:], v, kv_cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -1,7 +1,8 @@
-// RMSNorm (optionally fused with the residual add), SiLU-and-mul and the greedy sampler's argmax
-// for the CPU, registered as torch ops pagedq::*. Each is one pass over the rows instead of the 5-8 elementwise torch ops of
-// the reference (kernels/reference.py), and computes what the reference computes: fp32 inside,
-// rounded to the model dtype where Hugging Face rounds.
+// RMSNorm (optionally fused with the residual add), SiLU-and-mul, rotary embedding and the
+// greedy sampler's argmax for the CPU, registered as torch ops pagedq::*. Each is one pass over
+// the rows instead of the 4-8 elementwise torch ops of the reference (kernels/reference.py), and
+// computes what the reference computes: fp32 inside, rounded to the model dtype where Hugging
+// Face rounds.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -168,6 +169,77 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
                      }));
 }
 
+// Keeps a product as its own rounded value: without it GCC contracts a * b + c * d into an FMA,
+// which rounds once where the reference (and Hugging Face) rounds twice.
+template <typename V>
+inline V no_contract(V v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
+// x[t, h] = x[t, h] * cos[t] + roll(x[t, h], D/2) * signed_sin[t], in place, as
+// RotaryEmbedding.apply computes it: each product rounded to the model dtype, then the sum.
+// The two halves of a row are read before either is written, so in place is safe.
+template <typename T>
+void rotary_rows(T* x, int64_t x_st, int64_t x_sh, const T* cos, const T* sin, int64_t cs_st,
+                 int64_t tokens, int64_t heads, int64_t dim) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens * heads, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t t = row / heads;
+      T* a = x + t * x_st + (row % heads) * x_sh;  // first half; the second is at a + half
+      const T* c = cos + t * cs_st;
+      const T* s = sin + t * cs_st;
+      int64_t i = 0;
+      for (; i + kLanes <= half; i += kLanes) {
+        const vfloat x1 = load_as_float(a + i), x2 = load_as_float(a + half + i);
+        const vfloat o1 = round_to(a, no_contract(x1 * load_as_float(c + i))) +
+                          round_to(a, no_contract(x2 * load_as_float(s + i)));
+        const vfloat o2 = round_to(a, no_contract(x2 * load_as_float(c + half + i))) +
+                          round_to(a, no_contract(x1 * load_as_float(s + half + i)));
+        store_from_float(a + i, o1);
+        store_from_float(a + half + i, o2);
+      }
+      for (; i < half; ++i) {
+        const float x1 = static_cast<float>(a[i]), x2 = static_cast<float>(a[half + i]);
+        const float p1 = static_cast<float>(static_cast<T>(no_contract(x1 * static_cast<float>(c[i]))));
+        const float q1 = static_cast<float>(static_cast<T>(no_contract(x2 * static_cast<float>(s[i]))));
+        const float p2 =
+            static_cast<float>(static_cast<T>(no_contract(x2 * static_cast<float>(c[half + i]))));
+        const float q2 =
+            static_cast<float>(static_cast<T>(no_contract(x1 * static_cast<float>(s[half + i]))));
+        a[i] = static_cast<T>(p1 + q1);
+        a[half + i] = static_cast<T>(p2 + q2);
+      }
+    }
+  });
+}
+
+// Rotates x [tokens, heads, dim] (rows contiguous, e.g. the q and k heads of a QKV output) in
+// place by cos and signed_sin [tokens, 1, dim] of RotaryEmbedding.cos_sin.
+void rotary(at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rotary: x must be [tokens, heads, dim] with contiguous rows and even dim, got ",
+              x.sizes(), " strides ", x.strides());
+  TORCH_CHECK(cos.sizes() == signed_sin.sizes() && cos.strides() == signed_sin.strides() &&
+                  cos.size(0) == x.size(0) && cos.size(-1) == x.size(2) && cos.stride(-1) == 1 &&
+                  cos.scalar_type() == x.scalar_type() &&
+                  signed_sin.scalar_type() == x.scalar_type(),
+              "rotary: cos and signed_sin must be [tokens, 1, dim] of x's dtype, got ",
+              cos.sizes(), " and ", signed_sin.sizes(), " for x ", x.sizes());
+  AT_DISPATCH_SWITCH(x.scalar_type(), "rotary",
+                     AT_DISPATCH_CASE(at::kFloat, [&] {
+                       rotary_rows<float>(x.data_ptr<float>(), x.stride(0), x.stride(1),
+                                          cos.data_ptr<float>(), signed_sin.data_ptr<float>(),
+                                          cos.stride(0), x.size(0), x.size(1), x.size(2));
+                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+                       using T = c10::BFloat16;
+                       rotary_rows<T>(x.data_ptr<T>(), x.stride(0), x.stride(1),
+                                      cos.data_ptr<T>(), signed_sin.data_ptr<T>(), cos.stride(0),
+                                      x.size(0), x.size(1), x.size(2));
+                     }));
+}
+
 // out[r] = torch.argmax(x[r]): the first index of the row's largest value, or of its first NaN
 // (torch ranks NaN above everything). Rows run in parallel; aten's reduction over the last dim
 // ran on one thread, 9.6 ms for the [64, 49152] logits of a decode step.
@@ -222,6 +294,7 @@ TORCH_LIBRARY_FRAGMENT(pagedq, m) {
       "Tensor(b!) out) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
+  m.def("rotary(Tensor(a!) x, Tensor cos, Tensor signed_sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedq, CPU, m) {
@@ -229,4 +302,5 @@ TORCH_LIBRARY_IMPL(pagedq, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("rotary", &rotary);
 }

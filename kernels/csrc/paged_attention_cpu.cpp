@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -75,7 +76,7 @@ struct Layout {
   int num_heads, num_kv_heads, group, head_dim, block_size;
   int64_t q_st, q_sh, o_st, o_sh;  // token / head strides of query and out (elements)
   int64_t bt_sr, bt_sb;            // block_table strides
-  int64_t cache_block, cache_slot;  // element strides of one block and one slot in K (or V)
+  int64_t cache_block, cache_slot, cache_head;  // element strides of a block, slot, head in K/V
 };
 
 template <int D>
@@ -152,7 +153,7 @@ void attend_item(const WorkItem& w, const Layout& L, const scalar_t* query, cons
   // Query row i sits at absolute position context_len + q_begin + i / G.
   const int64_t first_pos = context_len + w.q_begin;
   const int64_t* bt_row = block_table + w.req * L.bt_sr;
-  const int64_t head_off = static_cast<int64_t>(w.kv_head) * D;
+  const int64_t head_off = static_cast<int64_t>(w.kv_head) * L.cache_head;
 
   int key = w.key_begin;
   while (key < w.key_end) {
@@ -245,17 +246,16 @@ void attend_item(const WorkItem& w, const Layout& L, const scalar_t* query, cons
 // ---- the vector path (head_dim a multiple of the vector width) ------------------------------
 // GCC/Clang vector extensions of the target's native width: 16 floats with AVX-512, 8 with AVX2
 // (vectors wider than the registers spill: on an AVX2 host the 16-wide version ran 3-6x slower).
-// Keys come in tiles of 16 (never crossing a cache block). Decode tiles (few rows): each row
-// accumulates one vector per key, and a transpose-reduce turns kLanes of them into kLanes dot
-// products without horizontal sums. Prefill tiles: K^T of the tile once, then several rows at a
-// time with broadcast FMAs, so that every K^T and V vector loaded serves all of them.
+// Keys come in tiles of 16 (never crossing a cache block). Decode items (few rows, decode_item):
+// each row accumulates one vector per key, a transpose-reduce turns kLanes of them into kLanes
+// dot products without horizontal sums, and the softmax runs once over the item's scores.
+// Prefill tiles (attend_item_vec): K^T of the tile once, then several rows at a time with
+// broadcast FMAs, so that every K^T and V vector loaded serves all of them.
 #if defined(__AVX512F__)
-constexpr int kAccVecs = 16;  // accumulator vectors a decode row keeps in registers (of 32)
 constexpr int kRowBlock = 6;  // prefill rows scored together (6 x 1 score accumulators)
 constexpr int kPvRows = 6;    // prefill rows of one p @ V pass ...
 constexpr int kPvVecs = 4;    // ... times output vectors: accumulators in registers
 #else
-constexpr int kAccVecs = 8;  // of 16 registers
 constexpr int kRowBlock = 6;  // 6 x 2 score accumulators
 constexpr int kPvRows = 3;    // 3 x 4 (6 x 2 spilled on GCC 12: it hoists all 6 broadcasts)
 constexpr int kPvVecs = 4;
@@ -265,31 +265,84 @@ constexpr int kTileVecs = kTile / kLanes;  // vectors of one row of a tile's sco
 // Prefetching. One tile ahead into L1 (prefetcht0) made a decode over 30 DRAM-cold layer caches
 // 14-16% faster on a 2-core Xeon VM (AVX-512, no AMX), where prefetching 2-16 tiles ahead into L2
 // did nothing; on an earlier AVX-512 VM, 8 tiles ahead into L2 took a 64 x 512 decode from 7.8
-// to 5.8 ms per layer and L1 did nothing. Both run.
+// to 5.8 ms per layer and L1 did nothing; on a 2-core Xeon with AMX and a head-major cache, the
+// L2 prefetch took the two-pass decode from 2.86 to 2.69 ms per layer. Both run.
 constexpr int kFarPrefetchTiles = 8;
 
-// Prefetches the K and V rows of the item's head for the tile that starts at `key` (none past
-// the item's keys) with the given locality hint (3: L1, 1: L2).
+// Prefetches the rows of one tile of one cache (K or V) for the item's head, the tile that
+// starts at `key` (none past the item's keys), with the given locality hint (3: L1, 1: L2).
 // Always inlined: as a call it cost more than it saved (the caller's vectors spill around it).
 template <int Locality, typename cache_t>
-__attribute__((always_inline)) inline void prefetch_rows(const WorkItem& w, const Layout& L,
+__attribute__((always_inline)) inline void prefetch_tile(const WorkItem& w, const Layout& L,
                                                          int D, const int64_t* bt_row,
-                                                         int64_t head_off, const cache_t* k_cache,
-                                                         const cache_t* v_cache, int key) {
+                                                         int64_t head_off, const cache_t* cache,
+                                                         int key) {
   if (key >= w.key_end) return;
   const int64_t block = bt_row[(key / L.block_size) * L.bt_sb];
   const int64_t base = block * L.cache_block + (key % L.block_size) * L.cache_slot + head_off;
   const int n = std::min({w.key_end - key, L.block_size - key % L.block_size, kTile});
   for (int j = 0; j < n; ++j) {
-    const char* kr = reinterpret_cast<const char*>(k_cache + base + j * L.cache_slot);
-    const char* vr = reinterpret_cast<const char*>(v_cache + base + j * L.cache_slot);
-    for (int c = 0; c < D * static_cast<int>(sizeof(cache_t)); c += 64) {
-      __builtin_prefetch(kr + c, 0, Locality);
-      __builtin_prefetch(vr + c, 0, Locality);
-    }
+    const char* row = reinterpret_cast<const char*>(cache + base + j * L.cache_slot);
+    for (int c = 0; c < D * static_cast<int>(sizeof(cache_t)); c += 64)
+      __builtin_prefetch(row + c, 0, Locality);
   }
 }
-// Tiles with fewer rows (decodes) skip the K transpose and score row by row.
+// A decode item's reads in the order it makes them: its K tiles, then its V tiles, then (for
+// prefetching only) the next item's K tiles. Positions are keys from the item's key_begin, each
+// half rounded up to whole tiles. Prefetching along this order keeps misses in flight across
+// the switch from K to V and from one item to the next; prefetching each pass on its own left
+// the first tiles of every pass cold, a quarter of a 512-key item's tiles.
+struct DecodeStream {
+  const WorkItem* item;
+  const WorkItem* next;  // the item this thread takes next, or null
+  int half;              // keys of one half (K or V), rounded up to a multiple of `unit`
+  int unit;              // every tile starts at a multiple of this many keys from key_begin
+};
+
+inline DecodeStream decode_stream(const WorkItem& w, const WorkItem* next, const Layout& L) {
+  const int unit = std::gcd(L.block_size, kTile);
+  const int keys = w.key_end - w.key_begin;
+  return {&w, next, (keys + unit - 1) / unit * unit, unit};
+}
+
+template <int Locality, typename cache_t>
+__attribute__((always_inline)) inline void prefetch_stream(const DecodeStream& st,
+                                                           const Layout& L, int D,
+                                                           const int64_t* block_table,
+                                                           const cache_t* k_cache,
+                                                           const cache_t* v_cache, int pos) {
+  const WorkItem* w = st.item;
+  const cache_t* cache = k_cache;
+  if (pos >= st.half) {
+    pos -= st.half;
+    cache = v_cache;
+    if (pos >= st.half) {
+      pos -= st.half;
+      cache = k_cache;
+      w = st.next;
+      if (w == nullptr) return;
+    }
+  }
+  prefetch_tile<Locality>(*w, L, D, block_table + w->req * L.bt_sr,
+                          static_cast<int64_t>(w->kv_head) * L.cache_head, cache,
+                          w->key_begin + pos);
+}
+
+// Prefetches for the tile of n keys at stream position pos: the next tile into L1, and the
+// tile kFarPrefetchTiles ahead into L2.
+template <typename cache_t>
+__attribute__((always_inline)) inline void prefetch_after(const DecodeStream& st, const Layout& L,
+                                                          int D, const int64_t* block_table,
+                                                          const cache_t* k_cache,
+                                                          const cache_t* v_cache, int pos,
+                                                          int n) {
+  const int after = (pos + n + st.unit - 1) / st.unit * st.unit;
+  prefetch_stream<3>(st, L, D, block_table, k_cache, v_cache, after);
+  prefetch_stream<1>(st, L, D, block_table, k_cache, v_cache,
+                     after + (kFarPrefetchTiles - 1) * kTile);
+}
+
+// Tiles with fewer rows (decodes) go to decode_item; larger ones transpose K once per tile.
 constexpr int kBlockedMinRows = 12;
 
 inline vfloat loadv(const c10::BFloat16* p) {
@@ -372,9 +425,9 @@ inline float softmax_update(float* s, int limit, float& m, float& l) {
 
 // acc[r] = acc[r] * alpha[r] + sum_j p[r][j] V[j] for `nrows` rows (R at most), in passes of CB
 // output vectors so that R x CB accumulators stay in registers.
-template <int D, int R, int CB>
+template <int D, int R, int CB, typename v_t>
 inline void accumulate_pv(float* acc, const float* p, int p_stride, const float* alpha,
-                          const float* vf, int64_t kv_stride, int keys) {
+                          const v_t* vf, int64_t kv_stride, int keys) {
   constexpr int C = D / kLanes;
   for (int c0 = 0; c0 < C; c0 += CB) {
     vfloat a[R][CB];
@@ -383,7 +436,7 @@ inline void accumulate_pv(float* acc, const float* p, int p_stride, const float*
 #pragma GCC unroll 16
       for (int c = 0; c < CB; ++c) a[r][c] = loadv(acc + r * D + (c0 + c) * kLanes) * alpha[r];
     for (int j = 0; j < keys; ++j) {
-      const float* vr = vf + j * kv_stride + c0 * kLanes;
+      const v_t* vr = vf + j * kv_stride + c0 * kLanes;
 #pragma GCC unroll 16
       for (int c = 0; c < CB; ++c) {
         const vfloat v = loadv(vr + c * kLanes);
@@ -396,6 +449,118 @@ inline void accumulate_pv(float* acc, const float* p, int p_stride, const float*
 #pragma GCC unroll 16
       for (int c = 0; c < CB; ++c) storev(acc + r * D + (c0 + c) * kLanes, a[r][c]);
   }
+}
+
+// Rows of a decode's p @ V pass: the query heads of a GQA group (3 for SmolLM2) share each V row.
+constexpr int kDecodePvRows = 3;
+
+// A decode item (fewer than kBlockedMinRows rows) in two passes over its keys: every score
+// first (K read in place, a bf16 cache widened in registers), one exact softmax per row, then
+// p @ V. Against an online softmax per tile this drops the per-tile max, rescale and
+// accumulator reload, and each pass streams one array (K, then V). `scores` grows as needed.
+template <typename scalar_t, typename cache_t, int D>
+void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
+                 const cache_t* k_cache, const cache_t* v_cache, const int64_t* block_table,
+                 const int64_t* qsl, const int64_t* seq_lens, float qk_scale, scalar_t* out,
+                 float* partial_acc, float* partial_ml, float* q_f, float* acc, float* m,
+                 float* l, std::vector<float>& scores, const WorkItem* next) {
+  constexpr int C = D / kLanes;
+  const int G = L.group;
+  const int rows = w.q_len * G;
+  const int64_t q_start = qsl[w.req];
+  const int64_t context_len = seq_lens[w.req] - (qsl[w.req + 1] - q_start);
+  begin_item(w, L, D, query, q_start, qk_scale, q_f, acc, m, l);
+  const int64_t first_pos = context_len + w.q_begin;
+  const int64_t* bt_row = block_table + w.req * L.bt_sr;
+  const int64_t head_off = static_cast<int64_t>(w.kv_head) * L.cache_head;
+  const int num_keys = w.key_end - w.key_begin;
+  const DecodeStream st = decode_stream(w, next, L);
+  // A row of scores has room for a whole last tile; rows are padded to a multiple of the p @ V
+  // pass with zeros, so that the pass reads (and ignores) them safely.
+  const int stride = (num_keys + kTile + kLanes - 1) / kLanes * kLanes;
+  const int padded_rows = (rows + kDecodePvRows - 1) / kDecodePvRows * kDecodePvRows;
+  if (scores.size() < static_cast<size_t>(padded_rows) * stride)
+    scores.resize(static_cast<size_t>(padded_rows) * stride);
+  float* S = scores.data();
+
+  // Pass 1: S[i][k - key_begin] = q_i . k (log2 units).
+  for (int key = w.key_begin; key < w.key_end;) {
+    const int in_block = key % L.block_size;
+    const int n = std::min({w.key_end - key, L.block_size - in_block, kTile});
+    const int64_t block = bt_row[(key / L.block_size) * L.bt_sb];
+    const cache_t* kp = k_cache + block * L.cache_block + in_block * L.cache_slot + head_off;
+    prefetch_after(st, L, D, block_table, k_cache, v_cache, key - w.key_begin, n);
+    // Lanes past the tile read its last key again; the next tile overwrites their scores.
+    const cache_t* krow[kTile];
+    for (int j = 0; j < kTile; ++j) krow[j] = kp + std::min(j, n - 1) * L.cache_slot;
+    for (int i = 0; i < rows; ++i) {
+      const float* qi = q_f + i * D;
+      float* si = S + i * stride + (key - w.key_begin);
+      for (int j0 = 0; j0 < n; j0 += kLanes) {
+        vfloat dots[kLanes] = {};
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) {
+          const vfloat qc = loadv(qi + c * kLanes);
+#pragma GCC unroll 16
+          for (int j = 0; j < kLanes; ++j) dots[j] += qc * loadv(krow[j0 + j] + c * kLanes);
+        }
+        storev(si + j0, transpose_reduce(dots));
+      }
+    }
+    key += n;
+  }
+
+  // One softmax per row over its visible keys; p = 0 past them (and in the padding rows).
+  for (int i = 0; i < padded_rows; ++i) {
+    float* si = S + i * stride;
+    const int64_t limit = i < rows ? first_pos + i / G + 1 - w.key_begin : 0;
+    const int visible = static_cast<int>(std::clamp<int64_t>(limit, 0, num_keys));
+    if (visible == 0) {
+      std::fill(si, si + num_keys, 0.f);
+      continue;  // m stays -inf and l 0: this row sees nothing of this item
+    }
+    vfloat vmax = vfloat{} + kNegInf;
+    int j = 0;
+    for (; j + kLanes <= visible; j += kLanes) {
+      const vfloat v = loadv(si + j);
+      vmax = vmax > v ? vmax : v;
+    }
+    float mx = kNegInf;
+    for (int k = 0; k < kLanes; ++k) mx = std::max(mx, vmax[k]);
+    for (; j < visible; ++j) mx = std::max(mx, si[j]);
+    vfloat vsum = {};
+    j = 0;
+    for (; j + kLanes <= visible; j += kLanes) {
+      const vfloat p = exp2_neg_v(loadv(si + j) - mx);
+      storev(si + j, p);
+      vsum += p;
+    }
+    float sum = sum_lanes(vsum);
+    for (; j < visible; ++j) {
+      si[j] = exp2_neg(si[j] - mx);
+      sum += si[j];
+    }
+    std::fill(si + visible, si + num_keys, 0.f);
+    m[i] = mx;
+    l[i] = sum;
+  }
+
+  // Pass 2: acc[i] = sum_k p[i][k] V[k], the rows of a pass sharing every V row loaded.
+  constexpr float kOnes[kDecodePvRows] = {1.f, 1.f, 1.f};
+  static_assert(kDecodePvRows == 3, "kOnes holds one factor per row of a pass");
+  for (int key = w.key_begin; key < w.key_end;) {
+    const int in_block = key % L.block_size;
+    const int n = std::min({w.key_end - key, L.block_size - in_block, kTile});
+    const int64_t block = bt_row[(key / L.block_size) * L.bt_sb];
+    const cache_t* vp = v_cache + block * L.cache_block + in_block * L.cache_slot + head_off;
+    prefetch_after(st, L, D, block_table, k_cache, v_cache, st.half + key - w.key_begin, n);
+    for (int r0 = 0; r0 < rows; r0 += kDecodePvRows)
+      accumulate_pv<D, kDecodePvRows, pass_vecs(C, kPvVecs)>(
+          acc + r0 * D, S + r0 * stride + (key - w.key_begin), stride, kOnes, vp, L.cache_slot,
+          n);
+    key += n;
+  }
+  finish_item(w, L, D, q_start, acc, m, l, out, partial_acc, partial_ml);
 }
 
 template <typename scalar_t, typename cache_t, int D>
@@ -415,11 +580,10 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
   begin_item(w, L, D, query, q_start, qk_scale, q_f, acc, m, l);
   const int64_t first_pos = context_len + w.q_begin;
   const int64_t* bt_row = block_table + w.req * L.bt_sr;
-  const int64_t head_off = static_cast<int64_t>(w.kv_head) * D;
+  const int64_t head_off = static_cast<int64_t>(w.kv_head) * L.cache_head;
   float* k_tile = kv_tile;  // bf16 caches: the tile's K and V converted once, used by all rows
   float* v_tile = kv_tile + kTile * D;
   float* k_t = kv_tile + 2 * kTile * D;  // K^T of the tile, D x kTile
-  alignas(64) float score[kTile];
 
   int key = w.key_begin;
   while (key < w.key_end) {
@@ -430,10 +594,12 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
     const cache_t* kp = k_cache + base;
     const cache_t* vp = v_cache + base;
     // The next tile's rows into L1, so that its misses overlap this tile's compute.
-    prefetch_rows<3>(w, L, D, bt_row, head_off, k_cache, v_cache, key + n);
+    prefetch_tile<3>(w, L, D, bt_row, head_off, k_cache, key + n);
+    prefetch_tile<3>(w, L, D, bt_row, head_off, v_cache, key + n);
     // ... and rows further ahead into L2, which other hosts rewarded
-    prefetch_rows<1>(w, L, D, bt_row, head_off, k_cache, v_cache,
-                     key + n + (kFarPrefetchTiles - 1) * kTile);
+    const int far = key + n + (kFarPrefetchTiles - 1) * kTile;
+    prefetch_tile<1>(w, L, D, bt_row, head_off, k_cache, far);
+    prefetch_tile<1>(w, L, D, bt_row, head_off, v_cache, far);
     const float* kf;
     const float* vf;
     int64_t kv_stride;
@@ -453,35 +619,6 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
     }
     const bool needs_mask = key + n - 1 > first_pos;
 
-    if (rows < kBlockedMinRows) {  // decodes: one row at a time
-      // Lanes past the tile read its last key again; their scores are never used.
-      const float* krow[kTile];
-      for (int j = 0; j < kTile; ++j) krow[j] = kf + std::min(j, n - 1) * kv_stride;
-      for (int i = 0; i < rows; ++i) {
-        // keys past the tile (j >= n) and, on the diagonal, keys after the row's position
-        const int64_t visible = needs_mask ? first_pos + i / G - key + 1 : n;
-        const int limit = static_cast<int>(std::min<int64_t>(visible, n));
-        if (limit <= 0) continue;  // nothing visible to this row in this tile
-        const float* qi = q_f + i * D;
-        for (int j0 = 0; j0 < kTile; j0 += kLanes) {
-          vfloat dots[kLanes] = {};
-          if (j0 < limit) {
-#pragma GCC unroll 16
-            for (int c = 0; c < C; ++c) {
-              const vfloat qc = loadv(qi + c * kLanes);
-#pragma GCC unroll 16
-              for (int j = 0; j < kLanes; ++j) dots[j] += qc * loadv(krow[j0 + j] + c * kLanes);
-            }
-          }
-          storev(score + j0, transpose_reduce(dots));
-        }
-        const float alpha = softmax_update(score, limit, m[i], l[i]);
-        accumulate_pv<D, 1, pass_vecs(C, kAccVecs)>(acc + i * D, score, 0, &alpha, vf, kv_stride,
-                                                    limit);
-      }
-      key += n;
-      continue;
-    }
     // Prefill: K^T of the tile (zero past n): a row's scores are then D broadcast-FMAs.
     for (int j = 0; j < kTile; ++j)
       for (int d = 0; d < D; ++d) k_t[d * kTile + j] = j < n ? kf[j * kv_stride + d] : 0.f;
@@ -588,8 +725,21 @@ void run(const std::vector<WorkItem>& items, const std::vector<SplitGroup>& grou
     float* m = score + max_rows * kKeyTile;
     float* l = m + max_rows;
     float* kv_tile = l + max_rows;
-    for (int64_t k = next.fetch_add(1); k < num_items; k = next.fetch_add(1)) {
+    std::vector<float> decode_scores;
+    // Each thread claims its next item before it starts the current one, so that the decode
+    // path can prefetch that item's first tiles while it finishes this one.
+    for (int64_t k = next.fetch_add(1); k < num_items;) {
+      const int64_t k_next = next.fetch_add(1);
+      const WorkItem* following = k_next < num_items ? &items[k_next] : nullptr;
       if constexpr (DT > 0 && DT % kLanes == 0) {
+        if (items[k].q_len * L.group < kBlockedMinRows) {
+          decode_item<scalar_t, cache_t, DT>(items[k], L, q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr,
+                                             sl_ptr, qk_scale, o_ptr, partial_acc.data(),
+                                             partial_ml.data(), q_f, acc, m, l, decode_scores,
+                                             following);
+          k = k_next;
+          continue;
+        }
         attend_item_vec<scalar_t, cache_t, DT>(items[k], L, q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr,
                                                sl_ptr, qk_scale, o_ptr, partial_acc.data(),
                                                partial_ml.data(), q_f, acc, m, l, kv_tile);
@@ -598,6 +748,7 @@ void run(const std::vector<WorkItem>& items, const std::vector<SplitGroup>& grou
                                            sl_ptr, qk_scale, o_ptr, partial_acc.data(),
                                            partial_ml.data(), q_f, acc, score, m, l, kv_tile);
       }
+      k = k_next;
     }
   });
   if (!groups.empty()) {
@@ -632,7 +783,7 @@ void unified_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
   TORCH_CHECK(query_in.dim() == 3, "query must be [num_tokens, num_heads, head_dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
               "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim]");
-  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
+  TORCH_CHECK(kv_cache.stride(4) == 1, "kv_cache rows (head_dim) must be contiguous");
   TORCH_CHECK(out.sizes() == query_in.sizes() && out.scalar_type() == query_in.scalar_type(),
               "out must have the query's shape and dtype");
   const int64_t num_tokens = query_in.size(0), num_heads = query_in.size(1);
@@ -723,6 +874,7 @@ void unified_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
   L.bt_sb = block_table.stride(1);
   L.cache_block = kv_cache.stride(1);
   L.cache_slot = kv_cache.stride(2);
+  L.cache_head = kv_cache.stride(3);
   const float qk_scale = static_cast<float>(scale) * kLog2e;
 
   const auto qt = query.scalar_type(), ct = kv_cache.scalar_type();
@@ -749,7 +901,9 @@ template <typename src_t, typename cache_t>
 void write_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
                 const int64_t* slots, int64_t num_tokens) {
   const int64_t kv_heads = key.size(1), D = key.size(2);
-  const int64_t row = kv_heads * D;  // elements of one slot in K (or V)
+  const int64_t block_size = kv_cache.size(2);
+  const int64_t cs_block = kv_cache.stride(1), cs_slot = kv_cache.stride(2),
+                cs_head = kv_cache.stride(3);
   const src_t* k = key.data_ptr<src_t>();
   const src_t* v = value.data_ptr<src_t>();
   cache_t* kc = kv_cache.data_ptr<cache_t>();
@@ -763,8 +917,9 @@ void write_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_c
       for (int64_t h = 0; h < kv_heads; ++h) {
         const src_t* ks = k + t * ks0 + h * ks1;
         const src_t* vs = v + t * vs0 + h * vs1;
-        cache_t* kd = kc + slot * row + h * D;
-        cache_t* vd = vc + slot * row + h * D;
+        const int64_t at = (slot / block_size) * cs_block + (slot % block_size) * cs_slot + h * cs_head;
+        cache_t* kd = kc + at;
+        cache_t* vd = vc + at;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) {
           kd[d] = from_float<cache_t>(to_float(ks[d]));
@@ -779,7 +934,7 @@ void write_kv(const at::Tensor& key_in, const at::Tensor& value_in, at::Tensor& 
               const at::Tensor& slot_mapping_in) {
   TORCH_CHECK(key_in.dim() == 3 && key_in.sizes() == value_in.sizes(),
               "key and value must both be [num_tokens, num_kv_heads, head_dim]");
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 &&
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.stride(4) == 1 &&
                   kv_cache.size(3) == key_in.size(1) && kv_cache.size(4) == key_in.size(2),
               "kv_cache ", kv_cache.sizes(), " does not fit key ", key_in.sizes());
   TORCH_CHECK(key_in.scalar_type() == value_in.scalar_type(), "key and value dtypes differ");

@@ -4,7 +4,7 @@ import pytest
 import torch
 from kernel_batch import random_batch, rel_err
 
-from kernels import select_backend, unified_attention, write_kv
+from kernels import allocate_kv_cache, select_backend, unified_attention, write_kv
 from kernels.cpu_attention import cpu_kernels_available, unified_attention_cpu, write_kv_cpu
 from kernels.reference import unified_attention_torch, write_kv_torch
 
@@ -98,6 +98,30 @@ def test_bf16_cache_under_an_fp32_model(rng):
     assert rel_err(out, _reference(batch, kv_bf16)) < 1e-5
 
 
+def head_major(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The same cache stored as the engine allocates it for the C++ kernels."""
+    return kv_cache.transpose(2, 3).contiguous().transpose(2, 3)
+
+
+@pytest.mark.parametrize("dtype", [fp32, bf16])
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_head_major_cache_gives_the_same_output(rng, mix, dtype):
+    """The engine's CPU caches are head-major inside each block: same numbers, other strides."""
+    batch = random_batch(rng, *MIXES[mix], 2, 3, 64, 16, dtype)
+    cache = head_major(batch.kv_cache)
+    assert not cache.is_contiguous() and torch.equal(cache, batch.kv_cache)
+    assert torch.equal(_run(batch, kv_cache=cache), _run(batch))
+    assert rel_err(_reference(batch, cache), _reference(batch)) == 0
+
+
+def test_allocate_kv_cache_is_head_major_for_the_cpu_kernels():
+    cache = allocate_kv_cache(5, 16, 3, 64, fp32, "cpu", backend="cpu")
+    assert cache.shape == (2, 5, 16, 3, 64) and not cache.any()
+    assert cache.stride() == (5 * 3 * 16 * 64, 3 * 16 * 64, 64, 16 * 64, 1)
+    torch_cache = allocate_kv_cache(5, 16, 3, 64, bf16, "cpu", backend="torch")
+    assert torch_cache.is_contiguous() and torch_cache.dtype == bf16
+
+
 def test_int64_metadata_and_contiguous_query(rng):
     batch = random_batch(rng, [3, 1, 17], [5, 20, 40], 2, 2, 64, 32, fp32, torch.int64)
     batch.query = batch.query.contiguous()
@@ -168,12 +192,20 @@ def test_write_kv_matches_reference(rng, num_kv_heads, head_dim, block_size, dty
     expected = torch.full(shape, float("nan"), dtype=cache_dtype)
     actual = expected.clone()
 
+    in_head_major = head_major(expected)
+    in_head_major_torch = head_major(expected)
+
     write_kv_torch(key, value, expected, slots)
     write_kv_cpu(key, value, actual, slots)
+    write_kv_cpu(key, value, in_head_major, slots)
+    write_kv_torch(key, value, in_head_major_torch, slots)
 
     assert torch.equal(actual.isnan(), expected.isnan())
     assert torch.equal(actual.nan_to_num(), expected.nan_to_num())
     assert (~actual.isnan()).view(2, -1, num_kv_heads * head_dim).all(-1).sum() == 2 * 8
+    for other in (in_head_major, in_head_major_torch):
+        assert torch.equal(other.isnan(), expected.isnan())
+        assert torch.equal(other.nan_to_num(), expected.nan_to_num())
 
 
 def test_write_kv_refuses_a_slot_beyond_the_cache():

@@ -116,3 +116,33 @@ def test_argmax_ties_nan_inf_and_strided_rows():
     wide = torch.randn(4, 80)
     assert torch.equal(argmax(wide[:, 10:70]), wide[:, 10:70].argmax(dim=-1))  # row stride 80
     assert torch.equal(argmax(wide, backend="torch"), wide.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 80), (2, 1, 128)])
+def test_rotary_in_place_is_bit_for_bit_the_reference(heads, kv_heads, head_dim, dtype):
+    """q and k rotated inside a QKV output (a strided view); v is left alone."""
+    from transformers import LlamaConfig
+
+    from engine.models.layers import RotaryEmbedding
+    from kernels import apply_rotary
+    from kernels.cpu_attention import rotary_cpu
+    from kernels.reference import rotary_apply_torch, rotary_torch
+
+    gen = torch.Generator().manual_seed(7)
+    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, rope_theta=1e4)
+    rope = RotaryEmbedding(config, head_dim, 512)
+    positions = torch.randint(0, 512, (37,), generator=gen)
+    qkv = (torch.randn(37, heads + 2 * kv_heads, head_dim, generator=gen) * 3).to(dtype)
+    qk = qkv[:, : heads + kv_heads]
+    cos, signed_sin = rope.cos_sin(positions, dtype)
+    expected = rotary_apply_torch(qk, cos, signed_sin)
+    hf_q, hf_k = rotary_torch(positions, qk[:, :heads], qk[:, heads:], rope.cos, rope.sin)
+    v_before = qkv[:, heads + kv_heads :].clone()
+
+    assert apply_rotary(qk, cos, signed_sin, backend="cpu") is qk  # in place
+    assert torch.equal(qk, expected)
+    assert torch.equal(qk[:, :heads], hf_q) and torch.equal(qk[:, heads:], hf_k)
+    assert torch.equal(qkv[:, heads + kv_heads :], v_before)
+    with pytest.raises(RuntimeError, match="tokens, 1, dim"):
+        rotary_cpu(qk, cos[:5], signed_sin[:5])
