@@ -269,24 +269,39 @@ constexpr int kTileVecs = kTile / kLanes;  // vectors of one row of a tile's sco
 // L2 prefetch took the two-pass decode from 2.86 to 2.69 ms per layer. Both run.
 constexpr int kFarPrefetchTiles = 8;
 
-// Prefetches the rows of one tile of one cache (K or V) for the item's head, the tile that
-// starts at `key` (none past the item's keys), with the given locality hint (3: L1, 1: L2).
-// Always inlined: as a call it cost more than it saved (the caller's vectors spill around it).
-template <int Locality, typename cache_t>
-__attribute__((always_inline)) inline void prefetch_tile(const WorkItem& w, const Layout& L,
-                                                         int D, const int64_t* bt_row,
-                                                         int64_t head_off, const cache_t* cache,
-                                                         int key) {
-  if (key >= w.key_end) return;
-  const int64_t block = bt_row[(key / L.block_size) * L.bt_sb];
-  const int64_t base = block * L.cache_block + (key % L.block_size) * L.cache_slot + head_off;
-  const int n = std::min({w.key_end - key, L.block_size - key % L.block_size, kTile});
-  for (int j = 0; j < n; ++j) {
-    const char* row = reinterpret_cast<const char*>(cache + base + j * L.cache_slot);
-    for (int c = 0; c < D * static_cast<int>(sizeof(cache_t)); c += 64)
-      __builtin_prefetch(row + c, 0, Locality);
-  }
+// The rows of one tile in a cache: where the first starts, how many, and the bytes between two.
+struct TileRows {
+  const char* first;  // null: no tile there
+  int rows;
+  int64_t stride;
+  int row_bytes;
+};
+
+// The tile of item w's head that starts at `key` in `cache` (K or V); {null} past its keys.
+template <typename cache_t>
+__attribute__((always_inline)) inline TileRows tile_rows(const WorkItem& w, const Layout& L,
+                                                         int D, const int64_t* block_table,
+                                                         const cache_t* cache, int key) {
+  if (key >= w.key_end) return {nullptr, 0, 0, 0};
+  const int64_t block = block_table[w.req * L.bt_sr + (key / L.block_size) * L.bt_sb];
+  const cache_t* first = cache + block * L.cache_block + (key % L.block_size) * L.cache_slot +
+                         static_cast<int64_t>(w.kv_head) * L.cache_head;
+  return {reinterpret_cast<const char*>(first),
+          std::min({w.key_end - key, L.block_size - key % L.block_size, kTile}),
+          L.cache_slot * static_cast<int64_t>(sizeof(cache_t)),
+          D * static_cast<int>(sizeof(cache_t))};
 }
+
+// Prefetches rows [begin, end) of a tile with the given locality hint (3: L1, 1: L2).
+// Always inlined: as a call it cost more than it saved (the caller's vectors spill around it).
+template <int Locality>
+__attribute__((always_inline)) inline void prefetch_rows(const TileRows& t, int begin, int end) {
+  if (t.first == nullptr) return;
+  for (int r = begin; r < end; ++r)
+    for (int c = 0; c < t.row_bytes; c += 64)
+      __builtin_prefetch(t.first + r * t.stride + c, 0, Locality);
+}
+
 // A decode item's reads in the order it makes them: its K tiles, then its V tiles, then (for
 // prefetching only) the next item's K tiles. Positions are keys from the item's key_begin, each
 // half rounded up to whole tiles. Prefetching along this order keeps misses in flight across
@@ -305,14 +320,6 @@ inline DecodeStream decode_stream(const WorkItem& w, const WorkItem* next, const
   return {&w, next, (keys + unit - 1) / unit * unit, unit};
 }
 
-// The rows of one tile in a cache: where the first starts, how many, and the bytes between two.
-struct TileRows {
-  const char* first;  // null: no tile there
-  int rows;
-  int64_t stride;
-  int row_bytes;
-};
-
 // The tile at stream position pos (a multiple of st.unit), or {null} past the stream's end.
 template <typename cache_t>
 __attribute__((always_inline)) inline TileRows stream_tile(const DecodeStream& st,
@@ -320,34 +327,12 @@ __attribute__((always_inline)) inline TileRows stream_tile(const DecodeStream& s
                                                            const int64_t* block_table,
                                                            const cache_t* k_cache,
                                                            const cache_t* v_cache, int pos) {
-  const WorkItem* w = st.item;
-  const cache_t* cache = k_cache;
-  if (pos >= st.half) {
-    pos -= st.half;
-    cache = v_cache;
-    if (pos >= st.half) {
-      pos -= st.half;
-      cache = k_cache;
-      w = st.next;
-    }
-  }
-  const int key = w == nullptr ? 0 : w->key_begin + pos;
-  if (w == nullptr || key >= w->key_end) return {nullptr, 0, 0, 0};
-  const int64_t block = block_table[w->req * L.bt_sr + (key / L.block_size) * L.bt_sb];
-  const cache_t* first = cache + block * L.cache_block + (key % L.block_size) * L.cache_slot +
-                         static_cast<int64_t>(w->kv_head) * L.cache_head;
-  return {reinterpret_cast<const char*>(first),
-          std::min({w->key_end - key, L.block_size - key % L.block_size, kTile}),
-          L.cache_slot * static_cast<int64_t>(sizeof(cache_t)),
-          D * static_cast<int>(sizeof(cache_t))};
-}
-
-// Prefetches rows [begin, end) of a tile with the given locality hint (3: L1, 1: L2).
-template <int Locality>
-__attribute__((always_inline)) inline void prefetch_rows(const TileRows& t, int begin, int end) {
-  if (t.first == nullptr) return;
-  for (int r = begin; r < end; ++r)
-    for (int c = 0; c < t.row_bytes; c += 64) __builtin_prefetch(t.first + r * t.stride + c, 0, Locality);
+  if (pos < st.half) return tile_rows(*st.item, L, D, block_table, k_cache, st.item->key_begin + pos);
+  pos -= st.half;
+  if (pos < st.half) return tile_rows(*st.item, L, D, block_table, v_cache, st.item->key_begin + pos);
+  pos -= st.half;
+  if (st.next == nullptr) return {nullptr, 0, 0, 0};
+  return tile_rows(*st.next, L, D, block_table, k_cache, st.next->key_begin + pos);
 }
 
 // A decode tile of n keys at stream position pos starts by prefetching the next tile into L1,
@@ -626,12 +611,16 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
     const cache_t* kp = k_cache + base;
     const cache_t* vp = v_cache + base;
     // The next tile's rows into L1, so that its misses overlap this tile's compute.
-    prefetch_tile<3>(w, L, D, bt_row, head_off, k_cache, key + n);
-    prefetch_tile<3>(w, L, D, bt_row, head_off, v_cache, key + n);
+    for (const cache_t* cache : {k_cache, v_cache}) {
+      const TileRows next = tile_rows(w, L, D, block_table, cache, key + n);
+      prefetch_rows<3>(next, 0, next.rows);
+    }
     // ... and rows further ahead into L2, which other hosts rewarded
     const int far = key + n + (kFarPrefetchTiles - 1) * kTile;
-    prefetch_tile<1>(w, L, D, bt_row, head_off, k_cache, far);
-    prefetch_tile<1>(w, L, D, bt_row, head_off, v_cache, far);
+    for (const cache_t* cache : {k_cache, v_cache}) {
+      const TileRows ahead = tile_rows(w, L, D, block_table, cache, far);
+      prefetch_rows<1>(ahead, 0, ahead.rows);
+    }
     const float* kf;
     const float* vf;
     int64_t kv_stride;
