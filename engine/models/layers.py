@@ -7,7 +7,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels import rms_norm
-from kernels.reference import rotary_apply_torch, rotary_torch
+from kernels.reference import rotary_torch
 
 
 class RMSNorm(nn.Module):
@@ -84,8 +84,3 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].to(dtype)
         sin[:, :half].neg_()
         return cos.unsqueeze(1), sin.unsqueeze(1)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ``[T, heads, D]``; bit for bit ``forward``'s (and Hugging Face's) result."""
-        return rotary_apply_torch(x, cos, signed_sin)

@@ -19,7 +19,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 class LlamaAttention(nn.Module):
     """Self-attention with merged QKV projection, GQA and the paged KV cache."""
 
-    def __init__(self, config, rotary: RotaryEmbedding, backend: str) -> None:
+    def __init__(self, config, backend: str) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -33,7 +33,6 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
-        self.rotary = rotary
         self.backend = backend
         self.attn = PagedAttention(self.head_dim**-0.5, backend)
 
@@ -70,9 +69,9 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residuals."""
 
-    def __init__(self, config, rotary: RotaryEmbedding, backend: str) -> None:
+    def __init__(self, config, backend: str) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, backend)
+        self.self_attn = LlamaAttention(config, backend)
         self.mlp = LlamaMLP(config, backend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
@@ -105,8 +104,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim, max_position)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, attention_backend)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, attention_backend) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attention_backend)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
