@@ -2,12 +2,15 @@
 
     python bench/service.py                  # 64 jobs
     python bench/service.py --num-jobs 16 --max-output 32     # a quick look
+    python bench/service.py --rounds 3       # alternate the two, report every round's ratio
 
 Offline: ``LLM`` steps every request in a child process (bench/peers.py's pagedq runner).
 Service: a private redis-server, one real ``python -m worker`` process (same engine settings),
 all jobs submitted at once with the producer ``Client`` once the worker's first heartbeat shows
 the model is loaded; the time runs from the submit to the last result read back. Prints both
-output tokens/s and the service's share of offline (the goal is >= 90%).
+output tokens/s and the service's share of offline (the goal is >= 90%). With ``--rounds N``
+both run N times in alternating order (a drifting machine favours whoever runs first); the
+table shows each one's median run, and every round's ratio is printed.
 """
 
 from __future__ import annotations
@@ -100,6 +103,10 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-gib", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--rounds", type=int, default=1,
+        help="run both this many times, alternating their order; report the median runs",
+    )  # fmt: skip
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
     args.hf_batch_size, args.no_bind = 16, False  # what peers' child command line carries
@@ -114,9 +121,18 @@ def main() -> None:
     work = {"name": "service", "spec": spec, "prompts": prompts, "out_lens": out_lens}
 
     load_before = peers.load_average()
-    offline = peers.run_child("pagedq", work, args, None)
-    print("[service] running the worker through Redis ...", flush=True)
-    service = run_service(work, args)
+    runs: dict[str, list[dict]] = {"offline": [], "service": []}
+    for r in range(args.rounds):
+        for name in ("offline", "service") if r % 2 == 0 else ("service", "offline"):
+            if name == "offline":
+                result = peers.run_child("pagedq", work, args, None)
+                if result is None:
+                    raise SystemExit("the offline run failed; rerun with -v")
+            else:
+                print(f"[service] round {r + 1}: the worker through Redis ...", flush=True)
+                result = run_service(work, args)
+            runs[name].append(result)
+    offline, service = peers.median_run(runs["offline"]), peers.median_run(runs["service"])
     print(
         f"\n{args.num_jobs} jobs, prompts {args.min_prompt}-{args.max_prompt} tokens, outputs "
         f"{args.min_output}-{args.max_output} (total {sum(out_lens)}), {args.dtype}; load "
@@ -127,6 +143,11 @@ def main() -> None:
     print(f"| offline LLM | {offline['tokens_per_s']:.1f} | {offline['elapsed']:.1f} |")
     print(f"| worker via Redis | {service['tokens_per_s']:.1f} | {service['elapsed']:.1f} |")
     print(f"\nworker / offline: {service['tokens_per_s'] / offline['tokens_per_s']:.2f}")
+    if args.rounds > 1:
+        ratios = [
+            s["tokens_per_s"] / o["tokens_per_s"] for s, o in zip(runs["service"], runs["offline"])
+        ]
+        print("by round: " + ", ".join(f"{x:.2f}" for x in ratios) + " (median runs above)")
 
 
 if __name__ == "__main__":

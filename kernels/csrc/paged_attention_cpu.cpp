@@ -77,7 +77,17 @@ struct Layout {
   int64_t q_st, q_sh, o_st, o_sh;  // token / head strides of query and out (elements)
   int64_t bt_sr, bt_sb;            // block_table strides
   int64_t cache_block, cache_slot, cache_head;  // element strides of a block, slot, head in K/V
+  int block_shift;  // log2(block_size) when it is a power of two, else -1
 };
+
+// The block of a key and its slot in the block: a shift and a mask for the usual power-of-two
+// block sizes (a division per tile cost more than the tile's softmax).
+inline int block_index(const Layout& L, int key) {
+  return L.block_shift >= 0 ? key >> L.block_shift : key / L.block_size;
+}
+inline int block_offset(const Layout& L, int key) {
+  return L.block_shift >= 0 ? key & (L.block_size - 1) : key % L.block_size;
+}
 
 template <int D>
 struct Dim {
@@ -157,9 +167,9 @@ void attend_item(const WorkItem& w, const Layout& L, const scalar_t* query, cons
 
   int key = w.key_begin;
   while (key < w.key_end) {
-    const int in_block = key % L.block_size;
+    const int in_block = block_offset(L, key);
     const int n = std::min({w.key_end - key, L.block_size - in_block, kKeyTile});
-    const int64_t block = bt_row[(key / L.block_size) * L.bt_sb];
+    const int64_t block = bt_row[block_index(L, key) * L.bt_sb];
     const int64_t base = block * L.cache_block + in_block * L.cache_slot + head_off;
     const cache_t* kp = k_cache + base;
     const cache_t* vp = v_cache + base;
@@ -283,11 +293,12 @@ __attribute__((always_inline)) inline TileRows tile_rows(const WorkItem& w, cons
                                                          int D, const int64_t* block_table,
                                                          const cache_t* cache, int key) {
   if (key >= w.key_end) return {nullptr, 0, 0, 0};
-  const int64_t block = block_table[w.req * L.bt_sr + (key / L.block_size) * L.bt_sb];
-  const cache_t* first = cache + block * L.cache_block + (key % L.block_size) * L.cache_slot +
+  const int64_t block = block_table[w.req * L.bt_sr + block_index(L, key) * L.bt_sb];
+  const int in_block = block_offset(L, key);
+  const cache_t* first = cache + block * L.cache_block + in_block * L.cache_slot +
                          static_cast<int64_t>(w.kv_head) * L.cache_head;
   return {reinterpret_cast<const char*>(first),
-          std::min({w.key_end - key, L.block_size - key % L.block_size, kTile}),
+          std::min({w.key_end - key, L.block_size - in_block, kTile}),
           L.cache_slot * static_cast<int64_t>(sizeof(cache_t)),
           D * static_cast<int>(sizeof(cache_t))};
 }
@@ -462,6 +473,30 @@ inline void accumulate_pv(float* acc, const float* p, int p_stride, const float*
   }
 }
 
+// Scores of one decode tile: s[i * stride + j] = q_i . K_j for `rows` query rows and keys j <
+// n (rounded up to whole vectors), K row j at row_of(j); then row i's share of the far prefetch.
+template <int D, typename RowOf>
+__attribute__((always_inline)) inline void score_tile(const float* q_f, int rows, float* s,
+                                                      int stride, int n, RowOf row_of,
+                                                      const TileRows& far, int far_per_row) {
+  constexpr int C = D / kLanes;
+  for (int i = 0; i < rows; ++i) {
+    const float* qi = q_f + i * D;
+    for (int j0 = 0; j0 < n; j0 += kLanes) {
+      vfloat dots[kLanes] = {};
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) {
+        const vfloat qc = loadv(qi + c * kLanes);
+#pragma GCC unroll 16
+        for (int j = 0; j < kLanes; ++j) dots[j] += qc * loadv(row_of(j0 + j) + c * kLanes);
+      }
+      storev(s + i * stride + j0, transpose_reduce(dots));
+    }
+    prefetch_rows<1>(far, std::min(i * far_per_row, far.rows),
+                     std::min((i + 1) * far_per_row, far.rows));
+  }
+}
+
 // Rows of a decode's p @ V pass: the query heads of a GQA group (3 for SmolLM2) share each V row.
 constexpr int kDecodePvRows = 3;
 
@@ -493,31 +528,29 @@ void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
   if (scores.size() < static_cast<size_t>(padded_rows) * stride)
     scores.resize(static_cast<size_t>(padded_rows) * stride);
   float* S = scores.data();
+  // The far prefetch of a tile is spread over its compute: this many rows per query row (pass
+  // 1) or per p @ V pass (pass 2), fixed per item so that no tile divides.
+  const int passes = (rows + kDecodePvRows - 1) / kDecodePvRows;
+  const int far_per_row = (kTile + rows - 1) / rows;
+  const int far_per_pass = (kTile + passes - 1) / passes;
 
   // Pass 1: S[i][k - key_begin] = q_i . k (log2 units).
   for (int key = w.key_begin; key < w.key_end;) {
-    const int in_block = key % L.block_size;
+    const int in_block = block_offset(L, key);
     const int n = std::min({w.key_end - key, L.block_size - in_block, kTile});
-    const int64_t block = bt_row[(key / L.block_size) * L.bt_sb];
+    const int64_t block = bt_row[block_index(L, key) * L.bt_sb];
     const cache_t* kp = k_cache + block * L.cache_block + in_block * L.cache_slot + head_off;
     const TileRows far = prefetch_ahead(st, L, D, block_table, k_cache, v_cache, key - w.key_begin, n);
-    // Lanes past the tile read its last key again; the next tile overwrites their scores.
-    const cache_t* krow[kTile];
-    for (int j = 0; j < kTile; ++j) krow[j] = kp + std::min(j, n - 1) * L.cache_slot;
-    for (int i = 0; i < rows; ++i) {
-      const float* qi = q_f + i * D;
-      float* si = S + i * stride + (key - w.key_begin);
-      for (int j0 = 0; j0 < n; j0 += kLanes) {
-        vfloat dots[kLanes] = {};
-#pragma GCC unroll 16
-        for (int c = 0; c < C; ++c) {
-          const vfloat qc = loadv(qi + c * kLanes);
-#pragma GCC unroll 16
-          for (int j = 0; j < kLanes; ++j) dots[j] += qc * loadv(krow[j0 + j] + c * kLanes);
-        }
-        storev(si + j0, transpose_reduce(dots));
-      }
-      prefetch_rows<1>(far, i * far.rows / rows, (i + 1) * far.rows / rows);
+    float* s = S + (key - w.key_begin);
+    if (n == kTile && L.cache_slot == D) {
+      // A whole tile of a head-major cache: its rows sit D apart, constant offsets from kp.
+      score_tile<D>(q_f, rows, s, stride, kTile, [kp](int j) { return kp + j * D; }, far,
+                    far_per_row);
+    } else {
+      // Lanes past the tile read its last key again; the next tile overwrites their scores.
+      const cache_t* krow[kTile];
+      for (int j = 0; j < kTile; ++j) krow[j] = kp + std::min(j, n - 1) * L.cache_slot;
+      score_tile<D>(q_f, rows, s, stride, n, [&krow](int j) { return krow[j]; }, far, far_per_row);
     }
     key += n;
   }
@@ -561,19 +594,19 @@ void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
   constexpr float kOnes[kDecodePvRows] = {1.f, 1.f, 1.f};
   static_assert(kDecodePvRows == 3, "kOnes holds one factor per row of a pass");
   for (int key = w.key_begin; key < w.key_end;) {
-    const int in_block = key % L.block_size;
+    const int in_block = block_offset(L, key);
     const int n = std::min({w.key_end - key, L.block_size - in_block, kTile});
-    const int64_t block = bt_row[(key / L.block_size) * L.bt_sb];
+    const int64_t block = bt_row[block_index(L, key) * L.bt_sb];
     const cache_t* vp = v_cache + block * L.cache_block + in_block * L.cache_slot + head_off;
     const TileRows far =
         prefetch_ahead(st, L, D, block_table, k_cache, v_cache, st.half + key - w.key_begin, n);
-    const int passes = (rows + kDecodePvRows - 1) / kDecodePvRows;
     for (int pass = 0; pass < passes; ++pass) {
       const int r0 = pass * kDecodePvRows;
       accumulate_pv<D, kDecodePvRows, pass_vecs(C, kPvVecs)>(
           acc + r0 * D, S + r0 * stride + (key - w.key_begin), stride, kOnes, vp, L.cache_slot,
           n);
-      prefetch_rows<1>(far, pass * far.rows / passes, (pass + 1) * far.rows / passes);
+      prefetch_rows<1>(far, std::min(pass * far_per_pass, far.rows),
+                       std::min((pass + 1) * far_per_pass, far.rows));
     }
     key += n;
   }
@@ -604,9 +637,9 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
 
   int key = w.key_begin;
   while (key < w.key_end) {
-    const int in_block = key % L.block_size;
+    const int in_block = block_offset(L, key);
     const int n = std::min({w.key_end - key, L.block_size - in_block, kTile});
-    const int64_t block = bt_row[(key / L.block_size) * L.bt_sb];
+    const int64_t block = bt_row[block_index(L, key) * L.bt_sb];
     const int64_t base = block * L.cache_block + in_block * L.cache_slot + head_off;
     const cache_t* kp = k_cache + base;
     const cache_t* vp = v_cache + base;
@@ -896,6 +929,7 @@ void unified_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
   L.cache_block = kv_cache.stride(1);
   L.cache_slot = kv_cache.stride(2);
   L.cache_head = kv_cache.stride(3);
+  L.block_shift = (block_size & (block_size - 1)) == 0 ? __builtin_ctzll(block_size) : -1;
   const float qk_scale = static_cast<float>(scale) * kLog2e;
 
   const auto qt = query.scalar_type(), ct = kv_cache.scalar_type();
