@@ -43,7 +43,7 @@ bench-roofline: venv
 	$(BIN)/python bench/roofline.py
 
 bench-service: venv
-	$(BIN)/python bench/service.py
+	$(BIN)/python bench/service.py --rounds 3
 
 bench-kernels: venv
 	$(BIN)/python bench/kernels.py

@@ -509,7 +509,7 @@ void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
                  const cache_t* k_cache, const cache_t* v_cache, const int64_t* block_table,
                  const int64_t* qsl, const int64_t* seq_lens, float qk_scale, scalar_t* out,
                  float* partial_acc, float* partial_ml, float* q_f, float* acc, float* m,
-                 float* l, std::vector<float>& scores, const WorkItem* next) {
+                 float* l, std::vector<float>& scores, float* k_tile, const WorkItem* next) {
   constexpr int C = D / kLanes;
   const int G = L.group;
   const int rows = w.q_len * G;
@@ -542,7 +542,18 @@ void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
     const cache_t* kp = k_cache + block * L.cache_block + in_block * L.cache_slot + head_off;
     const TileRows far = prefetch_ahead(st, L, D, block_table, k_cache, v_cache, key - w.key_begin, n);
     float* s = S + (key - w.key_begin);
-    if (n == kTile && L.cache_slot == D) {
+    if constexpr (!std::is_same_v<cache_t, float>) {
+      // bf16: widen the tile's rows once into k_tile (rows past n repeat the last one), not
+      // once per query row: 0.92-0.95x the time of a decode, cold or cache-resident.
+      for (int j = 0; j < kTile; ++j)
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c)
+          storev(k_tile + j * D + c * kLanes,
+                 loadv(kp + std::min(j, n - 1) * L.cache_slot + c * kLanes));
+      const float* kt = k_tile;
+      score_tile<D>(q_f, rows, s, stride, n, [kt](int j) { return kt + j * D; }, far,
+                    far_per_row);
+    } else if (n == kTile && L.cache_slot == D) {
       // A whole tile of a head-major cache: its rows sit D apart, constant offsets from kp.
       score_tile<D>(q_f, rows, s, stride, kTile, [kp](int j) { return kp + j * D; }, far,
                     far_per_row);
@@ -790,7 +801,7 @@ void run(const std::vector<WorkItem>& items, const std::vector<SplitGroup>& grou
           decode_item<scalar_t, cache_t, DT>(items[k], L, q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr,
                                              sl_ptr, qk_scale, o_ptr, partial_acc.data(),
                                              partial_ml.data(), q_f, acc, m, l, decode_scores,
-                                             following);
+                                             kv_tile, following);
           k = k_next;
           continue;
         }
