@@ -81,7 +81,8 @@ struct Layout {
 };
 
 // The block of a key and its slot in the block: a shift and a mask for the usual power-of-two
-// block sizes (a division per tile cost more than the tile's softmax).
+// block sizes. As divisions, a decode tile issued three or more of them (its own block and the
+// two prefetch targets'), part of what a 0.9x change on cache-resident decodes took out.
 inline int block_index(const Layout& L, int key) {
   return L.block_shift >= 0 ? key >> L.block_shift : key / L.block_size;
 }
