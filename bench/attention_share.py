@@ -28,24 +28,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))  # first: bench/kernels.py must not shadow the kernels package
 
 
-def timed_attention() -> dict[str, float]:
-    """Wrap every attention call of the model; the returned dict accumulates their seconds."""
-    import engine.attention as attention
-
-    total = {"seconds": 0.0}
-    call = attention.PagedAttention.__call__
-
-    def timed(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return call(self, *args, **kwargs)
-        finally:
-            total["seconds"] += time.perf_counter() - start
-
-    attention.PagedAttention.__call__ = timed
-    return total
-
-
 def pin_threads() -> None:
     """Start again with the OpenMP threads pinned (libgomp reads the variables at load)."""
     if os.environ.get("GOMP_CPU_AFFINITY") or os.environ.get("OMP_NUM_THREADS"):
@@ -60,6 +42,7 @@ def pin_threads() -> None:
 def main() -> None:
     pin_threads()
     import peers
+    from roofline import AttentionTimer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=sorted(peers.WORKLOADS), default="mixed")
@@ -78,7 +61,6 @@ def main() -> None:
     )  # fmt: skip
     llm.generate(work["prompts"][:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     engine = llm.llm_engine
-    attention = timed_attention()
     for i, (prompt, n) in enumerate(zip(work["prompts"], work["out_lens"])):
         engine.add_request(
             str(i), prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -88,13 +70,14 @@ def main() -> None:
     key_bytes = len(caches) * caches[0][:, 0, 0].numel() * caches[0].element_size()
     steps = []  # (seconds, attention seconds, has prompt chunks, requests, keys read)
     start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        before, t = attention["seconds"], time.perf_counter()
-        engine.step()
-        out = engine.last_scheduler_output
-        keys = sum(s.request.num_computed_tokens for s in out.scheduled)
-        steps.append((time.perf_counter() - t, attention["seconds"] - before,
-                      out.num_prefill_tokens > 0, len(out.scheduled), keys))  # fmt: skip
+    with AttentionTimer(engine.model) as attention:
+        while engine.has_unfinished_requests():
+            before, t = attention.seconds, time.perf_counter()
+            engine.step()
+            out = engine.last_scheduler_output
+            keys = sum(s.request.num_computed_tokens for s in out.scheduled)
+            steps.append((time.perf_counter() - t, attention.seconds - before,
+                          out.num_prefill_tokens > 0, len(out.scheduled), keys))  # fmt: skip
     total = time.perf_counter() - start
 
     tokens = sum(work["out_lens"])

@@ -215,10 +215,10 @@ def argmax(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
 __all__ = [
     "BACKENDS",
     "allocate_kv_cache",
+    "apply_rotary",
     "argmax",
     "plan_attention",
     "rms_norm",
-    "apply_rotary",
     "select_backend",
     "silu_and_mul",
     "triton_available",

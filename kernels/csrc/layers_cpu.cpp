@@ -178,7 +178,8 @@ inline V no_contract(V v) {
 }
 
 // x[t, h] = x[t, h] * cos[t] + roll(x[t, h], D/2) * signed_sin[t], in place, as
-// RotaryEmbedding.apply computes it: each product rounded to the model dtype, then the sum.
+// rotary_apply_torch (kernels/reference.py) computes it: each product rounded to the model
+// dtype, then the sum.
 // The two halves of a row are read before either is written, so in place is safe.
 template <typename T>
 void rotary_rows(T* x, int64_t x_st, int64_t x_sh, const T* cos, const T* sin, int64_t cs_st,
