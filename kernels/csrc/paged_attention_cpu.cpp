@@ -383,6 +383,8 @@ constexpr int pass_vecs(int c, int cap) {
 // r[j] = sum of the lanes of v[j], for kLanes vectors: each round halves the lanes per vector
 // and the number of vectors.
 #define PQ_SH(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
 inline vfloat transpose_reduce(vfloat* v) {
 #if defined(__AVX512F__)
   vfloat a[8], b[4], c[2];
@@ -413,37 +415,100 @@ inline vfloat transpose_reduce(vfloat* v) {
   return PQ_SH(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14) + PQ_SH(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
 #endif
 }
+
+// The largest lane of v, by halving the vector: log2(kLanes) dependent steps, not kLanes.
+inline float max_lanes(vfloat v) {
+#if defined(__AVX512F__)
+  v = vmax(v, PQ_SH(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, PQ_SH(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, PQ_SH(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = vmax(v, PQ_SH(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#else
+  v = vmax(v, PQ_SH(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = vmax(v, PQ_SH(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+  v = vmax(v, PQ_SH(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+#endif
+  return v[0];
+}
+
+// Transposes kLanes x kLanes floats held as kLanes row vectors, in place: at each step b, the
+// rows i and i + b (i & b == 0) trade their off-diagonal b x b blocks (a block transpose,
+// halving b). With shuffles instead of kLanes^2 scalar moves, K^T of a prefill tile cost a
+// quarter of what it did (it was a tenth of the tile's time).
+inline void transpose_lanes(vfloat* r) {
+#define PQ_SWAP(b, ...)                                                \
+  for (int i = 0; i < kLanes; ++i)                                    \
+    if ((i & (b)) == 0) {                                             \
+      const vfloat lo = PQ_SH(r[i], r[i + (b)], __VA_ARGS__);         \
+      r[i + (b)] = PQ_SH(r[i], r[i + (b)], PQ_HI_##b);                \
+      r[i] = lo;                                                      \
+    }
+#if defined(__AVX512F__)
+#define PQ_HI_8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define PQ_HI_4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define PQ_HI_2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define PQ_HI_1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+  PQ_SWAP(8, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+  PQ_SWAP(4, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+  PQ_SWAP(2, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+  PQ_SWAP(1, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+#undef PQ_HI_8
+#else
+#define PQ_HI_4 4, 5, 6, 7, 12, 13, 14, 15
+#define PQ_HI_2 2, 3, 10, 11, 6, 7, 14, 15
+#define PQ_HI_1 1, 9, 3, 11, 5, 13, 7, 15
+  PQ_SWAP(4, 0, 1, 2, 3, 8, 9, 10, 11)
+  PQ_SWAP(2, 0, 1, 8, 9, 4, 5, 12, 13)
+  PQ_SWAP(1, 0, 8, 2, 10, 4, 12, 6, 14)
+#endif
+#undef PQ_HI_4
+#undef PQ_HI_2
+#undef PQ_HI_1
+#undef PQ_SWAP
+}
 #undef PQ_SH
 
-// Online-softmax update of one row with a tile's scores s[0, kTile), of which the first `limit`
-// are visible: s becomes p (0 past limit); returns alpha, the factor on the row's old sums.
-inline float softmax_update(float* s, int limit, float& m, float& l) {
+// Online-softmax update of R rows with one tile's scores s[r] (in registers), of which the
+// first limit[r] are visible: p[r] = 2^(s - new max), 0 past limit; alpha[r] is the factor on
+// the row's old sums. Row sums stay lane-wise in l_lanes (summed once, when the item ends) and a
+// tile's max is a shuffle tree: with a scalar chain for each, and one row at a time, the softmax
+// took a third of a prefill tile's time. The rows' exp chains are independent, so written side
+// by side they overlap.
+template <int R>
+__attribute__((always_inline)) inline void softmax_rows(const vfloat (&s)[R][kTileVecs],
+                                                        const int* limit, float* m,
+                                                        float* l_lanes, float (*p)[kTile],
+                                                        float* alpha) {
   vint lane;
   for (int j = 0; j < kLanes; ++j) lane[j] = j;
-  vfloat v[kTileVecs];
-  vfloat mx = vfloat{} + kNegInf;
+  vfloat v[R][kTileVecs];
+  float m_new[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    vfloat mx = vfloat{} + kNegInf;
 #pragma GCC unroll 4
-  for (int k = 0; k < kTileVecs; ++k) {
-    v[k] = loadv(s + k * kLanes);
-    const vint visible = lane + k * kLanes < limit;
-    v[k] = visible ? v[k] : vfloat{} + kNegInf;
-    mx = mx > v[k] ? mx : v[k];
+    for (int k = 0; k < kTileVecs; ++k) {
+      const vint visible = lane + k * kLanes < limit[r];
+      v[r][k] = visible ? s[r][k] : vfloat{} + kNegInf;
+      mx = vmax(mx, v[r][k]);
+    }
+    // A row that sees nothing here keeps its max and sums: p = 2^(-inf - 0) = 0, alpha = 1.
+    const bool any = limit[r] > 0;
+    m_new[r] = any ? std::max(m[r], max_lanes(mx)) : 0.f;
+    alpha[r] = any ? exp2_neg(m[r] - m_new[r]) : 1.f;
+    if (any) m[r] = m_new[r];
   }
-  float m_tile = kNegInf;
-  for (int j = 0; j < kLanes; ++j) m_tile = std::max(m_tile, mx[j]);
-  const float m_new = std::max(m, m_tile);
-  vfloat sum = {};
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    vfloat sum = {};
 #pragma GCC unroll 4
-  for (int k = 0; k < kTileVecs; ++k) {
-    const vfloat p = exp2_neg_v(v[k] - m_new);  // -inf (hidden) gives 0
-    storev(s + k * kLanes, p);
-    sum += p;
+    for (int k = 0; k < kTileVecs; ++k) {
+      const vfloat e = exp2_neg_v(v[r][k] - m_new[r]);
+      storev(p[r] + k * kLanes, e);
+      sum += e;
+    }
+    storev(l_lanes + r * kLanes, loadv(l_lanes + r * kLanes) * alpha[r] + sum);
   }
-  const float total = sum_lanes(sum);
-  const float alpha = exp2_neg(m - m_new);
-  l = l * alpha + total;
-  m = m_new;
-  return alpha;
 }
 
 // acc[r] = acc[r] * alpha[r] + sum_j p[r][j] V[j] for `nrows` rows (R at most), in passes of CB
@@ -630,7 +695,7 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
                      const cache_t* k_cache, const cache_t* v_cache, const int64_t* block_table,
                      const int64_t* qsl, const int64_t* seq_lens, float qk_scale, scalar_t* out,
                      float* partial_acc, float* partial_ml, float* q_f, float* acc, float* m,
-                     float* l, float* kv_tile) {
+                     float* l, float* l_lanes, float* kv_tile) {
   static_assert(D % kLanes == 0, "the vector path needs head_dim % kLanes == 0");
   constexpr int C = D / kLanes;
   const int G = L.group;
@@ -640,6 +705,8 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
   const int64_t context_len = seq_lens[w.req] - query_len;
 
   begin_item(w, L, D, query, q_start, qk_scale, q_f, acc, m, l);
+  // Row sums lane-wise (softmax_rows), for every row a row block touches.
+  std::fill(l_lanes, l_lanes + (rows + kRowBlock - 1) / kRowBlock * kRowBlock * kLanes, 0.f);
   const int64_t first_pos = context_len + w.q_begin;
   const int64_t* bt_row = block_table + w.req * L.bt_sr;
   const int64_t head_off = static_cast<int64_t>(w.kv_head) * L.cache_head;
@@ -686,8 +753,16 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
     const bool needs_mask = key + n - 1 > first_pos;
 
     // Prefill: K^T of the tile (zero past n): a row's scores are then D broadcast-FMAs.
-    for (int j = 0; j < kTile; ++j)
-      for (int d = 0; d < D; ++d) k_t[d * kTile + j] = j < n ? kf[j * kv_stride + d] : 0.f;
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < kTileVecs; ++h) {
+        vfloat r[kLanes];
+        for (int j = 0; j < kLanes; ++j) {
+          const int key_j = h * kLanes + j;
+          r[j] = key_j < n ? loadv(kf + key_j * kv_stride + c * kLanes) : vfloat{};
+        }
+        transpose_lanes(r);
+        for (int d = 0; d < kLanes; ++d) storev(k_t + (c * kLanes + d) * kTile + h * kLanes, r[d]);
+      }
     for (int i0 = 0; i0 < rows; i0 += kRowBlock) {
       vfloat s[kRowBlock][kTileVecs] = {};
       const float* qb = q_f + i0 * D;
@@ -704,20 +779,16 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
       }
       alignas(64) float p[kRowBlock][kTile];
       float alpha[kRowBlock];
+      int limit[kRowBlock];
       int jmax = 0;
-      for (int r = 0; r < kRowBlock; ++r) {
-        const int i = i0 + r;
-        for (int v = 0; v < kTileVecs; ++v) storev(p[r] + v * kLanes, s[r][v]);
-        const int64_t visible = i >= rows ? 0 : needs_mask ? first_pos + i / G - key + 1 : n;
-        const int limit = static_cast<int>(std::min<int64_t>(visible, n));
-        if (limit <= 0) {  // nothing visible to this row in this tile: leave it as it is
-          for (int j = 0; j < kTile; ++j) p[r][j] = 0.f;
-          alpha[r] = 1.f;
-          continue;
-        }
-        jmax = std::max(jmax, limit);
-        alpha[r] = softmax_update(p[r], limit, m[i], l[i]);
+      // Row i is query token i / G: counted along, not divided (an idiv per row and tile).
+      for (int r = 0, tok = i0 / G, head = i0 % G; r < kRowBlock; ++r) {
+        const int64_t visible = i0 + r >= rows ? 0 : needs_mask ? first_pos + tok - key + 1 : n;
+        limit[r] = static_cast<int>(std::clamp<int64_t>(visible, 0, n));
+        jmax = std::max(jmax, limit[r]);
+        if (++head == G) head = 0, ++tok;
       }
+      softmax_rows<kRowBlock>(s, limit, m + i0, l_lanes + i0 * kLanes, p, alpha);
       static_assert(kRowBlock % kPvRows == 0, "p @ V passes split the row block evenly");
       for (int r0 = 0; r0 < kRowBlock; r0 += kPvRows)
         accumulate_pv<D, kPvRows, pass_vecs(C, kPvVecs)>(acc + (i0 + r0) * D, p[r0], kTile,
@@ -726,6 +797,7 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
     key += n;
   }
 
+  for (int i = 0; i < rows; ++i) l[i] = sum_lanes(loadv(l_lanes + i * kLanes));
   finish_item(w, L, D, q_start, acc, m, l, out, partial_acc, partial_ml);
 }
 
@@ -787,7 +859,7 @@ void run(const std::vector<WorkItem>& items, const std::vector<SplitGroup>& grou
                                2 * kKeyTile * D);
     float* q_f = scratch.data();
     float* acc = q_f + max_rows * D;
-    float* score = acc + max_rows * D;
+    float* score = acc + max_rows * D;  // the scalar path's scores; the vector path's lane sums
     float* m = score + max_rows * kKeyTile;
     float* l = m + max_rows;
     float* kv_tile = l + max_rows;
@@ -808,7 +880,7 @@ void run(const std::vector<WorkItem>& items, const std::vector<SplitGroup>& grou
         }
         attend_item_vec<scalar_t, cache_t, DT>(items[k], L, q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr,
                                                sl_ptr, qk_scale, o_ptr, partial_acc.data(),
-                                               partial_ml.data(), q_f, acc, m, l, kv_tile);
+                                               partial_ml.data(), q_f, acc, m, l, score, kv_tile);
       } else {
         attend_item<scalar_t, cache_t, DT>(items[k], L, q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr,
                                            sl_ptr, qk_scale, o_ptr, partial_acc.data(),
