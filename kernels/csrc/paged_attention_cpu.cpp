@@ -380,11 +380,11 @@ constexpr int pass_vecs(int c, int cap) {
 }
 
 
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
 // r[j] = sum of the lanes of v[j], for kLanes vectors: each round halves the lanes per vector
 // and the number of vectors.
 #define PQ_SH(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
-
 inline vfloat transpose_reduce(vfloat* v) {
 #if defined(__AVX512F__)
   vfloat a[8], b[4], c[2];
