@@ -2,6 +2,7 @@
 
     python bench/attention_share.py                            # mixed: 96 requests, fp32 cache
     python bench/attention_share.py --kv-cache-dtype bfloat16  # half the K/V bytes
+    python bench/attention_share.py --dtype bfloat16           # a bf16 model (auto with AMX)
     python bench/attention_share.py --workload uniform
 
 Steps ``LLMEngine`` in this process over one workload of ``bench/peers.py`` (greedy,
@@ -46,6 +47,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=sorted(peers.WORKLOADS), default="mixed")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--seed", type=int, default=0)
@@ -56,7 +58,7 @@ def main() -> None:
 
     work = peers.make_work(args, args.workload)
     llm = LLM(
-        args.model, dtype="float32", max_num_seqs=256, max_num_batched_tokens=2048,
+        args.model, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=2048,
         kv_cache_memory="4GiB", kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     llm.generate(work["prompts"][:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -83,7 +85,8 @@ def main() -> None:
     tokens = sum(work["out_lens"])
     spent = sum(s[1] for s in steps)
     print(f"\n{args.workload}: {len(work['prompts'])} requests, {tokens} output tokens, "
-          f"kv_cache_dtype={args.kv_cache_dtype}: {total:.1f} s, {tokens / total:.1f} tokens/s, "
+          f"dtype={args.dtype}, kv_cache_dtype={args.kv_cache_dtype}: {total:.1f} s, "
+          f"{tokens / total:.1f} tokens/s, "
           f"attention {spent:.1f} s = {100 * spent / total:.1f}% of the run")  # fmt: skip
     for label, prefill in (("decode-only steps", False), ("steps with prompt chunks", True)):
         chosen = [s for s in steps if s[2] == prefill]

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from engine.cpu_features import cpu_has_amx
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "auto": Triton on CUDA, the C++ kernels on the CPU (torch reference without a compiler).
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
@@ -180,7 +182,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         return DTYPES[dtype]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu" and _cpu_has_fast_bf16():
+    if device.type == "cpu" and cpu_has_amx():
         return torch.bfloat16
     return torch.float32
 
@@ -188,18 +190,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """``auto`` -> the model's dtype; else the named one (attention upcasts K/V to fp32)."""
     return model_dtype if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
-
-
-def _cpu_has_fast_bf16() -> bool:
-    # Only AMX tiles make bf16 matrix products beat fp32. With AVX512-BF16 alone, oneDNN's bf16
-    # projections measured 1.3-1.6x slower than fp32, and a decode step at batch 64 1.22x slower
-    # (docs/PERFORMANCE.md); without either, bf16 is emulated and about 2.5x slower.
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read().split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags
 
 
 def parse_memory(value: int | float | str) -> int:

@@ -1,0 +1,77 @@
+"""oneDNN-prepacked linears give F.linear's numbers: fp32 everywhere, bf16 on CPUs with AMX."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import make_tiny_model
+
+from engine import LLM, SamplingParams
+from engine.cpu_features import cpu_has_amx
+from engine.model_loader import load_model
+from engine.models.packed_linear import PackedLinear, prepack_supported
+
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(
+    not prepack_supported(CPU, torch.float32), reason="this torch has no oneDNN prepacking"
+)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@needs_onednn
+def test_fp32_packed_linear_matches_f_linear():
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(5, 64, generator=gen)
+    assert _rel_err(PackedLinear(w, b)(x), F.linear(x, w, b)) < 1e-6
+
+
+@needs_onednn
+@pytest.mark.skipif(not cpu_has_amx(), reason="bf16 is prepacked only on CPUs with AMX")
+def test_bf16_packed_linear_matches_f_linear_on_amx():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(192, 576, generator=gen).to(torch.bfloat16)
+    x = torch.randn(7, 576, generator=gen).to(torch.bfloat16)
+    out = PackedLinear(w)(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (7, 192)
+    # Against the exact products of the same bf16 values: one bf16 rounding of the output.
+    assert _rel_err(out, F.linear(x.float(), w.float())) < 4e-3
+
+
+def test_bf16_is_prepacked_only_with_amx(monkeypatch):
+    onednn = prepack_supported(CPU, torch.float32)
+    assert prepack_supported(CPU, torch.bfloat16) == (onednn and cpu_has_amx())
+    assert not prepack_supported(CPU, torch.float16)
+    assert not prepack_supported(torch.device("meta"), torch.float32)
+    monkeypatch.setenv("PAGEDQ_PREPACK", "0")
+    assert not prepack_supported(CPU, torch.float32)
+    assert not prepack_supported(CPU, torch.bfloat16)
+
+
+@needs_onednn
+@pytest.mark.skipif(not cpu_has_amx(), reason="bf16 is prepacked only on CPUs with AMX")
+def test_a_bf16_engine_runs_on_packed_weights_on_amx(tmp_path, monkeypatch):
+    """The engine packs a bf16 model, and its first token's logprobs match the plain model's."""
+    folder = make_tiny_model(tmp_path / "llama", "llama")
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=5)
+
+    def first_logprobs(llm):
+        out = llm.generate([[1, 504, 3458, 282]], params, use_tqdm=False)[0].outputs[0]
+        return out.logprobs[0]
+
+    packed = LLM(str(folder), dtype="bfloat16", kv_cache_memory=2**22, block_size=16)
+    model = packed.llm_engine.model
+    assert isinstance(model.packed_lm_head, PackedLinear)
+    assert isinstance(model.layers[0].self_attn.qkv_proj, PackedLinear)
+    monkeypatch.setenv("PAGEDQ_PREPACK", "0")
+    load_model.cache_clear()  # a fresh model: the cached one is already packed
+    plain = LLM(str(folder), dtype="bfloat16", kv_cache_memory=2**22, block_size=16)
+    assert plain.llm_engine.model.packed_lm_head is None
+    got, expected = first_logprobs(packed), first_logprobs(plain)
+    assert got.keys() == expected.keys()
+    for token, logprob in expected.items():
+        assert abs(got[token] - logprob) < 0.05
