@@ -65,8 +65,12 @@ def test_a_late_tenant_is_not_stuck_behind_a_backlog(client):
 @pytest.mark.parametrize("weight_a", [1, 2])
 def test_backlogged_tenants_share_by_weight(client, weight_a):
     client.redis.hset(weights_key(QUEUE), mapping={"A": weight_a, "B": 1})
-    a = client.submit_many({**JOB, "tenant": "A", "custom_id": f"wa{i}"} for i in range(120))
-    b = client.submit_many({**JOB, "tenant": "B", "custom_id": f"wb{i}"} for i in range(120))
+    # Both tenants in one round trip, interleaved: submitted one after the other, A's first jobs
+    # started before B had any queued (A took 68 of the first 120 at equal weights).
+    ids = client.submit_many(
+        {**JOB, "tenant": t, "custom_id": f"w{t}{i}"} for i in range(120) for t in ("A", "B")
+    )
+    a, b = ids[0::2], ids[1::2]
     # Weights come from a worker's --tenant-weight at its start; set here as an operator may.
     wait_all(client, a + b)
     started = job_times(client.redis, a + b, "started_at")
