@@ -641,14 +641,10 @@ void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
       std::fill(si, si + num_keys, 0.f);
       continue;  // m stays -inf and l 0: this row sees nothing of this item
     }
-    vfloat vmax = vfloat{} + kNegInf;
+    vfloat vm = vfloat{} + kNegInf;
     int j = 0;
-    for (; j + kLanes <= visible; j += kLanes) {
-      const vfloat v = loadv(si + j);
-      vmax = vmax > v ? vmax : v;
-    }
-    float mx = kNegInf;
-    for (int k = 0; k < kLanes; ++k) mx = std::max(mx, vmax[k]);
+    for (; j + kLanes <= visible; j += kLanes) vm = vmax(vm, loadv(si + j));
+    float mx = max_lanes(vm);
     for (; j < visible; ++j) mx = std::max(mx, si[j]);
     vfloat vsum = {};
     j = 0;
