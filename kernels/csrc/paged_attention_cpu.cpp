@@ -24,6 +24,10 @@
 
 #include "vec_cpu.h"
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using namespace pagedq_vec;
@@ -539,6 +543,78 @@ inline void accumulate_pv(float* acc, const float* p, int p_stride, const float*
   }
 }
 
+// ---- bf16 caches in decodes ------------------------------------------------------------------
+// acc[r] += sum_j p[r][j] V[j] for R rows over a bf16 V, the accumulators in [evens, odds]
+// order per 2 * kLanes chunk (P chunks per pass, so that R x 2P accumulators stay in registers).
+template <int D, int R, int P>
+inline void accumulate_pv_pairs(float* acc, const float* p, int p_stride,
+                                const c10::BFloat16* vf, int64_t kv_stride, int keys) {
+  constexpr int C2 = D / (2 * kLanes);
+  for (int c0 = 0; c0 < C2; c0 += P) {
+    vfloat a[R][2 * P];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int c = 0; c < 2 * P; ++c) a[r][c] = loadv(acc + r * D + (2 * c0 + c) * kLanes);
+    for (int j = 0; j < keys; ++j) {
+      const c10::BFloat16* vr = vf + j * kv_stride + c0 * 2 * kLanes;
+#pragma GCC unroll 16
+      for (int c = 0; c < P; ++c) {
+        vfloat even, odd;
+        widen_bf16_pairs(reinterpret_cast<const uint16_t*>(vr + c * 2 * kLanes), even, odd);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const float pr = p[r * p_stride + j];
+          a[r][2 * c] += pr * even;
+          a[r][2 * c + 1] += pr * odd;
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int c = 0; c < 2 * P; ++c) storev(acc + r * D + (2 * c0 + c) * kLanes, a[r][c]);
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The scores of a bf16 tile with AVX512-BF16 dot products, K read as it lies in the cache (no
+// widening): q = hi + lo in bf16 (16 bits of q's 24), each product exact in fp32, so the scores
+// match fp32 arithmetic on the widened K to about 2^-16 of q.
+template <int D, typename RowOf>
+__attribute__((always_inline)) inline void score_tile_dp(const uint16_t* q_hi,
+                                                         const uint16_t* q_lo, int rows,
+                                                         float* s, int stride, int n,
+                                                         RowOf row_of, const TileRows& far,
+                                                         int far_per_row) {
+  constexpr int C2 = D / 32;
+  for (int i = 0; i < rows; ++i) {
+    for (int j0 = 0; j0 < n; j0 += kLanes) {
+      __m512 dots[kLanes];
+#pragma GCC unroll 16
+      for (int j = 0; j < kLanes; ++j) dots[j] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int c = 0; c < C2; ++c) {
+        const __m512bh qh = (__m512bh)_mm512_loadu_si512(q_hi + i * D + c * 32);
+        const __m512bh ql = (__m512bh)_mm512_loadu_si512(q_lo + i * D + c * 32);
+#pragma GCC unroll 16
+        for (int j = 0; j < kLanes; ++j) {
+          const __m512bh k = (__m512bh)_mm512_loadu_si512(row_of(j0 + j) + c * 32);
+          dots[j] = _mm512_dpbf16_ps(dots[j], qh, k);
+          dots[j] = _mm512_dpbf16_ps(dots[j], ql, k);
+        }
+      }
+      vfloat v[kLanes];
+#pragma GCC unroll 16
+      for (int j = 0; j < kLanes; ++j) v[j] = (vfloat)dots[j];
+      storev(s + i * stride + j0, transpose_reduce(v));
+    }
+    prefetch_rows<1>(far, std::min(i * far_per_row, far.rows),
+                     std::min((i + 1) * far_per_row, far.rows));
+  }
+}
+#endif
+
 // Scores of one decode tile: s[i * stride + j] = q_i . K_j for `rows` query rows and keys j <
 // n (rounded up to whole vectors), K row j at row_of(j); then row i's share of the far prefetch.
 template <int D, typename RowOf>
@@ -582,6 +658,29 @@ void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
   const int64_t q_start = qsl[w.req];
   const int64_t context_len = seq_lens[w.req] - (qsl[w.req + 1] - q_start);
   begin_item(w, L, D, query, q_start, qk_scale, q_f, acc, m, l);
+  // bf16 caches whose head_dim is whole pairs of vectors: V widened in [evens, odds] pairs
+  // (widen_bf16_pairs), and K too (q split the same way) or, with AVX512-BF16, K scored as it
+  // lies against q split into bf16 hi + lo (kept in k_tile's room). A 64 x 512 decode over
+  // DRAM-cold bf16 caches took 0.82-0.85x the time with both (V pairs alone: 0.91-0.92x) on a
+  // Zen 4 EPYC, and 0.87x built for AVX2 (docs/PERFORMANCE.md).
+  constexpr bool kPairs = !std::is_same_v<cache_t, float> && D % (2 * kLanes) == 0;
+#if defined(__AVX512BF16__)
+  constexpr bool kDotBf16 = true;
+#else
+  constexpr bool kDotBf16 = false;
+#endif
+  uint16_t* q_hi = reinterpret_cast<uint16_t*>(k_tile);
+  uint16_t* q_lo = q_hi + rows * D;
+  if constexpr (kPairs && kDotBf16) {
+    for (int e = 0; e < rows * D; ++e) {
+      const c10::BFloat16 hi(q_f[e]);
+      const c10::BFloat16 lo(q_f[e] - static_cast<float>(hi));
+      q_hi[e] = hi.x;
+      q_lo[e] = lo.x;
+    }
+  } else if constexpr (kPairs) {
+    eo_split(q_f, rows, D);  // K's tiles are widened in that order too
+  }
   const int64_t first_pos = context_len + w.q_begin;
   const int64_t* bt_row = block_table + w.req * L.bt_sr;
   const int64_t head_off = static_cast<int64_t>(w.kv_head) * L.cache_head;
@@ -608,14 +707,34 @@ void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
     const cache_t* kp = k_cache + block * L.cache_block + in_block * L.cache_slot + head_off;
     const TileRows far = prefetch_ahead(st, L, D, block_table, k_cache, v_cache, key - w.key_begin, n);
     float* s = S + (key - w.key_begin);
-    if constexpr (!std::is_same_v<cache_t, float>) {
+    if constexpr (kPairs && kDotBf16) {
+      const uint16_t* kb = reinterpret_cast<const uint16_t*>(kp);
+      const int64_t slot = L.cache_slot;
+      score_tile_dp<D>(q_hi, q_lo, rows, s, stride, n,
+                       [kb, slot, n](int j) { return kb + std::min(j, n - 1) * slot; }, far,
+                       far_per_row);
+    } else if constexpr (!std::is_same_v<cache_t, float>) {
       // bf16: widen the tile's rows once into k_tile (rows past n repeat the last one), not
       // once per query row: 0.92-0.95x the time of a decode, cold or cache-resident.
-      for (int j = 0; j < kTile; ++j)
+      if constexpr (kPairs) {
+        for (int j = 0; j < kTile; ++j)
 #pragma GCC unroll 16
-        for (int c = 0; c < C; ++c)
-          storev(k_tile + j * D + c * kLanes,
-                 loadv(kp + std::min(j, n - 1) * L.cache_slot + c * kLanes));
+          for (int c = 0; c < C; c += 2) {
+            vfloat even, odd;
+            widen_bf16_pairs(
+                reinterpret_cast<const uint16_t*>(kp + std::min(j, n - 1) * L.cache_slot) +
+                    c * kLanes,
+                even, odd);
+            storev(k_tile + j * D + c * kLanes, even);
+            storev(k_tile + j * D + (c + 1) * kLanes, odd);
+          }
+      } else {
+        for (int j = 0; j < kTile; ++j)
+#pragma GCC unroll 16
+          for (int c = 0; c < C; ++c)
+            storev(k_tile + j * D + c * kLanes,
+                   loadv(kp + std::min(j, n - 1) * L.cache_slot + c * kLanes));
+      }
       const float* kt = k_tile;
       score_tile<D>(q_f, rows, s, stride, n, [kt](int j) { return kt + j * D; }, far,
                     far_per_row);
@@ -675,14 +794,19 @@ void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
         prefetch_ahead(st, L, D, block_table, k_cache, v_cache, st.half + key - w.key_begin, n);
     for (int pass = 0; pass < passes; ++pass) {
       const int r0 = pass * kDecodePvRows;
-      accumulate_pv<D, kDecodePvRows, pass_vecs(C, kPvVecs)>(
-          acc + r0 * D, S + r0 * stride + (key - w.key_begin), stride, kOnes, vp, L.cache_slot,
-          n);
+      if constexpr (kPairs)
+        accumulate_pv_pairs<D, kDecodePvRows, pass_vecs(C / 2, kPvVecs / 2)>(
+            acc + r0 * D, S + r0 * stride + (key - w.key_begin), stride, vp, L.cache_slot, n);
+      else
+        accumulate_pv<D, kDecodePvRows, pass_vecs(C, kPvVecs)>(
+            acc + r0 * D, S + r0 * stride + (key - w.key_begin), stride, kOnes, vp,
+            L.cache_slot, n);
       prefetch_rows<1>(far, std::min(pass * far_per_pass, far.rows),
                        std::min((pass + 1) * far_per_pass, far.rows));
     }
     key += n;
   }
+  if constexpr (kPairs) eo_interleave(acc, rows, D);
   finish_item(w, L, D, q_start, acc, m, l, out, partial_acc, partial_ml);
 }
 

@@ -41,6 +41,43 @@ inline void narrow_bf16(uint16_t* p, vfloat v) {
   *reinterpret_cast<vhalf_u*>(p) = __builtin_convertvector(out, vhalf);
 }
 
+// The 2 * kLanes bf16 values at p as two exact fp32 vectors: a vector of kLanes 32-bit lanes
+// holds the even elements in its low halves and the odd ones in its high halves, so a shift and
+// a mask widen both (one op per kLanes values, against a zero-extending shuffle and a shift).
+// Dot products do not care about the order if both sides share it (eo_split); sums over keys
+// of such vectors are put back in order with eo_interleave.
+typedef uint32_t vuint_u __attribute__((vector_size(kLanes * 4), aligned(2), may_alias));
+inline void widen_bf16_pairs(const uint16_t* p, vfloat& even, vfloat& odd) {
+  const vuint bits = *reinterpret_cast<const vuint_u*>(p);
+  const vuint e = bits << 16;
+  const vuint o = bits & 0xFFFF0000u;
+  even = reinterpret_cast<const vfloat&>(e);
+  odd = reinterpret_cast<const vfloat&>(o);
+}
+
+// rows x D floats (D a multiple of 2 * kLanes), each 2 * kLanes chunk from element order to
+// [evens, odds], in place; eo_interleave is its inverse.
+inline void eo_split(float* x, int rows, int D) {
+  float tmp[2 * kLanes];
+  for (int i = 0; i < rows * D; i += 2 * kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      tmp[l] = x[i + 2 * l];
+      tmp[kLanes + l] = x[i + 2 * l + 1];
+    }
+    for (int l = 0; l < 2 * kLanes; ++l) x[i + l] = tmp[l];
+  }
+}
+inline void eo_interleave(float* x, int rows, int D) {
+  float tmp[2 * kLanes];
+  for (int i = 0; i < rows * D; i += 2 * kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      tmp[2 * l] = x[i + l];
+      tmp[2 * l + 1] = x[i + kLanes + l];
+    }
+    for (int l = 0; l < 2 * kLanes; ++l) x[i + l] = tmp[l];
+  }
+}
+
 // e^r for |r| <= ln(2) / 2, on a float or on every lane of a vfloat: a degree-7 Taylor
 // polynomial (relative error < 1e-8 there).
 template <typename V>

@@ -89,9 +89,15 @@ def test_long_decode_splits_by_itself_and_stays_exact(rng):
     assert rel_err(_run(batch), _reference(batch)) < 1e-5
 
 
-def test_bf16_cache_under_an_fp32_model(rng):
-    """kv_cache_dtype=bfloat16: fp32 queries read bf16 K/V, accumulating in fp32."""
-    batch = random_batch(rng, [1, 6, 1], [40, 9, 300], 2, 3, 64, 16, fp32)
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_bf16_cache_under_an_fp32_model(rng, head_dim):
+    """kv_cache_dtype=bfloat16: fp32 queries read bf16 K/V, accumulating in fp32.
+
+    Head sizes of whole pairs of vectors (64, 96, 128 with AVX-512) take the decode's pair
+    widening and, with AVX512-BF16, its bf16 dot products against q split into hi + lo; 80
+    does not. Both must stay within fp32 rounding of the reference.
+    """
+    batch = random_batch(rng, [1, 6, 1], [40, 9, 300], 2, 3, head_dim, 16, fp32)
     kv_bf16 = batch.kv_cache.to(bf16)
     out = _run(batch, kv_cache=kv_bf16)
     assert out.dtype == fp32
