@@ -25,20 +25,27 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def median_time(fn, repeats: int) -> float:
-    """Median wall time of ``fn()`` in seconds, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def interleaved_medians(fns: dict, repeats: int) -> dict:
+    """Median wall time in seconds of each of ``fns``, after one warm-up call of each.
+
+    The calls take turns (one of each per round), so that a change in the machine's load
+    during the measurement weighs on every function alike and their ratios hold.
+    """
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def linear_floor(model, batch: int, repeats: int) -> tuple[float, float]:
-    """Seconds of one step's matrix products alone: ``F.linear`` on plain weights (the floor),
-    and the model's own projection modules (prepacked for oneDNN where the engine packs them).
+def linear_floor(model, batch: int) -> tuple:
+    """One step's matrix products alone, as two calls: ``F.linear`` on plain weights (the
+    floor), and the model's own projection modules (prepacked for oneDNN where the engine packs
+    them).
     """
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     dtype = model.embed_tokens.weight.dtype
@@ -72,7 +79,7 @@ def linear_floor(model, batch: int, repeats: int) -> tuple[float, float]:
                 module(inp)
             model.compute_logits(x)
 
-    return median_time(dense, repeats), median_time(own, repeats)
+    return dense, own
 
 
 class AttentionTimer:
@@ -129,19 +136,19 @@ def start_decodes(engine, batch: int, context: int, vocab: int) -> list[str]:
 
 
 def measure(engine, batch: int, context: int, repeats: int, profile: bool) -> dict:
-    """Step time, attention time and floor of one batch size."""
+    """Step time, attention time and floor of one batch size, measured in turns."""
     model = engine.model
     ids = start_decodes(engine, batch, context, engine.hf_config.vocab_size)
     engine.step()  # warm-up: the first step after admission
+    dense, own = linear_floor(model, batch)
     with AttentionTimer(model) as timer:
-        step = median_time(engine.step, repeats)
+        times = interleaved_medians({"step": engine.step, "floor": dense, "own": own}, repeats)
     attention = timer.seconds / (repeats + 1)
     if profile:
         print_profile(engine, batch)
     for rid in ids:
         engine.abort_request(rid)
-    floor, own = linear_floor(model, batch, repeats)
-    return {"batch": batch, "step": step, "floor": floor, "own": own, "attention": attention}
+    return {"batch": batch, **times, "attention": attention}
 
 
 def print_profile(engine, batch: int) -> None:
