@@ -76,7 +76,7 @@ def main() -> None:
         while engine.has_unfinished_requests():
             before, t = attention.seconds, time.perf_counter()
             engine.step()
-            out = engine.last_scheduler_output
+            out = engine.scheduler.last_output
             keys = sum(s.request.num_computed_tokens for s in out.scheduled)
             steps.append((time.perf_counter() - t, attention.seconds - before,
                           out.num_prefill_tokens > 0, len(out.scheduled), keys))  # fmt: skip

@@ -31,7 +31,7 @@ from worker_process import WorkerProcess  # noqa: E402
 from producer.client import Client  # noqa: E402
 from producer.enqueue import ENQUEUE_IF_ABSENT  # noqa: E402
 from worker.redis_server import PrivateRedis  # noqa: E402
-from worker.rq_adapter import ScriptRunner  # noqa: E402
+from worker.rq_scripts import SCRIPTS  # noqa: E402
 
 PRODUCER_NAME = "bench-producer"
 
@@ -97,6 +97,10 @@ def split(lines, producer_addrs: set[str], script_names: dict[str, str]):
     return producer, worker, stream, lua
 
 
+def _sha(script) -> str:
+    return hashlib.sha1(script.source.encode()).hexdigest()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, default=50)
@@ -133,8 +137,8 @@ def main() -> None:
         finally:
             w.stop()
     n = args.jobs
-    names = {sha: name for name, sha in ScriptRunner(admin).shas.items()}
-    names[hashlib.sha1(ENQUEUE_IF_ABSENT.encode()).hexdigest()] = "producer enqueue"
+    names = {_sha(s): s.name for s in SCRIPTS}
+    names[_sha(ENQUEUE_IF_ABSENT)] = "producer enqueue"
     producer_c, worker_c, stream_c, lua_c = split(monitor.lines, addrs, names)
     stats = after - before
     stats.pop("config|resetstat", None)

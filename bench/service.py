@@ -44,7 +44,7 @@ def start_worker(redis_url: str, queue: str, args, log_path: Path) -> subprocess
 
 def wait_ready(conn, proc: subprocess.Popen, log_path: Path, timeout: float = 600) -> None:
     """Until the worker's first heartbeat (model loaded, loop running)."""
-    from producer.keys import worker_key
+    from producer.contract.keys import worker_key
 
     deadline = time.monotonic() + timeout
     while conn.get(worker_key("bench-service")) is None:

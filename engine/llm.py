@@ -62,7 +62,7 @@ class LLM:
         prompts = []
         for i, conversation in enumerate(messages):
             try:
-                prompts.append(self.llm_engine.apply_chat_template(list(conversation)))
+                prompts.append(self.llm_engine.prompts.apply_chat_template(list(conversation)))
             except ValueError as e:
                 raise ValueError(f"messages[{i}]: {e}") from e
         return self._run(prompts, sampling_params, use_tqdm, None, None)
@@ -79,20 +79,18 @@ class LLM:
         processed = []
         for i, prompt in enumerate(prompts):
             try:
-                processed.append(engine.process_prompt(prompt))
+                processed.append(engine.prompts.process(prompt))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from e
         ids = [str(next(self._counter)) for _ in prompts]
-        for i, (request_id, (_, token_ids)) in enumerate(zip(ids, processed)):
+        for i, (request_id, prompt) in enumerate(zip(ids, processed)):
             engine.add_request(
                 request_id,
-                token_ids,
+                prompt,
                 params[i],
                 priority=priority[i] if priority else 0,
                 tenant=tenant[i] if tenant else None,
             )
-        for rid, (text, _) in zip(ids, processed):
-            engine.parents[rid].prompt = text
         return self._run_engine(ids, use_tqdm)
 
     @staticmethod

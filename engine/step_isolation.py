@@ -8,17 +8,18 @@ wrote), and the requests of that step are run again in halves, each half alone, 
 step's work has been redone; a half that raises is split again, down to one request, which is
 ended ("abort") with the error. Innocent requests are only recomputed: greedy outputs are
 unchanged.
+
+It depends on the scheduler's public methods and on three callables of its engine: run one
+step, the samples of a request, and fail a request.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from engine.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
-    from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput
+from engine.request import Request
+from engine.scheduler import Scheduler
 
 # A round that finds no culprit (the fault did not come back with the halves alone) ends;
 # after this many such rounds in a row, every request of the failing step is failed.
@@ -26,10 +27,23 @@ MAX_INCONCLUSIVE_ROUNDS = 3
 
 
 class StepIsolation:
-    """Runs `LLMEngine._step` and, after a failure, the bisection rounds that follow it."""
+    """Runs steps and, after a failure, the bisection rounds that follow it.
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    `run_step()` runs one raw step; `children(parent_id)` gives a request's samples (None once
+    it ended); `fail(parent_id, error)` ends a request and returns its final output.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        run_step: Callable[[], list[RequestOutput]],
+        children: Callable[[str], list[Request] | None],
+        fail: Callable[[str, str], RequestOutput],
+    ) -> None:
+        self.scheduler = scheduler
+        self.run_step = run_step
+        self.children = children
+        self.fail = fail
         self.probe: list[str] = []  # parent ids that run alone right now
         self.stack: list[list[str]] = []  # groups still to probe in this round
         self.targets: dict[str, int] = {}  # child id -> num_computed_tokens to reach
@@ -47,7 +61,7 @@ class StepIsolation:
         if self.active:
             self._hold_all_but_probe()
         try:
-            outputs = self.engine._step()
+            outputs = self.run_step()
         except Exception as exc:  # noqa: BLE001 - any error of a step is some request's doing
             return self._on_failure(exc)
         if self.active and self._probe_done():
@@ -58,26 +72,28 @@ class StepIsolation:
         """Put a held request back into the waiting queue (before it is aborted)."""
         if request in self.held:
             self.held.remove(request)
-            self.engine.scheduler.waiting.readd_preempted(request)
+            self.scheduler.unhold(request)
 
     # --- failure ----------------------------------------------------------------------------
     def _on_failure(self, exc: Exception) -> list[RequestOutput]:
-        engine = self.engine
-        sched_out = engine.last_scheduler_output
+        sched_out = self.scheduler.last_output
         scheduled = list(sched_out.scheduled) if sched_out is not None else []
         parents = list(dict.fromkeys(s.request.parent_id for s in scheduled))
-        parents = [p for p in parents if p in engine.parents]
+        parents = [p for p in parents if self.children(p) is not None]
         if not parents:
             raise exc
         for s in scheduled:
             target = s.request.num_computed_tokens + s.num_new_tokens
             self.targets[s.request.request_id] = target
-        self._rollback()
+        self.scheduler.preempt_all()
         self.error = f"{type(exc).__name__}: {exc}"
         if len(parents) == 1:
-            return self._found(parents[0])
+            output = self.fail(parents[0], self.error)
+            self.inconclusive_rounds = 0
+            self._end_round()
+            return [output]
         if not self.active and self.inconclusive_rounds >= MAX_INCONCLUSIVE_ROUNDS:
-            outputs = [self._fail(p) for p in parents]
+            outputs = [self.fail(p, self.error) for p in parents]
             self._end_round()
             return outputs
         half = len(parents) // 2
@@ -85,38 +101,10 @@ class StepIsolation:
         self._next_probe()
         return []
 
-    def _found(self, parent_id: str) -> list[RequestOutput]:
-        output = self._fail(parent_id)
-        self.inconclusive_rounds = 0
-        self._end_round()
-        return [output]
-
-    def _fail(self, parent_id: str) -> RequestOutput:
-        engine = self.engine
-        parent = engine.parents[parent_id]
-        for child in parent.children:
-            if not child.status.finished:
-                self.forget(child)
-                engine.scheduler.abort_request(child.request_id)
-        engine._faulty.discard(parent_id)
-        engine.failed_requests.append((parent_id, self.error))
-        return engine._make_output(parent)
-
-    def _rollback(self) -> None:
-        scheduler = self.engine.scheduler
-        # Reversed, so that the FCFS queue gets them back in their order.
-        for request in reversed(list(scheduler.running)):
-            scheduler.running.remove(request)
-            scheduler.restart(request)
-        # Swapped requests recompute too: the isolation rounds then only see waiting ones.
-        for request in list(scheduler.swapped):
-            scheduler.restart(request)
-        self.engine.kv_cache_manager.block_pool.reset_prefix_cache()
-
     # --- probing ----------------------------------------------------------------------------
     def _next_probe(self) -> None:
         while self.stack:
-            group = [p for p in self.stack.pop() if p in self.engine.parents]
+            group = [p for p in self.stack.pop() if self.children(p) is not None]
             if group:
                 self.probe = group
                 return
@@ -126,33 +114,22 @@ class StepIsolation:
 
     def _probe_done(self) -> bool:
         for parent_id in self.probe:
-            parent = self.engine.parents.get(parent_id)
-            for child in parent.children if parent else []:
+            for child in self.children(parent_id) or []:
                 target = self.targets.get(child.request_id, 1)
                 if not child.status.finished and child.num_computed_tokens < target:
                     return False
         return True
 
     def _hold_all_but_probe(self) -> None:
-        scheduler = self.engine.scheduler
         probe = set(self.probe)
-        for request in reversed(list(scheduler.running)):
-            if request.parent_id not in probe:
-                scheduler.running.remove(request)
-                scheduler.restart(request)
-        for request in list(scheduler.waiting):
-            if request.parent_id not in probe:
-                scheduler.waiting.remove(request)
-                self.held.append(request)
+        self.held += self.scheduler.hold_all_but(probe)
         # A probe member held by an earlier probe goes back to the queue.
         for request in [r for r in self.held if r.parent_id in probe]:
             self.forget(request)
 
     def _end_round(self) -> None:
-        waiting = self.engine.scheduler.waiting
         for request in reversed(self.held):
-            if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                waiting.readd_preempted(request)
+            self.scheduler.unhold(request)
         self.held.clear()
         self.probe, self.stack = [], []
         self.targets.clear()

@@ -17,10 +17,10 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from producer.client import Client
+from producer.contract.keys import result_key
 from producer.enqueue import request_job_id
 from producer.errors import JobNotFoundError
 from producer.follow import StreamFollower
-from producer.keys import result_key
 from producer.openai_batch import (
     FileScan,
     ParsedLine,

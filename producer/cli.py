@@ -18,11 +18,16 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.bulk import BadInputFileError, StaleOutputError, run_bulk
-from producer.client import DEFAULT_REDIS_URL, Client
+from producer.client import Client
+from producer.contract.keys import (
+    DEFAULT_QUEUE,
+    DEFAULT_REDIS_URL,
+    DEFAULT_RESULT_TTL,
+    REDIS_URL_ENV,
+)
+from producer.contract.routing import TENANT_RE
 from producer.errors import JobCanceledError, JobFailedError, JobNotFoundError
-from producer.keys import DEFAULT_QUEUE, DEFAULT_RESULT_TTL
 from producer.retry import redact_url
-from producer.routing import TENANT_RE
 from producer.status import format_status, queue_status
 
 WORKER_COMMANDS = ("worker", "demo")
@@ -71,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--redis-url",
-        default=os.environ.get("PAGEDQ_REDIS_URL", DEFAULT_REDIS_URL),
-        help="Redis URL (env PAGEDQ_REDIS_URL; default: %(default)s)",
+        default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL),
+        help=f"Redis URL (env {REDIS_URL_ENV}; default: %(default)s)",
     )
     common.add_argument(
         "--queue",

@@ -9,22 +9,24 @@ from typing import Any
 
 from redis import Redis, WatchError
 from rq import Queue
-from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from producer.enqueue import RERUN_STATUSES, build_job, clear_job, ended_status, enqueue_jobs
-from producer.follow import StreamFollower
-from producer.keys import (
+from producer.contract.keys import (
     CANCEL_CHANNEL,
     DEFAULT_CANCEL_TTL,
     DEFAULT_QUEUE,
+    DEFAULT_REDIS_URL,
     DEFAULT_RESULT_TTL,
     DEFAULT_STREAM_TTL,
     STREAM_MAXLEN,
     cancel_key,
     result_key,
+    rq_job_key,
     stream_key,
 )
+from producer.contract.schema import GenerationRequest, GenerationResult
+from producer.enqueue import RERUN_STATUSES, build_job, clear_job, ended_status, enqueue_jobs
+from producer.follow import StreamFollower
 from producer.results import (
     final_result,
     is_final,
@@ -34,9 +36,7 @@ from producer.results import (
     read_result,
 )
 from producer.retry import DEFAULT_OUTAGE_S, call_with_retry
-from producer.schema import GenerationRequest, GenerationResult
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_JOB_TIMEOUT = 3600
 # A refused or unroutable Redis is reported within seconds, not after the OS's ~2 min.
 CONNECT_TIMEOUT_S = 3.0
@@ -127,7 +127,7 @@ class Client:
 
         `id_namespace` scopes custom_ids (job id from "{id_namespace}/{custom_id}").
         """
-        jobs = [
+        queued = [
             build_job(
                 self.queue,
                 r,
@@ -138,12 +138,12 @@ class Client:
             )
             for r in requests
         ]
-        created = enqueue_jobs(self.redis, self.queue, jobs)
-        for job, was_created in zip(jobs, created, strict=True):
+        created = enqueue_jobs(self.redis, self.queue, queued)
+        for job, was_created in zip(queued, created, strict=True):
             if not was_created and ended_status(self.redis, job.id) in RERUN_STATUSES | {None}:
                 clear_job(self.redis, job.id)
                 enqueue_jobs(self.redis, self.queue, [job])
-        return [job.id for job in jobs]
+        return [job.id for job in queued]
 
     def result(self, job_id: str, timeout: float | None = None) -> GenerationResult:
         """Block until the job ends and return its result (no polling: XREAD on its stream).
@@ -217,7 +217,7 @@ class Client:
         no worker will); a running one is aborted by its worker via the cancel key and channel.
         """
         pipe = self.redis.pipeline()
-        pipe.hget(Job.key_for(job_id), "status")
+        pipe.hget(rq_job_key(job_id), "status")
         pipe.set(cancel_key(job_id), "1", ex=DEFAULT_CANCEL_TTL)
         pipe.publish(CANCEL_CHANNEL, job_id)
         # The status before the publish: its worker may cancel the job before we look again.
@@ -240,7 +240,7 @@ class Client:
                 except WatchError:
                     continue
 
-    def _write_canceled(self, pipe: Any, job: Job) -> None:
+    def _write_canceled(self, pipe: Any, job: Any) -> None:
         payload = read_job_payload(self.redis, job.id)
         custom_id, metadata = payload.get("custom_id"), payload.get("metadata")
         result = GenerationResult(
@@ -261,7 +261,7 @@ class Client:
 
     def status(self, job_id: str) -> str:
         """queued, started, finished, failed, canceled, or unknown (never submitted / expired)."""
-        status = self.redis.hget(Job.key_for(job_id), "status")
+        status = self.redis.hget(rq_job_key(job_id), "status")
         if status is not None:
             return STATUS_NAMES.get(status.decode(), "unknown")
         result = read_result(self.redis, job_id)

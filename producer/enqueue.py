@@ -3,59 +3,75 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from redis import Redis
 from rq import Queue, Retry
 from rq.job import Job
 from rq.utils import now
 
-from producer.keys import (
+from producer.contract.ids import job_id_for
+from producer.contract.keys import (
     GENERATE_FUNC,
+    RQ_QUEUES,
     cancel_key,
-    job_id_for,
-    model_queue,
-    result_key,
-    stream_key,
-)
-from producer.results import job_shell
-from producer.routing import (
     fair_key,
-    job_cost,
+    result_key,
+    rq_job_key,
+    rq_queue_key,
+    stream_key,
     subqueue_index_key,
-    subqueue_meta,
-    subqueue_name,
 )
-from producer.schema import GenerationRequest, GenerationResult
+from producer.contract.lua import LuaScript
+from producer.contract.routing import Routing
+from producer.contract.schema import GenerationRequest, GenerationResult
+from producer.results import job_shell
 
 # RQ's own unique enqueue (Queue.enqueue_job(unique=True)) cannot run inside a pipeline, and
 # Queue.enqueue_many has no unique mode; this is RQ's script (rq/scripts.py) plus a check of
 # our result key, so a job whose RQ hash expired before its result is not computed again.
-# KEYS: job hash, sub-queue list, result key, the base's sub-queue index, its fair accounts.
-# ARGV: job id, sub-queue name, base name, index entry (JSON), estimated cost, tenant ("" for
-#       none), hash pairs...
 # Stamps the enqueue time from Redis's clock (one clock for every producer and worker, for
 # aging) and the fair-queueing fields, and indexes the sub-queue for the workers' fair pick.
-ENQUEUE_IF_ABSENT = """
-if redis.call("EXISTS", KEYS[1]) == 1 or redis.call("EXISTS", KEYS[3]) == 1 then
+# ARGV after the named ones: the job hash's field/value pairs. Returns 1 created, 0 existing.
+ENQUEUE_IF_ABSENT = LuaScript(
+    "enqueue",
+    keys=("job", "queue", "result", "index", "fair"),
+    args=("job_id", "queue_name", "base", "meta", "cost", "tenant"),
+    body="""
+if redis.call('EXISTS', k_job) == 1 or redis.call('EXISTS', k_result) == 1 then
     return 0
 end
-local t = redis.call("TIME")
-if redis.call("LLEN", KEYS[2]) == 0 then
-    -- The tenant was idle here: it shares from now on (see worker/fair_queue.py).
-    local v = tonumber(redis.call("HGET", KEYS[5], "v")) or 0
-    local f = tonumber(redis.call("HGET", KEYS[5], "F:" .. ARGV[6])) or v
-    redis.call("HSET", KEYS[5], "F:" .. ARGV[6], tostring(math.max(f, v)))
+local t = redis.call('TIME')
+if redis.call('LLEN', k_queue) == 0 then
+    -- The tenant was idle here: it shares from now on (see worker/rq_scripts.py, the pick).
+    local v = tonumber(redis.call('HGET', k_fair, 'v')) or 0
+    local f = tonumber(redis.call('HGET', k_fair, 'F:' .. a_tenant)) or v
+    redis.call('HSET', k_fair, 'F:' .. a_tenant, tostring(math.max(f, v)))
 end
-redis.call("HSET", KEYS[1], unpack(ARGV, 7))
-redis.call("HSET", KEYS[1], "pq_enq", t[1] .. "." .. string.format("%06d", tonumber(t[2])),
-    "pq_cost", ARGV[5], "pq_base", ARGV[3], "pq_meta", ARGV[4])
-redis.call("RPUSH", KEYS[2], ARGV[1])
-if ARGV[2] ~= ARGV[3] then redis.call("HSET", KEYS[4], ARGV[2], ARGV[4]) end
+redis.call('HSET', k_job, unpack(ARGV, REST))
+redis.call('HSET', k_job, F.enqueued, t[1] .. '.' .. string.format('%06d', tonumber(t[2])),
+    F.cost, a_cost, F.base, a_base, F.meta, a_meta)
+redis.call('RPUSH', k_queue, a_job_id)
+if a_queue_name ~= a_base then redis.call('HSET', k_index, a_queue_name, a_meta) end
 return 1
-"""
+""",
+)
 
 # A job that ended like this is run again when resubmitted under the same custom_id.
 RERUN_STATUSES = {"failed", "canceled", "stopped"}
+
+
+@dataclass(slots=True)
+class QueuedJob:
+    """An RQ job ready to be saved, with where it waits."""
+
+    job: Job
+    routing: Routing
+
+    @property
+    def id(self) -> str:
+        """The job id."""
+        return self.job.id
 
 
 def request_job_id(
@@ -79,23 +95,22 @@ def build_job(
     retries: int,
     job_timeout: int,
     id_namespace: str | None = None,
-) -> Job:
-    """The RQ job for one request, ready to be saved (status queued, enqueued now).
+) -> QueuedJob:
+    """The RQ job for one request and its routing, ready to be saved (status queued).
 
     The job id derives from the custom_id and the request itself (see `job_id_for`), so an
     edited request under an old custom_id is a new job. With `id_namespace` (bulk files:
     custom_ids are unique only within one file) "{id_namespace}/{custom_id}" stands for it.
     A request naming a `model` goes to that model's queue, `{queue}@{canonical model}`, which
-    only workers serving the model read (producer.keys.model_queue); a priority other than 0 or
-    a tenant puts it in a sub-queue of that base (producer/routing.py).
+    only workers serving the model read; a priority other than 0 or a tenant puts it in a
+    sub-queue of that base (producer/contract/routing.py).
     """
     payload = request.payload()
     job_id = request_job_id(request, queue.name, id_namespace, payload)
-    base = model_queue(queue.name, request.model)
-    name = subqueue_name(base, request.priority, request.tenant)
+    routing = Routing.of(queue.name, payload)
     target = queue
-    if name != queue.name:
-        target = Queue(name, connection=queue.connection, serializer=queue.serializer)
+    if routing.queue != queue.name:
+        target = Queue(routing.queue, connection=queue.connection, serializer=queue.serializer)
     job = target.create_job(
         GENERATE_FUNC,
         args=[payload],
@@ -107,7 +122,7 @@ def build_job(
         description=f"{GENERATE_FUNC}({request.custom_id or job_id})",
     )
     job.enqueued_at = now()
-    return job
+    return QueuedJob(job, routing)
 
 
 def _hset_args(job: Job) -> list[bytes | str]:
@@ -118,43 +133,40 @@ def _hset_args(job: Job) -> list[bytes | str]:
     return args
 
 
-def enqueue_jobs(connection: Redis, queue: Queue, jobs: Sequence[Job]) -> list[bool]:
-    """Save and push each job (to its origin queue: `queue` or a model's queue) unless it or
-    its result exists; one round trip. True = created."""
-    script = connection.register_script(ENQUEUE_IF_ABSENT)
-    queue_keys = sorted({queue.key} | {_queue_key(job.origin) for job in jobs})
+def enqueue_jobs(connection: Redis, queue: Queue, jobs: Sequence[QueuedJob]) -> list[bool]:
+    """Save and push each job (to its routing's queue) unless it or its result exists; one
+    round trip. True = created."""
+    script = connection.register_script(ENQUEUE_IF_ABSENT.source)
+    queue_keys = sorted({rq_queue_key(queue.name)} | {rq_queue_key(j.routing.queue) for j in jobs})
     pipe = connection.pipeline(transaction=False)
-    pipe.sadd(Queue.redis_queues_keys, *queue_keys)
-    for job in jobs:
-        payload = job.args[0]  # built here from a validated request, never read from Redis
-        base = model_queue(queue.name, payload.get("model"))
-        priority, tenant = payload.get("priority", 0), payload.get("tenant")
-        cost = job_cost(
-            payload.get("prompt"),
-            sum(len(m.get("content") or "") for m in payload.get("messages") or []),
-            payload.get("max_tokens", 256),
-            payload.get("n", 1),
+    pipe.sadd(RQ_QUEUES, *queue_keys)
+    for queued in jobs:
+        r = queued.routing
+        keys, args = ENQUEUE_IF_ABSENT.keys_and_args(
+            {
+                "job": rq_job_key(queued.id),
+                "queue": rq_queue_key(r.queue),
+                "result": result_key(queued.id),
+                "index": subqueue_index_key(r.base),
+                "fair": fair_key(r.base),
+            },
+            {
+                "job_id": queued.id,
+                "queue_name": r.queue,
+                "base": r.base,
+                "meta": r.meta,
+                "cost": r.cost,
+                "tenant": r.tenant,
+            },
+            rest=_hset_args(queued.job),
         )
-        keys = [
-            job.key,
-            _queue_key(job.origin),
-            result_key(job.id),
-            subqueue_index_key(base),
-            fair_key(base),
-        ]
-        meta = subqueue_meta(priority, tenant)
-        args = [job.id, job.origin, base, meta, cost, tenant or "", *_hset_args(job)]
         script(keys=keys, args=args, client=pipe)
     return [bool(created) for created in pipe.execute()[1:]]
 
 
-def _queue_key(name: str) -> str:
-    return Queue.redis_queue_namespace_prefix + name
-
-
 def ended_status(connection: Redis, job_id: str) -> str | None:
     """The RQ status of an existing job, else the status in its result key, else None."""
-    status = connection.hget(Job.key_for(job_id), "status")
+    status = connection.hget(rq_job_key(job_id), "status")
     if status is not None:
         return status.decode()
     raw = connection.get(result_key(job_id))

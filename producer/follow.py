@@ -6,9 +6,8 @@ import time
 from collections.abc import Iterable
 
 from redis import Redis
-from rq.job import Job
 
-from producer.keys import result_key, stream_key
+from producer.contract.keys import result_key, rq_job_key, stream_key
 from producer.results import decode_entry, is_final, rq_end
 
 Event = tuple[str, dict[str, str]]
@@ -65,7 +64,7 @@ class StreamFollower:
         reply = self.connection.xread(streams, count=self.count, block=block_ms or None)
         events: list[Event] = []
         for key, entries in reply or []:
-            job_id = key.decode().split(":", 2)[2]
+            job_id = key.decode().removeprefix(stream_key(""))
             events += self._take(job_id, entries)
         return events
 
@@ -86,7 +85,7 @@ class StreamFollower:
         pipe = self.connection.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.exists(result_key(job_id))
-            pipe.hget(Job.key_for(job_id), "status")
+            pipe.hget(rq_job_key(job_id), "status")
         replies = pipe.execute()
         events: list[Event] = []
         for i, job_id in enumerate(job_ids):

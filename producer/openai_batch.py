@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from producer.contract.schema import GenerationRequest
 from producer.errors import InvalidRequestError
 from producer.openai_output import CHAT_URL, COMPLETIONS_URL
-from producer.schema import GenerationRequest
 
 __all__ = [
     "CHAT_URL",

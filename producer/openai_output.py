@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from producer.schema import Choice, GenerationResult
+from producer.contract.schema import Choice, GenerationResult
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

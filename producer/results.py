@@ -16,13 +16,12 @@ from typing import Any
 from pydantic import ValidationError
 from redis import Redis
 from rq.job import Job
-from rq.results import Result
 from rq.serializers import JSONSerializer
 
+from producer.contract.codec import PayloadTooLargeError, inflate, load_job_data
+from producer.contract.keys import result_key, rq_job_key, rq_results_key
+from producer.contract.schema import GenerationResult
 from producer.errors import JobCanceledError, JobFailedError, JobNotFoundError
-from producer.job_data import PayloadTooLargeError, inflate, load_job_data
-from producer.keys import result_key
-from producer.schema import GenerationResult
 
 # Largest result, error text or job payload a reader inflates or parses.
 MAX_READ_BYTES = 16 * 2**20
@@ -74,7 +73,7 @@ def job_shell(connection: Redis, job_id: str) -> Job | None:
 
     Unlike `Job.fetch`, nothing stored in the hash is deserialized.
     """
-    origin = connection.hget(Job.key_for(job_id), "origin")
+    origin = connection.hget(rq_job_key(job_id), "origin")
     if origin is None:
         return None
     job = Job(job_id, connection=connection, serializer=JSONSerializer)
@@ -84,7 +83,7 @@ def job_shell(connection: Redis, job_id: str) -> Job | None:
 
 def read_job_payload(connection: Redis, job_id: str) -> dict[str, Any]:
     """The job's payload object (its single argument), read as bounded JSON; {} if unreadable."""
-    raw = connection.hget(Job.key_for(job_id), "data")
+    raw = connection.hget(rq_job_key(job_id), "data")
     if raw is None:
         return {}
     try:
@@ -99,7 +98,7 @@ def read_job_payload(connection: Redis, job_id: str) -> dict[str, Any]:
 def latest_rq_result(connection: Redis, job_id: str) -> dict[str, Any] | None:
     """RQ's latest result entry of a job, with `return_value` parsed as JSON (None when it is
     not JSON) and `exc_string` inflated (bounded); None when there is no entry."""
-    reply = connection.xrevrange(Result.get_key(job_id), "+", "-", count=1)
+    reply = connection.xrevrange(rq_results_key(job_id), "+", "-", count=1)
     if not reply:
         return None
     fields = {k.decode(): v for k, v in reply[0][1].items()}

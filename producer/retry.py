@@ -29,14 +29,18 @@ class RedisUnavailableError(RedisConnectionError):
 
 def redact_url(url: str) -> str:
     """The Redis URL with its password replaced by ***, fit for logs and error messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host += f":{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        port = f":{parts.port}" if parts.port else ""
+        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+    except ValueError:
+        return "<unparsable URL>"
 
 
 def backoff_delays(first_s: float = FIRST_DELAY_S, max_s: float = MAX_DELAY_S):

@@ -10,7 +10,7 @@ from redis import Redis
 from rq import Worker
 
 from producer.client import Client
-from producer.keys import WORKER_KEY_PATTERN
+from producer.contract.keys import WORKER_KEY_PATTERN, worker_key
 
 
 def read_worker_statuses(redis: Redis) -> list[dict[str, Any]]:
@@ -26,7 +26,7 @@ def read_worker_statuses(redis: Redis) -> list[dict[str, Any]]:
             continue
         if not isinstance(info, dict):
             continue
-        info["name"] = key.decode().split(":", 2)[2]
+        info["name"] = key.decode().removeprefix(worker_key(""))
         workers.append(info)
     return workers
 

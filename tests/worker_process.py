@@ -14,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from producer.schema import worker_key
+from producer.contract.keys import worker_key
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = os.environ.get("PAGEDQ_TEST_MODEL", "smollm2")

@@ -8,7 +8,7 @@ import threading
 import redis
 import structlog
 
-from producer.keys import CANCEL_CHANNEL
+from producer.contract.keys import CANCEL_CHANNEL
 
 log = structlog.get_logger("pagedq.worker")
 RECONNECT_S = 1.0

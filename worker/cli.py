@@ -8,7 +8,8 @@ import sys
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from worker.config import DEFAULT_REDIS_URL, LIMIT_HELP, REDIS_URL_ENV, WorkerConfig
+from producer.contract.keys import DEFAULT_REDIS_URL, REDIS_URL_ENV
+from worker.config import WorkerConfig
 from worker.flags import (
     Flag,
     FlagSpec,
@@ -61,7 +62,6 @@ def worker_flags() -> WorkerFlags:
     limits = add_dataclass_flags(
         p.add_argument_group("per-job limits (JobLimits, docs/LIMITS.md)"),
         JobLimits,
-        helps=LIMIT_HELP,
     )
     defaults = WorkerConfig(redis_url=os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL)
     own = add_dataclass_flags(

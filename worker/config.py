@@ -11,24 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
+from producer.contract.keys import (
+    DEFAULT_QUEUE,
+    DEFAULT_REDIS_URL,
+    DEFAULT_RESULT_TTL,
+    DEFAULT_STREAM_TTL,
+    REDIS_URL_ENV,
+)
 from worker.limits import JobLimits
-
-DEFAULT_RESULT_TTL = 7 * 24 * 3600
-DEFAULT_STREAM_TTL = 24 * 3600
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-REDIS_URL_ENV = "PAGEDQ_REDIS_URL"
-
-# Help texts of the JobLimits fields (worker/limits.py documents what each one checks).
-LIMIT_HELP = {
-    "max_n": "completions per job (`n`) at most",
-    "max_payload_bytes": "largest job data once inflated, checked before any JSON parsing "
-    "(a zlib bomb stops there)",
-    "max_stop": "stop strings per job at most",
-    "max_stop_token_ids": "stop token ids per job at most",
-    "max_tokens": "cap on each job's `max_tokens` (`min_tokens` with it); none: only the "
-    "context limits a generation",
-    "max_logprobs": "top log-probabilities per token at most (0-20)",
-}
 
 
 def _doc(text: str, **extra: Any) -> dict[str, Any]:
@@ -50,7 +40,7 @@ class WorkerConfig:
         ),
     )
     queue: str = field(
-        default="pagedq",
+        default=DEFAULT_QUEUE,
         metadata=_doc("RQ queue name; the worker also serves `{queue}@{model}`"),
     )
     result_ttl: int = field(

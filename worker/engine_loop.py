@@ -7,13 +7,13 @@ One lock guards the engine; the engine thread holds it for a step, the control t
 between two steps.
 
 Nothing a job carries is worked on by the control thread: a tokenizer thread turns each
-`AddRequest`'s prompt text or chat messages into token ids (with its own copy of the tokenizer;
-the fast tokenizer lets go of the GIL meanwhile), so a megabyte prompt delays its own job only.
+`AddRequest`'s prompt text or chat messages into token ids with the engine's own prompt
+handling (`engine.prompts.copy()`: its own copy of the tokenizer; the fast tokenizer lets go of
+the GIL meanwhile), so a megabyte prompt delays its own job only.
 """
 
 from __future__ import annotations
 
-import copy
 import queue
 import threading
 import time
@@ -33,26 +33,13 @@ MAX_PENDING_ADDS = 8
 
 @dataclass(slots=True)
 class AddRequest:
-    """Command: add one request to the running batch: a prompt (text or token ids), or chat
-    `messages` ([{role, content}], prompt None) that the tokenizer thread templates."""
+    """Command: add one request to the running batch. `prompt` is a text, token ids or chat
+    messages ([{role, content}]) until the tokenizer thread makes it a ProcessedPrompt."""
 
     request_id: str
-    prompt: str | list[int] | None
+    prompt: Any  # engine.prompts.Prompt, then engine.prompts.ProcessedPrompt
     params: Any  # engine.SamplingParams
     priority: int = 0
-    messages: list[dict] | None = None
-    tenant: str | None = None
-
-
-@dataclass(slots=True)
-class _Tokenized:
-    """A tokenized AddRequest, ready for `LLMEngine.add_request`."""
-
-    request_id: str
-    text: str | None
-    token_ids: list[int]
-    params: Any
-    priority: int
     tenant: str | None = None
 
 
@@ -119,7 +106,7 @@ class EngineLoop:
         self._pending_lock = threading.Lock()
         self._pending: set[str] = set()
         self._canceled: set[str] = set()
-        self._tokenizer = own_copy(engine.tokenizer)
+        self._prompts = engine.prompts.copy()
         self._tokenizer_thread = threading.Thread(
             target=self._tokenize_forever, name="tokenizer", daemon=True
         )
@@ -195,15 +182,13 @@ class EngineLoop:
             try:
                 self.engine.add_request(
                     command.request_id,
-                    command.token_ids,
+                    command.prompt,
                     command.params,
                     command.priority,
                     tenant=command.tenant,
                 )
             except ValueError as exc:
                 self.events.put(AddFailed(command.request_id, str(exc)))
-                continue
-            self.engine.parents[command.request_id].prompt = command.text
 
     # --- tokenizer thread -------------------------------------------------------------------
     def _tokenize_forever(self) -> None:
@@ -211,8 +196,11 @@ class EngineLoop:
             command = self._to_tokenize.get()
             if command is None:
                 return
+            ready: AddRequest | AddFailed = command
             try:
-                ready: _Tokenized | AddFailed = self._tokenize(command)
+                command.prompt = self._prompts.process(command.prompt)
+            except ValueError as exc:
+                ready = AddFailed(command.request_id, str(exc))
             except Exception as exc:  # noqa: BLE001 - a template or tokenizer error is the job's
                 ready = AddFailed(command.request_id, f"{type(exc).__name__}: {exc}")
             with self._pending_lock:
@@ -226,31 +214,6 @@ class EngineLoop:
                     self.commands.put(ready)
             self._wake.set()
 
-    def _tokenize(self, command: AddRequest) -> _Tokenized | AddFailed:
-        prompt, text = command.prompt, None
-        if command.messages is not None:
-            if not command.messages:
-                return AddFailed(command.request_id, "messages must hold at least one message")
-            token_ids = self._tokenizer.apply_chat_template(
-                list(command.messages), add_generation_prompt=True, tokenize=True
-            )
-            if hasattr(token_ids, "keys"):
-                token_ids = token_ids["input_ids"]
-        elif isinstance(prompt, str):
-            if not prompt:
-                return AddFailed(command.request_id, "prompt must not be empty")
-            text, token_ids = prompt, self._tokenizer.encode(prompt)
-        else:
-            token_ids = prompt
-        return _Tokenized(
-            command.request_id,
-            text,
-            list(token_ids),
-            command.params,
-            command.priority,
-            command.tenant,
-        )
-
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
@@ -261,11 +224,10 @@ class EngineLoop:
                     outputs = self.engine.step() if busy else []
                     failed = dict(self.engine.pop_failed_requests())
                     self.stats = self.engine.get_stats()
-                    sched_out = self.engine.last_scheduler_output if busy else None
                 if busy:
                     self.last_step_at = time.time()
-                    if self.on_step is not None and sched_out is not None:
-                        self.on_step(sched_out.total_num_scheduled_tokens)
+                    if self.on_step is not None:
+                        self.on_step(self.stats.num_scheduled_tokens)
                 if failed:
                     # The culprit's final "abort" output is not a finish: it is a failure.
                     outputs = [o for o in outputs if o.request_id not in failed]
@@ -283,11 +245,3 @@ class EngineLoop:
                     time.sleep(0.001)
         except Exception as exc:  # noqa: BLE001 - reported to the control thread, which exits
             self.events.put(EngineCrashed(f"{type(exc).__name__}: {exc}"))
-
-
-def own_copy(tokenizer: Any) -> Any:
-    """A private copy for the tokenizer thread: fast tokenizers are not safe to share."""
-    try:
-        return copy.deepcopy(tokenizer)
-    except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared as is
-        return tokenizer

@@ -1,13 +1,55 @@
-"""One started job as the worker tracks it while its request is in the engine."""
+"""One started job as the worker holds it while its request is in the engine, and what this run
+of it has streamed (one entry per engine step, a restart entry first for a re-run)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer.schema import GenerationRequest
-from worker.rq_adapter import Claim
-from worker.streams import StreamState
+from producer.contract.schema import GenerationRequest
+from worker.claim import Claim
+
+RESTART_ENTRY = {"event": "restart"}
+"""First entry of a re-run: readers drop what they read before it and start over."""
+
+
+@dataclass(slots=True)
+class StreamState:
+    """What this run of a job has streamed: its text and its number of tokens.
+
+    A re-run (attempt > 1) starts with a pending restart entry, so the entries after the last
+    restart always concatenate to the final result's text.
+    """
+
+    text: str = ""
+    num_tokens: int = 0
+    pending: list[dict[str, str]] = field(default_factory=list)
+    ttl_set: bool = False
+
+    @classmethod
+    def for_attempt(cls, attempt: int) -> StreamState:
+        """The state of a new run: a re-run starts with the restart entry."""
+        return cls(pending=[dict(RESTART_ENTRY)] if attempt > 1 else [])
+
+    def token_entry(self, completion: Any) -> dict[str, str] | None:
+        """The entry for this step's new tokens of choice 0, or None when nothing is new."""
+        new_ids = list(completion.token_ids[self.num_tokens :])
+        if not new_ids:
+            return None
+        delta = completion.text[len(self.text) :]
+        self.text = completion.text
+        self.num_tokens += len(new_ids)
+        return {"event": "token", "delta": delta, "token_ids": json.dumps(new_ids)}
+
+    def take(self, completion: Any | None) -> list[dict[str, str]]:
+        """The entries to write this step: a pending restart, then the new tokens."""
+        entries, self.pending = self.pending, []
+        if completion is not None:
+            entry = self.token_entry(completion)
+            if entry is not None:
+                entries.append(entry)
+        return entries
 
 
 @dataclass(slots=True)

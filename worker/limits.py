@@ -2,31 +2,42 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 DEFAULT_MAX_PAYLOAD_BYTES = 2**20
 
 
+def _doc(text: str) -> dict[str, Any]:
+    return {"help": text}
+
+
 @dataclass(slots=True, frozen=True)
 class JobLimits:
-    """What one job may ask of this worker. The wire schema's hard limits (producer/schema.py)
-    are looser; these are the worker's own, meant to be set by flags.
+    """What one job may ask of this worker (its `pagedq worker` flags). The wire schema's hard
+    limits (producer/contract/schema.py) are looser; the model's own (vocabulary, context) are
+    the engine's to check."""
 
-    - ``max_n``: completions per job (``n``).
-    - ``max_payload_bytes``: the job's JSON data once inflated (RQ stores it zlib-compressed);
-      checked before any JSON parsing, so it also bounds tokenization work.
-    - ``max_stop``, ``max_stop_token_ids``: stop strings and stop token ids per job.
-    - ``max_tokens``: a cap applied to each job's ``max_tokens`` (None: no cap but the
-      context; a generation always ends at the model's ``max_model_len`` with "length").
-    - ``max_logprobs``: top log-probabilities per token.
-    """
-
-    max_n: int = 16
-    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
-    max_stop: int = 16
-    max_stop_token_ids: int = 64
-    max_tokens: int | None = None
-    max_logprobs: int = 20
+    max_n: int = field(default=16, metadata=_doc("completions per job (`n`) at most"))
+    max_payload_bytes: int = field(
+        default=DEFAULT_MAX_PAYLOAD_BYTES,
+        metadata=_doc(
+            "largest job data once inflated, checked before any JSON parsing "
+            "(a zlib bomb stops there)"
+        ),
+    )
+    max_stop: int = field(default=16, metadata=_doc("stop strings per job at most"))
+    max_stop_token_ids: int = field(default=64, metadata=_doc("stop token ids per job at most"))
+    max_tokens: int | None = field(
+        default=None,
+        metadata=_doc(
+            "cap on each job's `max_tokens` (`min_tokens` with it); none: only the context "
+            "limits a generation"
+        ),
+    )
+    max_logprobs: int = field(
+        default=20, metadata=_doc("top log-probabilities per token at most (0-20)")
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_payload_bytes", "max_stop", "max_stop_token_ids"):
@@ -37,16 +48,34 @@ class JobLimits:
         if not 0 <= self.max_logprobs <= 20:
             raise ValueError(f"max_logprobs={self.max_logprobs} is invalid: must be in [0, 20]")
 
-
-@dataclass(slots=True, frozen=True)
-class ModelLimits:
-    """The served model's real limits: token ids must be < ``vocab_size``, a sequence at most
-    ``max_model_len`` tokens."""
-
-    vocab_size: int
-    max_model_len: int
-
-    @classmethod
-    def from_engine(cls, engine) -> ModelLimits:
-        """The limits of a loaded `LLMEngine`."""
-        return cls(engine.hf_config.vocab_size, engine.max_model_len)
+    def violation(self, request: Any) -> str | None:
+        """What a schema-valid request asks beyond these limits ("field: must be ..."), or None."""
+        stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
+        stop_ids = request.stop_token_ids or []
+        checks = [
+            ("n", request.n, request.n <= self.max_n, f"<= {self.max_n} (this worker's max_n)"),
+            (
+                "logprobs",
+                request.logprobs,
+                request.logprobs is None or request.logprobs <= self.max_logprobs,
+                f"<= {self.max_logprobs}",
+            ),
+            (
+                "stop",
+                f"{len(stops)} strings",
+                len(stops) <= self.max_stop,
+                f"at most {self.max_stop} strings",
+            ),
+            (
+                "stop_token_ids",
+                f"{len(stop_ids)} ids",
+                len(stop_ids) <= self.max_stop_token_ids,
+                f"at most {self.max_stop_token_ids} ids",
+            ),
+        ]
+        for name, value, ok, allowed in checks:
+            if not ok:
+                text = repr(value)
+                text = text if len(text) <= 80 else text[:77] + "..."
+                return f"invalid request: {name}: must be {allowed}, got {text}"
+        return None

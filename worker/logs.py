@@ -24,8 +24,6 @@ import structlog
 
 log = structlog.get_logger("pagedq.worker")
 
-# RQ's own per-job line; pagedq logs one line per job end itself (`log_job_end`).
-RQ_JOB_END_PREFIX = "Successfully completed "
 # Read by huggingface_hub, tqdm (4.66+: TQDM_* env vars set its defaults) and transformers.
 PROGRESS_BAR_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
 
@@ -62,20 +60,11 @@ def configure_logging(log_format: str = "console", level: str = "INFO") -> None:
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
         )
     )
-    handler.addFilter(_drop_rq_job_end)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
     if log_format == "json":
         _json_only(stream)
-
-
-def _drop_rq_job_end(record: logging.LogRecord) -> bool:
-    return not (
-        record.name == "rq.worker"
-        and isinstance(record.msg, str)
-        and record.msg.startswith(RQ_JOB_END_PREFIX)
-    )
 
 
 def _json_only(stream: TextIO) -> None:

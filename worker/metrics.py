@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from worker.metrics_server import MetricsServer
+from worker.endpoints import MetricsServer
 
 # Latency buckets from a few ms (a GPU decode step) to many minutes (a long CPU job).
 LATENCY_BUCKETS = (

@@ -1,16 +1,21 @@
-"""The control loop's Redis link: rides out outages, buffering writes until Redis is back."""
+"""The worker's link to Redis: script calls sent in batches, reloaded after a restart, and
+buffered in order while Redis is unreachable."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 import structlog
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from worker.rq_adapter import Command, ScriptCall, ScriptRunner
+from producer.contract.lua import LuaScript
 
 log = structlog.get_logger("pagedq.worker")
 
@@ -19,7 +24,91 @@ UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadO
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 
-Batch = tuple[list[ScriptCall | Command], Callable[[list[Any]], None] | None]
+
+def connect(url: str) -> redis.Redis:
+    """A client for the control loop: no hidden retries (the loop has its own backoff)."""
+    return redis.Redis.from_url(
+        url,
+        retry=Retry(NoBackoff(), 0),
+        socket_connect_timeout=5,
+        socket_timeout=30,
+        health_check_interval=15,
+    )
+
+
+@dataclass(slots=True)
+class ScriptCall:
+    """One EVALSHA to run, alone or in a batch."""
+
+    script: LuaScript
+    keys: list[str]
+    args: list[Any]
+
+
+@dataclass(slots=True)
+class Command:
+    """One plain Redis command to run in a batch (e.g. a cancel-key check)."""
+
+    name: str
+    args: list[Any]
+
+
+Call = ScriptCall | Command
+
+
+class ScriptRunner:
+    """Runs scripts by EVALSHA; reloads them when Redis answers NOSCRIPT (e.g. after a restart)."""
+
+    def __init__(self, connection: redis.Redis) -> None:
+        self.connection = connection
+        self._shas: dict[str, str] = {}
+
+    def call(self, call: Call) -> Any:
+        """Run one call now."""
+        return self.run([call])[0]
+
+    def run(self, calls: list[Call]) -> list[Any]:
+        """Run a batch in one MULTI/EXEC (all or nothing on a lost connection); the replies.
+
+        A script refused with NOSCRIPT did not run, so it is loaded and run again alone.
+        Other errors are raised. Connection errors propagate (the caller retries the batch).
+        """
+        if len(calls) == 1:
+            return [self._one(calls[0])]
+        with self.connection.pipeline(transaction=True) as pipe:
+            for c in calls:
+                self._queue(pipe, c)
+            replies = pipe.execute(raise_on_error=False)
+        for i, reply in enumerate(replies):
+            if isinstance(reply, redis.exceptions.NoScriptError):
+                replies[i] = self._one(calls[i])
+            elif isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    def _sha(self, script: LuaScript) -> str:
+        sha = self._shas.get(script.name)
+        if sha is None:
+            sha = self._shas[script.name] = hashlib.sha1(script.source.encode()).hexdigest()
+        return sha
+
+    def _one(self, c: Call) -> Any:
+        if isinstance(c, Command):
+            return self.connection.execute_command(c.name, *c.args)
+        try:
+            return self.connection.evalsha(self._sha(c.script), len(c.keys), *c.keys, *c.args)
+        except redis.exceptions.NoScriptError:
+            self.connection.script_load(c.script.source)
+            return self.connection.evalsha(self._sha(c.script), len(c.keys), *c.keys, *c.args)
+
+    def _queue(self, pipe: Any, c: Call) -> None:
+        if isinstance(c, Command):
+            pipe.execute_command(c.name, *c.args)
+        else:
+            pipe.evalsha(self._sha(c.script), len(c.keys), *c.keys, *c.args)
+
+
+Batch = tuple[list[Call], Callable[[list[Any]], None] | None]
 
 
 class RedisLink:
@@ -30,14 +119,14 @@ class RedisLink:
     nothing; EVALSHA after a Redis restart reloads the scripts (NOSCRIPT).
     """
 
-    def __init__(self, scripts: ScriptRunner) -> None:
-        self.scripts = scripts
+    def __init__(self, connection: redis.Redis) -> None:
+        self.scripts = ScriptRunner(connection)
         self.up = True
         self.outbox: deque[Batch] = deque()
         self._attempt = 0
         self._next_attempt_at = 0.0
 
-    def run(self, calls: list[ScriptCall | Command], on_replies=None) -> None:
+    def run(self, calls: list[Call], on_replies=None) -> None:
         """Run a write batch now, or buffer it while Redis is down; on_replies gets the replies."""
         if not calls:
             return

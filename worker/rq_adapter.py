@@ -1,10 +1,9 @@
-"""The only place that knows RQ's key layout and entry formats, with rq_scripts.py (its Lua),
-rq_claim.py (a dequeued job's raw fields) and rq_calls.py (how scripts are sent).
+"""RQ's view of one worker: registration, dequeue, leases, job endings, the reaper.
 
 A worker talks to RQ's state only through `RQAdapter`: each call is one EVALSHA of a fenced
-script (rq_scripts.py), or builds one for a batch. Nothing here calls RQ code that could import
-a callback, follow a dependency or send a webhook: RQ's classes are used only to read job data
-as JSON (`Job` with `JSONSerializer`, never fetched) and to format dates as RQ does.
+script (worker/rq_scripts.py), or builds one for a batch (`ScriptCall`). Nothing here calls RQ
+code that could import a callback, follow a dependency or send a webhook; from RQ it takes only
+its date format.
 """
 
 from __future__ import annotations
@@ -16,28 +15,46 @@ import sys
 import time
 import zlib
 from base64 import b64encode
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 import redis
-from rq.serializers import JSONSerializer
 from rq.utils import utcformat
 
-from producer.keys import STREAM_MAXLEN, worker_key
-from worker.fair_queue import DEFAULT_AGING_SECONDS, DEFAULT_MAX_WAIT_SECONDS, publish_weights
-from worker.rq_calls import Command, ScriptCall, ScriptRunner
-from worker.rq_claim import Claim
-
-__all__ = ["Claim", "Command", "RQAdapter", "ScriptCall", "ScriptRunner", "crash_reason"]
+from producer.contract.keys import (
+    RQ_QUEUES,
+    RQ_RESULT_FAILED,
+    RQ_RESULT_SUCCESSFUL,
+    RQ_WORKERS,
+    STREAM_MAXLEN,
+    cancel_key,
+    rq_queue_key,
+    rq_queue_name,
+    rq_wip_key,
+    rq_worker_key,
+    rq_workers_of_key,
+    weights_key,
+)
+from producer.contract.lua import LuaScript
+from worker.claim import Claim
+from worker.redis_link import Command, ScriptCall
+from worker.rq_scripts import (
+    DEFAULT_AGING_SECONDS,
+    DEFAULT_MAX_WAIT_SECONDS,
+    DEQUEUE,
+    END,
+    HEARTBEAT,
+    REAP,
+    REGISTER,
+    REQUEUE,
+    STREAM,
+)
 
 # How many stale queue entries one dequeue call may skip before it gives up for this round.
 MAX_POPS_PER_DEQUEUE = 32
 # How many expired leases one reaper call handles per queue (the rest on the next call).
 REAP_LIMIT = 100
-# RQ's Result.Type values.
-RESULT_SUCCESSFUL, RESULT_FAILED = 1, 2
-# Where RQ's registries are named in end scripts, by final status.
-REGISTRY = {"finished": "finished", "failed": "failed", "canceled": "canceled"}
 
 
 def rq_date(t: float) -> str:
@@ -50,13 +67,32 @@ def rq_exc_string(message: str) -> str:
     return b64encode(zlib.compress(message.encode())).decode()
 
 
-def queue_key(name: str) -> str:
-    """RQ's list key of a queue."""
-    return f"rq:queue:{name}"
+def crash_reason(max_crashes: int) -> str:
+    """The error of a job failed because workers kept dying while it ran."""
+    return (
+        f"job was in flight during {max_crashes} worker crashes (--max-crashes {max_crashes}); "
+        "not retried"
+    )
+
+
+def _pairs(fields: Mapping[str, Any]) -> list[Any]:
+    return [x for kv in fields.items() for x in kv]
+
+
+def _call(
+    script: LuaScript,
+    keys: Mapping[str, str] | None = None,
+    args: Mapping[str, Any] | None = None,
+    *,
+    rest_keys: list[str] | tuple = (),
+    rest: list[Any] | tuple = (),
+) -> ScriptCall:
+    k, a = script.keys_and_args(keys, args, rest_keys=rest_keys, rest=rest)
+    return ScriptCall(script, k, a)
 
 
 class RQAdapter:
-    """RQ's view of one worker: registration, dequeue, leases, job endings, the reaper."""
+    """Builds the script calls of one worker; `run` is the link's runner (ScriptRunner.call)."""
 
     def __init__(
         self,
@@ -80,15 +116,20 @@ class RQAdapter:
         self.max_crashes = max_crashes
         self.aging_seconds = aging_seconds
         self.max_wait_seconds = max_wait_seconds
-        self.scripts = ScriptRunner(connection)
-        self.key = f"rq:worker:{name}"
+        self.key = rq_worker_key(name)
         self._execution_seq = 0
         self._execution_prefix = os.urandom(6).hex()
 
+    @property
+    def worker_ttl(self) -> int:
+        """Seconds the worker's registration outlives its last heartbeat."""
+        return self.lease_ttl + 60
+
     # --- registration -------------------------------------------------------------------------
 
-    def register(self) -> bool:
-        """Register in `rq:workers` (what `rq info` lists); False if a live worker has the name."""
+    def register_call(self) -> ScriptCall:
+        """Register in RQ's worker set (what `rq info` lists); the reply is 0 if a live worker
+        has the name."""
         t = time.time()
         fields = {
             "birth": rq_date(t),
@@ -102,66 +143,82 @@ class RQAdapter:
             "python_version": sys.version,
             "state": "idle",
         }
-        pairs = [x for kv in fields.items() for x in kv]
-        keys = [self.key, "rq:workers", *(f"rq:workers:{q}" for q in self.queues)]
-        args = [t, self.lease_ttl, self.worker_ttl, *pairs, "--", *map(queue_key, self.queues)]
-        return bool(self.scripts.call(ScriptCall("register", keys, args)))
+        return _call(
+            REGISTER,
+            {"worker": self.key, "workers": RQ_WORKERS},
+            {
+                "now": t,
+                "lease_ttl": self.lease_ttl,
+                "key_ttl": self.worker_ttl,
+                "n_fields": len(fields) * 2,
+            },  # fmt: skip
+            rest_keys=[rq_workers_of_key(q) for q in self.queues],
+            rest=[*_pairs(fields), *map(rq_queue_key, self.queues)],
+        )
 
     def name_in_use(self) -> bool:
         """True when a live worker (heartbeat younger than a lease) is registered under the
-        name: the same test the register script makes, read-only, to fail fast at start-up."""
+        name: the register script's test, read-only, to fail fast at start-up."""
         death, heartbeat = self.connection.hmget(self.key, "death", "pagedq_heartbeat")
         if not self.connection.exists(self.key) or death is not None:
             return False
         return heartbeat is None or time.time() - float(heartbeat) < self.lease_ttl
 
-    @property
-    def worker_ttl(self) -> int:
-        """Seconds the worker's registration outlives its last heartbeat."""
-        return self.lease_ttl + 60
-
     def unregister(self) -> None:
-        """Remove the worker from RQ's registry and its pagedq status key."""
+        """Remove the worker from RQ's registry."""
         with self.connection.pipeline(transaction=True) as pipe:
-            pipe.srem("rq:workers", self.key)
+            pipe.srem(RQ_WORKERS, self.key)
             for q in self.queues:
-                pipe.srem(f"rq:workers:{q}", self.key)
-            pipe.delete(self.key, worker_key(self.name))
+                pipe.srem(rq_workers_of_key(q), self.key)
+            pipe.delete(self.key)
             pipe.execute()
 
     def all_queues(self) -> list[str]:
         """The worker's base queues and every priority/tenant sub-queue RQ knows of them."""
-        prefixes = tuple(queue_key(q) + ":" for q in self.queues)
+        prefixes = tuple(rq_queue_key(q) + ":" for q in self.queues)
         subs = sorted(
-            k.decode()[len("rq:queue:") :]
-            for k in self.connection.smembers("rq:queues")
+            rq_queue_name(k.decode())
+            for k in self.connection.smembers(RQ_QUEUES)
             if k.decode(errors="replace").startswith(prefixes)
         )
         return [*self.queues, *subs]
 
     def set_tenant_weights(self, weights: dict[str, float]) -> None:
-        """Publish tenant weights for the fair pick (shared by all workers; last writer wins)."""
-        publish_weights(self.connection, self.queues, weights)
+        """Publish tenant weights once per root queue (shared by all workers; last writer wins)."""
+        keys = sorted({weights_key(q) for q in self.queues})
+        if weights and keys:
+            with self.connection.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.hset(key, mapping={t: str(w) for t, w in weights.items()})
+                pipe.execute()
 
     # --- dequeue ------------------------------------------------------------------------------
 
-    def dequeue(self) -> Claim | None:
-        """Pop the first runnable job of the worker's queues and mark it started, atomically."""
+    def dequeue_call(self) -> tuple[ScriptCall, str, float]:
+        """The script popping the first runnable job and marking it started, with the execution
+        id (fencing token) and start time it gives the job; see `claim`."""
         self._execution_seq += 1
         execution = f"{self._execution_prefix}{self._execution_seq:x}"
         t = time.time()
-        keys = [queue_key(q) for q in self.queues]
-        args = [
-            t,
-            self.lease_ttl,
-            self.name,
-            execution,
-            rq_date(t),
-            MAX_POPS_PER_DEQUEUE,
-            self.aging_seconds,
-            self.max_wait_seconds,
-        ]
-        reply = self.scripts.call(ScriptCall("dequeue", keys, args))
+        call = _call(
+            DEQUEUE,
+            args={
+                "now": t,
+                "lease_ttl": self.lease_ttl,
+                "worker_name": self.name,
+                "execution": execution,
+                "started_at": rq_date(t),
+                "max_pops": MAX_POPS_PER_DEQUEUE,
+                "aging_s": self.aging_seconds,
+                "max_wait_s": self.max_wait_seconds,
+            },
+            rest_keys=[rq_queue_key(q) for q in self.queues],
+        )
+        return call, execution, t
+
+    @staticmethod
+    def claim(reply: Any, execution: str, started_at: float) -> Claim | None:
+        """The Claim of a dequeue reply (None: the queues were empty)."""
         if not reply:
             return None
         queue, job_id, attempt, data, enqueued_at, timeout, canceled, status = reply
@@ -174,7 +231,7 @@ class RQAdapter:
             enqueued_at=enqueued_at.decode(errors="replace"),
             timeout=timeout.decode(errors="replace"),
             canceled=bool(canceled),
-            started_at=t,
+            started_at=started_at,
             status_was=status.decode(errors="replace"),
         )
 
@@ -184,56 +241,60 @@ class RQAdapter:
         self,
         claim: Claim,
         status: str,
-        result: dict[str, Any],
+        result_json: str,
+        used_tokens: int,
         final_entry: dict[str, str],
-        summary: dict[str, Any] | None = None,
+        rq_return_value: dict[str, Any] | None = None,
         *,
+        error: str | None = None,
         stream_ttl_set: bool = False,
     ) -> ScriptCall:
         """The fenced script that ends a held job as finished, failed or canceled.
 
-        RQ's result entry gets a small `summary` (finished) or the error (failed); the full
-        result JSON goes to `pagedq:result:{id}` only. `stream_ttl_set`: this run's entries
-        already gave the stream its TTL. Reply 1 = ended, 0 = lease lost.
+        RQ's result entry gets `rq_return_value` (a small summary; finished) or `error`
+        (failed); the full result JSON goes to the result key only. `stream_ttl_set`: this
+        run's entries already gave the stream its TTL. Reply 1 = ended, 0 = lease lost.
         """
-        t = time.time()
-        args = [claim.job_id, claim.queue, claim.execution]
-        args += self._end_args(claim, status, result, final_entry, summary, t)
+        args, rest = self._ending(
+            claim, status, result_json, used_tokens, final_entry, rq_return_value, error
+        )
         if stream_ttl_set:
-            args[9] = 0  # END's ARGV[10], stream_ttl
-        return ScriptCall("end", [self.key], args)
+            args["stream_ttl"] = 0
+        job = {"job_id": claim.job_id, "queue": claim.queue, "execution": claim.execution}
+        return _call(END, {"worker": self.key}, job | args, rest=rest)
 
     def requeue_call(
-        self, claim: Claim, *, count_crash: bool, result: dict[str, Any], reason: str
+        self, claim: Claim, *, count_crash: bool, result_json: str, reason: str
     ) -> ScriptCall:
         """The fenced script that puts a held job back at the front of its queue.
 
-        With `count_crash`, the job's crash count grows; at `max_crashes` it fails instead,
-        with `reason`. Reply 1 = requeued, 2 = failed, 0 = lease lost.
+        With `count_crash`, the job's crash count grows; at `max_crashes` it fails instead with
+        `reason`, `result_json` (a failed result) as its result. Reply 1 = requeued, 2 = failed,
+        0 = lease lost.
         """
-        t = time.time()
         final = {"event": "error", "error": reason}
-        failed = {**result, "status": "failed", "error": reason}
-        args = [claim.job_id, claim.queue, claim.execution, int(count_crash), self.max_crashes]
-        args += self._end_args(claim, "failed", failed, final, None, t)
-        return ScriptCall("requeue", [self.key], args)
+        args, rest = self._ending(claim, "failed", result_json, 0, final, None, reason)
+        job = {"job_id": claim.job_id, "queue": claim.queue, "execution": claim.execution}
+        crash = {"count_crash": int(count_crash), "max_crashes": self.max_crashes}
+        return _call(REQUEUE, {"worker": self.key}, job | crash | args, rest=rest)
 
-    def _end_args(
+    def _ending(
         self,
         claim: Claim,
         status: str,
-        result: dict[str, Any],
+        result_json: str,
+        used_tokens: int,
         final_entry: dict[str, str],
-        summary: dict[str, Any] | None,
-        t: float,
-    ) -> list[Any]:
+        rq_return_value: dict[str, Any] | None,
+        error: str | None,
+    ) -> tuple[dict[str, Any], list[Any]]:
+        t = time.time()
         rq_fields: dict[str, Any] = {}
         if status == "finished":
-            value = b64encode(JSONSerializer.dumps(summary or {})).decode()
-            rq_fields = {"type": RESULT_SUCCESSFUL, "return_value": value}
+            value = b64encode(json.dumps(rq_return_value or {}).encode()).decode()
+            rq_fields = {"type": RQ_RESULT_SUCCESSFUL, "return_value": value}
         elif status == "failed":
-            error = result.get("error") or "failed"
-            rq_fields = {"type": RESULT_FAILED, "exc_string": rq_exc_string(error)}
+            rq_fields = {"type": RQ_RESULT_FAILED, "exc_string": rq_exc_string(error or "failed")}
         if rq_fields:
             rq_fields |= {
                 "worker_name": self.name,
@@ -241,80 +302,69 @@ class RQAdapter:
                 "execution_started_at": claim.started_at,
                 "execution_ended_at": t,
             }
-        rq_pairs = [x for kv in rq_fields.items() for x in kv]
-        final_pairs = [x for kv in final_entry.items() for x in kv]
-        return [
-            status,
-            REGISTRY[status],
-            rq_date(t),
-            t + self.result_ttl,
-            self.result_ttl,
-            json.dumps(result),
-            self.stream_ttl,
-            STREAM_MAXLEN,
-            len(rq_pairs),
-            len(final_pairs),
-            *rq_pairs,
-            *final_pairs,
-        ]
+        args = {
+            "status": status,
+            "ended_at": rq_date(t),
+            "score": t + self.result_ttl,
+            "ttl": self.result_ttl,
+            "result": result_json,
+            "used_tokens": used_tokens,
+            "stream_ttl": self.stream_ttl,
+            "maxlen": STREAM_MAXLEN,
+            "n_rq": len(rq_fields) * 2,
+            "n_final": len(final_entry) * 2,
+        }
+        return args, [*_pairs(rq_fields), *_pairs(final_entry)]
 
     def stream_call(self, entries: list[tuple[Claim, dict[str, str], bool]]) -> ScriptCall:
         """One fenced script appending a step's entries: (claim, fields, set_ttl) per job.
 
         Reply: the job ids whose lease was lost (their entries were not written).
         """
-        args: list[Any] = [STREAM_MAXLEN, self.stream_ttl]
+        rest: list[Any] = []
         for claim, fields, set_ttl in entries:
-            pairs = [x for kv in fields.items() for x in kv]
-            args += [claim.job_id, claim.execution, int(set_ttl), len(pairs), *pairs]
-        return ScriptCall("stream", [], args)
+            pairs = _pairs(fields)
+            rest += [claim.job_id, claim.execution, int(set_ttl), len(pairs), *pairs]
+        return _call(STREAM, args={"maxlen": STREAM_MAXLEN, "stream_ttl": self.stream_ttl},
+                     rest=rest)  # fmt: skip
 
-    def cancel_check(self, job_ids: list[str]) -> Command:
+    @staticmethod
+    def cancel_check(job_ids: list[str]) -> Command:
         """MGET of the cancel keys of `job_ids` (a fallback for missed cancel messages)."""
-        return Command("MGET", [f"pagedq:cancel:{j}" for j in job_ids])
+        return Command("MGET", [cancel_key(j) for j in job_ids])
 
     # --- leases -------------------------------------------------------------------------------
 
-    def heartbeat_call(self, claims: list[Claim], state: str, status: dict[str, Any]) -> ScriptCall:
+    def heartbeat_call(self, claims: list[Claim], state: str) -> ScriptCall:
         """Renew every held lease and the worker's registration; reply: members whose lease is
         gone (another worker's reaper took the job)."""
         t = time.time()
-        args: list[Any] = [
-            t + self.lease_ttl,
-            self.worker_ttl,
-            t,
-            rq_date(t),
-            state,
-            json.dumps(status),
-            max(5, self.lease_ttl),
-        ]
+        rest: list[Any] = []
         for c in claims:
-            args += [c.queue, c.member]
-        return ScriptCall("heartbeat", [self.key, worker_key(self.name)], args)
+            rest += [c.queue, c.member]
+        args = {
+            "lease_deadline": t + self.lease_ttl,
+            "worker_ttl": self.worker_ttl,
+            "now": t,
+            "last_heartbeat": rq_date(t),
+            "state": state,
+        }
+        return _call(HEARTBEAT, {"worker": self.key}, args, rest=rest)
 
-    def reap(self) -> tuple[list[str], list[str]]:
-        """Requeue (or fail, after max_crashes) jobs whose lease expired; (requeued, failed)."""
+    def reap_call(self) -> ScriptCall:
+        """Requeue (or fail, after max_crashes) jobs whose lease expired; the reply is
+        (requeued ids, failed ids)."""
         t = time.time()
         reason = crash_reason(self.max_crashes)
-        args = [
-            t,
-            self.max_crashes,
-            rq_date(t),
-            self.result_ttl,
-            rq_exc_string(reason),
-            reason,
-            self.stream_ttl,
-            STREAM_MAXLEN,
-            REAP_LIMIT,
-        ]
-        keys = [f"rq:wip:{q}" for q in self.all_queues()]
-        requeued, failed = self.scripts.call(ScriptCall("reap", keys, args))
-        return [j.decode() for j in requeued], [j.decode() for j in failed]
-
-
-def crash_reason(max_crashes: int) -> str:
-    """The error of a job failed because workers kept dying while it ran."""
-    return (
-        f"job was in flight during {max_crashes} worker crashes (--max-crashes {max_crashes}); "
-        "not retried"
-    )
+        args = {
+            "now": t,
+            "max_crashes": self.max_crashes,
+            "ended_at": rq_date(t),
+            "failure_ttl": self.result_ttl,
+            "exc_string": rq_exc_string(reason),
+            "reason": reason,
+            "stream_ttl": self.stream_ttl,
+            "maxlen": STREAM_MAXLEN,
+            "limit": REAP_LIMIT,
+        }
+        return _call(REAP, args=args, rest_keys=[rq_wip_key(q) for q in self.all_queues()])

@@ -10,50 +10,23 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import structlog
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
+from producer.contract.routing import model_queue
+from producer.retry import redact_url
 from worker.config import WorkerConfig
-from worker.health import WorkerHealth
+from worker.endpoints import MetricsPortInUse, WorkerHealth
 from worker.logs import log_engine_ready
 from worker.metrics import WorkerMetrics
-from worker.metrics_server import MetricsPortInUse
+from worker.redis_link import connect
+from worker.rq_adapter import RQAdapter
 
 log = structlog.get_logger("pagedq.worker")
 
 # Exit codes.
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
-
-
-def redact_url(url: str) -> str:
-    """The URL with its password replaced by `***` (the user name stays)."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        port = f":{parts.port}" if parts.port else ""
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
-    except ValueError:
-        return "<unparsable URL>"
-
-
-def connect(url: str) -> redis.Redis:
-    """A client for the control loop: no hidden retries (the loop has its own backoff)."""
-    return redis.Redis.from_url(
-        url,
-        retry=Retry(NoBackoff(), 0),
-        socket_connect_timeout=5,
-        socket_timeout=30,
-        health_check_interval=15,
-    )
 
 
 def build_engine(config: WorkerConfig):
@@ -120,8 +93,18 @@ def run_worker(config: WorkerConfig) -> int:
             )
             return EXIT_ERROR
         log.info("metrics served", host=config.metrics_host, port=config.metrics_port)
-    name = config.name or uuid.uuid4().hex
-    if _name_in_use(connection, name, config):
+    adapter = RQAdapter(
+        connection,
+        config.name or uuid.uuid4().hex,
+        [model_queue(config.queue, config.model), config.queue],
+        lease_ttl=config.lease_ttl,
+        result_ttl=config.result_ttl,
+        stream_ttl=config.stream_ttl,
+        max_crashes=config.max_crashes,
+        aging_seconds=config.engine.priority_aging_seconds or 0,
+    )
+    if adapter.name_in_use():
+        _log_name_taken(adapter.name)
         return EXIT_ERROR
     t0 = time.monotonic()
     log.info(
@@ -130,32 +113,14 @@ def run_worker(config: WorkerConfig) -> int:
     engine = build_engine(config)
     log_engine_ready(engine, time.monotonic() - t0)
 
-    from worker.batch_worker import ControlLoop, WorkerNameTaken
+    from worker.control_loop import ControlLoop, WorkerNameTaken
 
-    loop = ControlLoop(config, engine, connection, metrics, health, name=name)
+    loop = ControlLoop(config, engine, adapter, metrics, health)
     try:
         return loop.run(burst=config.burst)
     except WorkerNameTaken:
-        _log_name_taken(name)
+        _log_name_taken(adapter.name)
         return EXIT_ERROR
-
-
-def _name_in_use(connection: redis.Redis, name: str, config: WorkerConfig) -> bool:
-    from worker.rq_adapter import RQAdapter
-
-    probe = RQAdapter(
-        connection,
-        name,
-        [],
-        lease_ttl=config.lease_ttl,
-        result_ttl=config.result_ttl,
-        stream_ttl=config.stream_ttl,
-        max_crashes=config.max_crashes,
-    )
-    if probe.name_in_use():
-        _log_name_taken(name)
-        return True
-    return False
 
 
 def _log_name_taken(name: str) -> None:

@@ -18,7 +18,7 @@ def check_invariants(engine: LLMEngine) -> None:
     held = sum(len(blocks) for blocks in kv.req_to_blocks.values())
     assert sum(b.ref_cnt for b in kv.block_pool.blocks) == held
     assert kv.num_free_blocks == sum(1 for b in kv.block_pool.blocks if b.ref_cnt == 0)
-    out = engine.last_scheduler_output
+    out = engine.scheduler.last_output
     if out is not None:
         assert out.total_num_scheduled_tokens <= engine.config.max_num_batched_tokens
         assert len(out.scheduled) <= engine.config.max_num_seqs
@@ -71,7 +71,7 @@ def test_continuous_batching_step_trace(tiny_llama_dir):
     trace = []
     while engine.has_unfinished_requests():
         outs = engine.step()
-        sched = engine.last_scheduler_output
+        sched = engine.scheduler.last_output
         trace.append(
             {
                 "scheduled": {
@@ -104,7 +104,7 @@ def test_preemption_latest_arrival_first_and_readmitted_ahead(tiny_llama_dir):
         for out in engine.step():
             if out.finished:
                 order.append(out.request_id)
-        step_preempted = engine.last_scheduler_output.preempted_ids
+        step_preempted = engine.scheduler.last_output.preempted_ids
         if step_preempted and not preempted:
             engine.add_request("later", [8] * 4, params, arrival_time=4.0)
         preempted += step_preempted

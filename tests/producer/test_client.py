@@ -16,10 +16,11 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from producer.client import Client
+from producer.contract.ids import job_id_for
+from producer.contract.keys import CANCEL_CHANNEL, GENERATE_FUNC, cancel_key, result_key, stream_key
+from producer.contract.schema import GenerationRequest
 from producer.errors import InvalidRequestError, JobCanceledError, JobFailedError, JobNotFoundError
-from producer.keys import CANCEL_CHANNEL, cancel_key, job_id_for, result_key, stream_key
 from producer.results import decode_entry
-from producer.schema import GENERATE_FUNC, GenerationRequest
 
 
 @pytest.fixture
@@ -238,7 +239,9 @@ def test_result_of_a_failed_job_raises_with_its_error(served):
         job_id = client.submit(prompt="word " * 600, max_tokens=4)  # longer than max_model_len
         with pytest.raises(JobFailedError, match="must be shorter than max_model_len") as err:
             client.result(job_id, timeout=30)
-        assert err.value.error.startswith("invalid request: prompt is ")
+        assert err.value.error.startswith(
+            "invalid request: prompt: must be shorter than max_model_len"
+        )
         assert err.value.result.worker == served.worker.name
         with pytest.raises(JobFailedError, match="max_model_len"):
             list(client.stream(job_id, timeout=5))

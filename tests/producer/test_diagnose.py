@@ -8,8 +8,8 @@ import time
 from engine.llm_engine import EngineStats
 from producer.cli import main
 from producer.client import Client
-from producer.keys import worker_key
-from worker.status_report import build_status
+from producer.contract.keys import worker_key
+from worker.status import build_status
 
 QUEUE = "diag"
 

@@ -14,9 +14,8 @@ from rq.results import Result
 
 from producer.cli import main as pagedq
 from producer.client import Client
+from producer.contract.keys import GENERATE_FUNC, result_key, stream_key
 from producer.errors import JobFailedError
-from producer.keys import result_key, stream_key
-from producer.schema import GENERATE_FUNC
 
 
 class Marker:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from producer.contract.schema import GenerationResult
 from producer.openai_output import CHAT_URL, COMPLETIONS_URL, BatchOutputLine, result_line
-from producer.schema import GenerationResult
 
 # Two generated tokens, " Paris" (id 7) then "." (id 9); at position 0 the sampled token is not
 # the likeliest one (sampling), so it must still be reported with its own logprob.

@@ -16,9 +16,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from producer.cli import main
 from producer.client import Client
+from producer.contract.keys import result_key, stream_key
+from producer.contract.schema import GenerationResult
 from producer.errors import JobFailedError
-from producer.keys import result_key, stream_key
-from producer.schema import GenerationResult
 from worker.redis_server import find_redis_server, free_port
 
 
@@ -111,8 +111,9 @@ def test_worker_commands_say_to_install_the_extra_when_missing(monkeypatch, caps
 
 def test_producer_never_imports_torch_engine_or_worker():
     code = (
-        "import sys, pagedq_cli, producer.cli, producer.client, producer.bulk, producer.schema, "
-        "producer.status, producer.retry, producer.openai_output, producer.openai_batch; "
+        "import sys, pagedq_cli, producer.cli, producer.client, producer.bulk, "
+        "producer.contract.schema, producer.contract.lua, producer.enqueue, producer.status, "
+        "producer.retry, producer.openai_output, producer.openai_batch; "
         "roots = {m.split('.')[0] for m in sys.modules}; "
         "bad = {'torch', 'engine', 'worker', 'transformers'} & roots; "
         "assert not bad, bad"

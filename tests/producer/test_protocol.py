@@ -13,7 +13,8 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from producer.client import Client
-from producer.schema import GENERATE_FUNC, GenerationRequest
+from producer.contract.keys import GENERATE_FUNC
+from producer.contract.schema import GenerationRequest
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-cli") is None, reason="no redis-cli")
 

@@ -6,9 +6,10 @@ import hashlib
 
 import pytest
 
+from producer.contract.ids import job_id_for, request_digest
+from producer.contract.keys import GENERATE_FUNC, result_key, stream_key, worker_key
+from producer.contract.schema import GenerationRequest, GenerationResult
 from producer.errors import InvalidRequestError
-from producer.keys import job_id_for, request_digest, result_key, stream_key, worker_key
-from producer.schema import GENERATE_FUNC, GenerationRequest, GenerationResult
 
 
 @pytest.mark.parametrize(

@@ -18,9 +18,8 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry
 from worker_helpers import make_client
 
 from engine.llm_engine import FAULT_ENV, FAULT_MARKER
+from producer.contract.keys import GENERATE_FUNC, result_key
 from producer.errors import InvalidRequestError, JobFailedError
-from producer.keys import result_key
-from producer.schema import GENERATE_FUNC
 
 pytestmark = pytest.mark.slow
 

@@ -57,7 +57,7 @@ def reference(engine: LLMEngine) -> dict[str, list[int]]:
     out = {}
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"ref{i}", prompt, GREEDY)
-    engine.add_request("refchat", engine.apply_chat_template(CHAT), GREEDY)
+    engine.add_request("refchat", CHAT, GREEDY)
     while engine.has_unfinished_requests():
         out.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
     engine.kv_cache_manager.block_pool.reset_prefix_cache()
@@ -67,7 +67,7 @@ def reference(engine: LLMEngine) -> dict[str, list[int]]:
 def test_text_ids_and_chat_are_tokenized_by_the_loop_and_match_the_engine(engine, expected, loop):
     loop.add(AddRequest("t0", PROMPTS[0], GREEDY))
     loop.add(AddRequest("t1", engine.tokenizer.encode(PROMPTS[1]), GREEDY, 0))
-    loop.add(AddRequest("chat", None, GREEDY, messages=CHAT))
+    loop.add(AddRequest("chat", CHAT, GREEDY))
     finals, failures, _ = collect(loop, {"t0", "t1", "chat"})
     assert not failures
     assert finals["t0"].outputs[0].token_ids == expected["ref0"]

@@ -5,8 +5,16 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from producer.routing import subqueue_index_key, subqueue_meta, subqueue_name
-from worker.fair_queue import FairQueue
+from fair_pick import FairQueue
+
+from producer.contract.keys import (
+    JOB_FIELDS,
+    rq_job_key,
+    rq_queue_key,
+    subqueue_index_key,
+    tenant_tokens_key,
+)
+from producer.contract.routing import subqueue_meta, subqueue_name
 
 BASE = "pq-test"
 
@@ -14,8 +22,9 @@ BASE = "pq-test"
 def push(r, job_id, priority=0, tenant=None, cost=10, waited=0.0):
     """Queue a bare job id as a producer would, enqueued `waited` seconds ago."""
     name = subqueue_name(BASE, priority, tenant)
-    r.hset(f"rq:job:{job_id}", mapping={"pq_enq": time.time() - waited, "pq_cost": cost})
-    r.rpush(f"rq:queue:{name}", job_id)
+    fields = {JOB_FIELDS["enqueued"]: time.time() - waited, JOB_FIELDS["cost"]: cost}
+    r.hset(rq_job_key(job_id), mapping=fields)
+    r.rpush(rq_queue_key(name), job_id)
     r.hset(subqueue_index_key(BASE), name, subqueue_meta(priority, tenant))
 
 
@@ -92,13 +101,13 @@ def test_charge_replaces_the_estimate(redis_client):
     # a0 used 5 tokens instead of 100: A is owed service, so A goes again before B's second job.
     fq.charge(BASE, "A", 100, 5)
     assert picks(fq, 3) == ["b0", "a1", "b1"]
-    assert redis_client.hget(f"pagedq:tenant-tokens:{BASE}", "A") == b"5"
+    assert redis_client.hget(tenant_tokens_key(BASE), "A") == b"5"
 
 
 def test_empty_and_malformed_subqueues_are_skipped(redis_client):
     redis_client.hset(subqueue_index_key(BASE), "ghost", subqueue_meta(0, None))
     redis_client.hset(subqueue_index_key(BASE), f"{BASE}:bad", "{not json")
-    redis_client.rpush(f"rq:queue:{BASE}:bad", "x")
+    redis_client.rpush(rq_queue_key(f"{BASE}:bad"), "x")
     push(redis_client, "ok")
     fq = FairQueue(redis_client, [BASE])
     assert picks(fq, 5) == ["ok"]
@@ -108,8 +117,9 @@ def test_empty_and_malformed_subqueues_are_skipped(redis_client):
 def test_model_queue_and_generic_queue_compete_fairly(redis_client):
     push(redis_client, "generic", priority=3)
     name = subqueue_name(BASE + "@m", 1)
-    redis_client.hset("rq:job:specific", mapping={"pq_enq": time.time(), "pq_cost": 10})
-    redis_client.rpush(f"rq:queue:{name}", "specific")
+    fields = {JOB_FIELDS["enqueued"]: time.time(), JOB_FIELDS["cost"]: 10}
+    redis_client.hset(rq_job_key("specific"), mapping=fields)
+    redis_client.rpush(rq_queue_key(name), "specific")
     redis_client.hset(subqueue_index_key(BASE + "@m"), name, subqueue_meta(1, None))
     fq = FairQueue(redis_client, [BASE + "@m", BASE])
     assert picks(fq, 3) == ["specific", "generic"]

@@ -11,7 +11,7 @@ from redis import Redis
 from worker_process import WorkerProcess
 
 from producer.client import Client
-from producer.routing import weights_key
+from producer.contract.keys import weights_key
 
 QUEUE = "fair"
 MAX_NUM_SEQS = 8

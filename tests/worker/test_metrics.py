@@ -14,9 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import SamplingParams
 from engine.llm_engine import EngineStats, LLMEngine
-from worker.health import WorkerHealth
+from worker.endpoints import MetricsPortInUse, WorkerHealth
 from worker.metrics import WorkerMetrics
-from worker.metrics_server import MetricsPortInUse
 
 MODEL_NAME = "tiny-llama"
 PROMPT_A = list(range(100, 140))  # 40 tokens: 2 full blocks of 16 can be cached
@@ -62,7 +61,7 @@ class Driver:
 
     def step(self) -> None:
         outputs = self.engine.step()
-        self.metrics.observe_step(self.engine.last_scheduler_output.total_num_scheduled_tokens)
+        self.metrics.observe_step(self.engine.scheduler.last_output.total_num_scheduled_tokens)
         now = time.time()
         for out in outputs:
             rid, tokens = out.request_id, out.outputs[0].token_ids

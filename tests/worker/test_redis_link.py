@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from producer.client import Client
-from worker.redis_link import RedisLink
+from producer.retry import redact_url
+from worker.redis_link import Command, RedisLink, connect
 from worker.redis_server import PrivateRedis
-from worker.rq_adapter import Command, RQAdapter
-from worker.service import connect, redact_url
+from worker.rq_adapter import RQAdapter
 
 
 @pytest.fixture
@@ -18,8 +18,7 @@ def server():
 
 
 def test_writes_made_while_redis_is_down_are_buffered_then_written_in_order(server):
-    link = RedisLink(RQAdapter(connect(server.url), "w", ["q"], lease_ttl=5, result_ttl=5,
-                               stream_ttl=5, max_crashes=2).scripts)  # fmt: skip
+    link = RedisLink(connect(server.url))
     replies: list = []
     server.kill()
     link.run([Command("RPUSH", ["order", "a"])], replies.append)
@@ -41,10 +40,12 @@ def test_fenced_scripts_run_again_after_a_restart_emptied_the_script_cache(serve
     Client(connection=server.client(), queue="q").submit(prompt="hi")
     adapter = RQAdapter(connection, "w", ["q"], lease_ttl=5, result_ttl=5, stream_ttl=5,
                         max_crashes=2)  # fmt: skip
-    claim = adapter.dequeue()
+    link = RedisLink(connection)
+    call, execution, started_at = adapter.dequeue_call()
+    claim = adapter.claim(link.scripts.call(call), execution, started_at)
     server.restart()  # AOF keeps the job; the script cache is empty now
-    link = RedisLink(adapter.scripts)
-    link.run([adapter.end_call(claim, "finished", {"job_id": claim.job_id}, {"event": "done"})])
+    result = f'{{"job_id": "{claim.job_id}", "status": "finished"}}'
+    link.run([adapter.end_call(claim, "finished", result, 0, {"event": "done"})])
     assert server.client().hget(f"rq:job:{claim.job_id}", "status") == b"finished"
 
 

@@ -25,8 +25,8 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from worker_helpers import REPO, WorkerProcess, make_client
 
-from producer.keys import model_queue
-from producer.schema import GENERATE_FUNC
+from producer.contract.keys import GENERATE_FUNC
+from producer.contract.routing import model_queue
 from worker.redis_server import PrivateRedis, free_port
 
 pytestmark = pytest.mark.slow

@@ -26,8 +26,12 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from producer.client import Client
-from producer.keys import canonical_model, model_queue
-from worker.rq_adapter import Claim, RQAdapter
+from producer.contract.codec import load_job_data
+from producer.contract.models import canonical_model
+from producer.contract.routing import model_queue
+from worker.claim import Claim
+from worker.redis_link import ScriptRunner
+from worker.rq_adapter import RQAdapter
 
 QUEUE = "q-adapter"
 MARKER_DIR_ENV = "PAGEDQ_TEST_MARKER_DIR"
@@ -40,15 +44,52 @@ def marker_callback(*args, **kwargs) -> None:
     Path(os.environ[MARKER_DIR_ENV], "called").write_text("called")
 
 
+class Driver:
+    """An RQAdapter whose calls run at once, as the control loop runs them."""
+
+    def __init__(self, adapter: RQAdapter) -> None:
+        self.adapter = adapter
+        self.scripts = ScriptRunner(adapter.connection)
+
+    def __getattr__(self, name: str):
+        return getattr(self.adapter, name)
+
+    def register(self) -> bool:
+        return bool(self.scripts.call(self.adapter.register_call()))
+
+    def dequeue(self) -> Claim | None:
+        call, execution, started_at = self.adapter.dequeue_call()
+        return self.adapter.claim(self.scripts.call(call), execution, started_at)
+
+    def reap(self) -> tuple[list[str], list[str]]:
+        requeued, failed = self.scripts.call(self.adapter.reap_call())
+        return [j.decode() for j in requeued], [j.decode() for j in failed]
+
+    def end_call(self, claim, status, result: dict, final, summary=None, **kwargs):
+        used = sum((result.get("usage") or {}).values())
+        return self.adapter.end_call(
+            claim, status, json.dumps(result), used, final, summary,
+            error=result.get("error"), **kwargs,
+        )  # fmt: skip
+
+    def requeue_call(self, claim, *, count_crash: bool, result: dict, reason: str):
+        failed = json.dumps({**result, "status": "failed", "error": reason})
+        return self.adapter.requeue_call(
+            claim, count_crash=count_crash, result_json=failed, reason=reason
+        )
+
+
 def _adapter(redis_client, *, lease_ttl: int = 30, max_crashes: int = 2, name: str = "w1"):
-    return RQAdapter(
-        redis_client,
-        name,
-        [model_queue(QUEUE, "smollm2"), QUEUE],
-        lease_ttl=lease_ttl,
-        result_ttl=600,
-        stream_ttl=600,
-        max_crashes=max_crashes,
+    return Driver(
+        RQAdapter(
+            redis_client,
+            name,
+            [model_queue(QUEUE, "smollm2"), QUEUE],
+            lease_ttl=lease_ttl,
+            result_ttl=600,
+            stream_ttl=600,
+            max_crashes=max_crashes,
+        )
     )
 
 
@@ -75,7 +116,7 @@ def test_dequeue_marks_the_job_started_in_one_step_and_rq_sees_it(redis_client):
     claim = _adapter(redis_client).dequeue()
 
     assert claim.job_id == job_id and claim.queue == QUEUE and claim.attempt == 1
-    assert claim.rq_job(2**20).args[0]["prompt"] == "hi"
+    assert load_job_data(claim.data, 2**20)[2][0]["prompt"] == "hi"
     assert redis_client.llen(f"rq:queue:{QUEUE}") == 0
     job = _fetch(redis_client, job_id)
     assert job.get_status() == "started" and job.worker_name == "w1"
@@ -156,12 +197,12 @@ def test_heartbeat_renews_held_leases_and_reports_lost_ones(redis_client):
     adapter = _adapter(redis_client, lease_ttl=1)
     claims = {c.job_id: c for c in (adapter.dequeue(), adapter.dequeue())}
     redis_client.zrem(f"rq:wip:{QUEUE}", claims[lost].member)  # as a reaper would
-    call = adapter.heartbeat_call(list(claims.values()), "busy", {"in_flight": 2})
+    call = adapter.heartbeat_call(list(claims.values()), "busy")
 
     assert adapter.scripts.call(call) == [claims[lost].member.encode()]
     score = redis_client.zscore(f"rq:wip:{QUEUE}", claims[kept].member)
     assert score > time.time() + 0.5
-    assert json.loads(redis_client.get("pagedq:worker:w1"))["in_flight"] == 2
+    assert redis_client.hget("rq:worker:w1", "state") == b"busy"
 
 
 def test_requeue_puts_the_job_at_the_front_and_a_crash_counts(redis_client):
@@ -196,10 +237,10 @@ def test_jobs_asking_for_a_model_go_to_that_models_queue(redis_client):
     adapter = _adapter(redis_client)
     assert [adapter.dequeue().job_id for _ in range(3)] == [*ids, plain]
     assert _fetch(redis_client, ids[0]).origin == model_queue(QUEUE, "smollm2")
-    other = RQAdapter(
+    other = Driver(RQAdapter(
         redis_client, "w2", [model_queue(QUEUE, "other/model"), QUEUE],
         lease_ttl=5, result_ttl=5, stream_ttl=5, max_crashes=2,
-    )  # fmt: skip
+    ))  # fmt: skip
     client.submit(prompt="z", model="smollm2")
     assert other.dequeue() is None
 
@@ -220,7 +261,8 @@ def test_registration_is_what_rq_lists_and_a_stale_name_is_taken_over(redis_clie
 def test_scripts_reload_after_script_flush(redis_client):
     Client(connection=redis_client, queue=QUEUE).submit(prompt="hi")
     adapter = _adapter(redis_client)
-    adapter.scripts.load()
+    assert adapter.dequeue() is not None  # loads the scripts
+    Client(connection=redis_client, queue=QUEUE).submit(prompt="hi again")
     redis_client.script_flush()
     assert adapter.dequeue() is not None
 
@@ -298,7 +340,7 @@ def test_job_data_is_read_compressed_or_not_and_a_zip_bomb_is_refused():
     payload = json.dumps(["pagedq.generate", None, [{"prompt": "hi"}], {}]).encode()
     for data in (payload, zlib.compress(payload)):
         claim = Claim("j", QUEUE, "e", 1, data, "", "", False)
-        assert claim.rq_job(2**20).args == [{"prompt": "hi"}]
+        assert load_job_data(claim.data, 2**20)[2] == [{"prompt": "hi"}]
     bomb = zlib.compress(b"[" + b" " * (64 * 1024 * 1024) + b"]")
     with pytest.raises(ValueError, match="inflates to more than max_payload_bytes=1048576"):
-        Claim("j", QUEUE, "e", 1, bomb, "", "", False).rq_job(2**20)
+        load_job_data(Claim("j", QUEUE, "e", 1, bomb, "", "", False).data, 2**20)

@@ -18,8 +18,8 @@ from rq.registry import CanceledJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 from worker_helpers import KV_CACHE_MEMORY, MODEL, make_client
 
+from producer.contract.keys import GENERATE_FUNC
 from producer.errors import JobCanceledError, JobFailedError
-from producer.schema import GENERATE_FUNC
 from worker.redis_server import free_port
 
 pytestmark = pytest.mark.slow

@@ -14,21 +14,32 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import SamplingParams
 from engine.llm_engine import LLMEngine
 from producer.client import Client
-from producer.schema import worker_key
+from producer.contract.keys import worker_key
 from producer.status import queue_status
+from worker.endpoints import WorkerHealth
 from worker.engine_loop import AddRequest, EngineLoop, StepOutputs
-from worker.health import WorkerHealth
 from worker.redis_server import free_port
-from worker.status_publisher import StatusPublisher
+from worker.status import StatusPublisher, build_status
 
 NAME = "w-status"
 
 
 @dataclass
 class Stats:
+    """The EngineStats fields the status reads."""
+
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    num_blocks: int = 64
+    num_free_blocks: int = 64
+    num_preemptions: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+
+
+CONFIG = {"model": "tiny", "queue": "q-status"}
 
 
 @pytest.fixture
@@ -41,9 +52,7 @@ def redis_conn(private_redis):
 
 
 def make_publisher(conn, stats: Stats, in_flight: list[int], **kwargs) -> StatusPublisher:
-    return StatusPublisher(
-        conn, NAME, "tiny", "q-status", lambda: stats, lambda: in_flight[0], **kwargs
-    )
+    return StatusPublisher(conn, NAME, CONFIG, lambda: stats, lambda: in_flight[0], **kwargs)
 
 
 def read(conn) -> dict:
@@ -51,32 +60,18 @@ def read(conn) -> dict:
 
 
 def test_one_set_with_an_expiry_and_every_field(redis_conn):
-    stats = Stats(num_running=3, num_waiting=2, kv_cache_usage=0.125)
-    publisher = make_publisher(
-        redis_conn,
-        stats,
-        [5],
-        ttl_s=7,
-        extra_fn=lambda s: {
-            "preemptions": {"swap": 1},
-            "running": -1,
-            "waiting_seen": s.num_waiting,
-        },
-    )
+    stats = Stats(num_running=3, num_waiting=2, kv_cache_usage=0.125, num_free_blocks=56)
+    publisher = make_publisher(redis_conn, stats, [5], ttl_s=7)
     before = time.time()
     assert publisher.maybe_publish(now=100.0)
     status = read(redis_conn)
     assert before <= status.pop("updated_at") <= time.time()
-    assert status == {
-        "preemptions": {"swap": 1},
-        "waiting_seen": 2,
-        "in_flight": 5,
-        "running": 3,
-        "waiting": 2,
-        "kv_cache_usage": 0.125,
-        "model": "tiny",
-        "queue": "q-status",
-    }
+    expected = build_status(stats, 5, CONFIG)
+    del expected["updated_at"]
+    assert status == expected
+    assert (status["in_flight"], status["running"], status["waiting"]) == (5, 3, 2)
+    assert (status["kv_cache_usage"], status["num_free_blocks"]) == (0.125, 56)
+    assert (status["model"], status["queue"], status["config"]) == ("tiny", "q-status", CONFIG)
     assert 0 < redis_conn.ttl(worker_key(NAME)) <= 7
 
 
@@ -130,13 +125,7 @@ def test_pagedq_status_sees_the_engine_empty_within_a_second(
     loop.wait_for_admission = False
     in_flight: set[str] = set()
     publisher = StatusPublisher(
-        redis_conn,
-        NAME,
-        "tiny",
-        "q-status",
-        lambda: loop.stats,
-        lambda: len(in_flight),
-        interval_s=0.5,
+        redis_conn, NAME, CONFIG, lambda: loop.stats, lambda: len(in_flight), interval_s=0.5
     )
     loop.start()
     try:

@@ -1,10 +1,11 @@
 """The worker's control loop: many jobs in flight in one engine batch, RQ state via fenced scripts.
 
-All Redis calls run on the control thread (the one in `ControlLoop.run`); the engine steps on
-its own thread (`EngineLoop`). Jobs are dequeued only while the engine can admit one more
-request; each is popped and marked started in one script (rq_adapter). Every write that ends or
-streams a job is fenced, so a worker that lost a lease (frozen, cut off) writes nothing for it.
-While Redis is unreachable the engine keeps stepping and the writes wait in `RedisLink`.
+A job's life through this file: `_admit` takes it (worker/claim.py) while the engine can admit
+one more request, `_start` hands its request to the engine thread (worker/engine_loop.py),
+`_on_step` streams its tokens, and every ending goes through `JobEnder` (worker/endings.py).
+All Redis calls run on this control thread; the engine steps on its own. Every write that ends
+or streams a job is fenced, so a worker that lost a lease (frozen, cut off) writes nothing for
+it. While Redis is unreachable the engine keeps stepping and the writes wait in `RedisLink`.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ import signal
 import time
 from typing import Any
 
-import redis
 import structlog
 
-from producer.job_data import PayloadTooLargeError
-from producer.keys import canonical_model, model_queue
-from producer.schema import GenerationRequest
+from producer.contract.models import canonical_model
 from worker.cancels import CancelListener
+from worker.claim import Claim, JobRejected, parse_claim
 from worker.config import WorkerConfig
+from worker.endings import Ending, JobEnder
+from worker.endpoints import WorkerHealth
 from worker.engine_loop import (
     AddFailed,
     AddRequest,
@@ -31,18 +32,12 @@ from worker.engine_loop import (
     RequestFailed,
     StepOutputs,
 )
-from worker.health import WorkerHealth
-from worker.inflight import InFlight
-from worker.job_endings import Ending, JobEnder
-from worker.jobs import JobRejected, parse_job, sampling_kwargs
+from worker.inflight import InFlight, StreamState
 from worker.leases import Leases
-from worker.limits import ModelLimits
 from worker.metrics import WorkerMetrics
 from worker.redis_link import FIRST_BACKOFF_S, MAX_BACKOFF_S, UNAVAILABLE, RedisLink
-from worker.rq_adapter import Claim, RQAdapter
-from worker.status_publisher import StatusPublisher
-from worker.status_report import build_status
-from worker.streams import StreamState
+from worker.rq_adapter import RQAdapter
+from worker.status import StatusPublisher
 
 log = structlog.get_logger("pagedq.worker")
 
@@ -72,49 +67,34 @@ class ControlLoop:
         self,
         config: WorkerConfig,
         engine: Any,
-        connection: redis.Redis,
+        adapter: RQAdapter,
         metrics: WorkerMetrics | None = None,
         health: WorkerHealth | None = None,
-        *,
-        name: str,
     ) -> None:
         self.config = config
         self.engine = engine
         self.model = canonical_model(config.model)
-        self.limits = config.limits
-        self.model_limits = ModelLimits.from_engine(engine)
-        queues = [model_queue(config.queue, config.model), config.queue]
-        self.adapter = RQAdapter(
-            connection,
-            name,
-            queues,
-            lease_ttl=config.lease_ttl,
-            result_ttl=config.result_ttl,
-            stream_ttl=config.stream_ttl,
-            max_crashes=config.max_crashes,
-            aging_seconds=config.engine.priority_aging_seconds or 0,
-        )
-        self.link = RedisLink(self.adapter.scripts)
+        self.adapter = adapter
+        self.link = RedisLink(adapter.connection)
         self.metrics = metrics or WorkerMetrics(engine.model_name)
         self.health = health or WorkerHealth(engine.model_name)
         self.loop = EngineLoop(engine, on_step=self.metrics.observe_step)
         self.metrics.attach(lambda: self.loop.stats, lambda: len(self.in_flight))
         self.health.attach(self.loop.is_alive, lambda: self.loop.last_step_at)
         self.status = StatusPublisher(
-            connection,
-            name,
-            engine.model_name,
-            config.queue,
+            adapter.connection,
+            adapter.name,
+            self._config_summary(),
             lambda: self.loop.stats,
-            lambda: len(self.in_flight),
-            extra_fn=lambda stats: build_status(stats, self.in_flight, self._config_summary()),
+            lambda: self.in_flight,
             health=self.health,
         )
-        self.ender = JobEnder(self.adapter, engine.model_name, self.metrics, engine.tokenizer)
+        self.ender = JobEnder(
+            adapter, self.link, engine.model_name, self.metrics, engine.prompts.copy().tokenizer
+        )
         self.leases = Leases(config.lease_ttl)
-        self.cancels = CancelListener(connection)
+        self.cancels = CancelListener(adapter.connection)
         self.in_flight: dict[str, InFlight] = {}
-        self.num_ended = 0
         self.exit_code = 0
         self._stopping = False
         self._stop_at: float | None = None
@@ -170,7 +150,7 @@ class ControlLoop:
             if self.link.up:
                 self.status.clear()
             self._unregister()
-            log.info("worker stopped", worker=self.name, jobs_ended=self.num_ended)
+            log.info("worker stopped", worker=self.name, jobs_ended=self.ender.num_ended)
         return self.exit_code
 
     def _config_summary(self) -> dict[str, Any]:
@@ -194,7 +174,7 @@ class ControlLoop:
         while True:
             try:
                 self.adapter.set_tenant_weights(self.config.engine.tenant_weights)
-                return self.adapter.register()
+                return bool(self.link.scripts.call(self.adapter.register_call()))
             except UNAVAILABLE as exc:
                 log.warning("redis unreachable, retrying", retry_in_s=backoff, error=str(exc))
                 time.sleep(backoff)
@@ -236,8 +216,10 @@ class ControlLoop:
                 first = True
                 while (first or time.monotonic() < deadline) and self.loop.can_admit():
                     first = False
-                    ok, claim = self.link.attempt(self.adapter.dequeue)
-                    if not ok or claim is None:
+                    call, execution, started_at = self.adapter.dequeue_call()
+                    ok, reply = self.link.attempt(lambda c=call: self.link.scripts.call(c))
+                    claim = self.adapter.claim(reply, execution, started_at) if ok else None
+                    if claim is None:
                         self._on_empty_queue(ok)
                         return
                     self._queue_empty = False
@@ -250,7 +232,7 @@ class ControlLoop:
                         log.exception("job could not start", job_id=claim.job_id)
                         if self.in_flight.pop(claim.job_id, None) is not None:
                             self.loop.abort(claim.job_id)
-                        self._end_claim(claim, f"invalid job: {type(exc).__name__}: {exc}")
+                        self.ender.fail_claim(claim, f"invalid job: {type(exc).__name__}: {exc}")
         finally:
             self.loop.wait_for_admission = not self._queue_empty and not self._stopping
             self.loop.admitted()
@@ -271,12 +253,12 @@ class ControlLoop:
             self.loop.abort(old.job_id)
         try:
             enqueued_at = claim.enqueued_time()
-            request = self._parse(claim)
+            request = parse_claim(claim, self.engine.model_name, self.config.limits)
         except JobRejected as exc:
-            self._end_claim(claim, str(exc))
+            self.ender.fail_claim(claim, str(exc))
             return
         except ValueError as exc:
-            self._end_claim(claim, f"invalid job: {exc}")
+            self.ender.fail_claim(claim, f"invalid job: {exc}")
             return
         timeout_s = claim.timeout_s(self.config.job_timeout)
         item = InFlight(
@@ -291,46 +273,19 @@ class ControlLoop:
         if claim.canceled:
             self._cancel(claim.job_id)
             return
+        from engine import SamplingParams
+
         try:
-            params = self._sampling_params(request)
+            params = SamplingParams(**request.sampling_kwargs(self.config.limits.max_tokens))
         except ValueError as exc:
             self._fail(item, f"invalid request: {exc}")
             return
         # Chat templating and tokenizing run on the engine loop's tokenizer thread.
-        messages = None
-        if request.prompt is None:
-            messages = [m.model_dump() for m in request.messages or []]
-        self.loop.add(
-            AddRequest(
-                claim.job_id,
-                request.prompt,
-                params,
-                request.priority,
-                messages=messages,
-                tenant=request.tenant,
-            )
-        )
+        prompt = request.prompt
+        if prompt is None:
+            prompt = [m.model_dump() for m in request.messages or []]
+        self.loop.add(AddRequest(claim.job_id, prompt, params, request.priority, request.tenant))
         log.debug("job started", job_id=claim.job_id, attempt=claim.attempt)
-
-    def _parse(self, claim: Claim) -> GenerationRequest:
-        try:
-            job = claim.rq_job(self.limits.max_payload_bytes)
-        except PayloadTooLargeError as exc:
-            raise JobRejected(str(exc)) from None
-        # Aliases and paths of our model name it too: parse_job compares names literally.
-        model_name = self.engine.model_name
-        try:
-            asked = job.args[0].get("model") if job.args and isinstance(job.args[0], dict) else None
-        except Exception:  # noqa: BLE001 - bad data: parse_job below says what is wrong
-            asked = None
-        if isinstance(asked, str) and canonical_model(asked) == self.model:
-            model_name = asked
-        return parse_job(job, model_name, self.limits, self.model_limits)
-
-    def _sampling_params(self, request: GenerationRequest) -> Any:
-        from engine import SamplingParams
-
-        return SamplingParams(**sampling_kwargs(request, self.limits))
 
     # --- engine events ------------------------------------------------------------------------
 
@@ -390,15 +345,7 @@ class ControlLoop:
                 self._drop(job_id.decode(), "lease lost: stream entry refused")
             replies = replies[1:]
         for ending, reply in zip(ends, replies, strict=True):
-            self._ended(ending, reply)
-
-    def _ended(self, ending: Ending, reply: Any) -> None:
-        """The ending script ran: count, observe and log the end unless the lease was lost."""
-        if not reply:
-            log.warning("lease lost: job not ended by this worker", job_id=ending.job_id)
-            return
-        self.num_ended += 1
-        self.ender.record(ending)
+            self.ender.ended(ending, reply)
 
     def _observe_tokens(self, item: InFlight, output: Any, t: float) -> None:
         num_tokens = sum(len(c.token_ids) for c in output.outputs)
@@ -414,21 +361,15 @@ class ControlLoop:
 
     # --- endings other than finished ------------------------------------------------------------
 
-    def _run_ending(self, ending: Ending) -> None:
-        self.link.run([ending.call], lambda replies: self._ended(ending, replies[0]))
-
     def _fail(self, item: InFlight, message: str) -> None:
         self.in_flight.pop(item.job_id, None)
         self.loop.abort(item.job_id)
-        self._run_ending(self.ender.fail(item, message))
-
-    def _end_claim(self, claim: Claim, message: str) -> None:
-        self._run_ending(self.ender.fail_claim(claim, message))
+        self.ender.fail(item, message)
 
     def _cancel(self, job_id: str) -> None:
         item = self.in_flight.pop(job_id)
         self.loop.abort(job_id)
-        self._run_ending(self.ender.cancel(item))
+        self.ender.cancel(item)
 
     def _drop(self, job_id: str, why: str) -> None:
         """Forget a job whose lease is gone: another worker runs it now."""
@@ -445,8 +386,7 @@ class ControlLoop:
         self.in_flight.clear()
         for item in items:
             self.loop.abort(item.job_id)
-        calls = [self.ender.requeue(i, count_crash=count_crash, reason=reason) for i in items]
-        self.link.run(calls)
+        self.ender.requeue(items, count_crash=count_crash, reason=reason)
         log.warning("requeued in-flight jobs", count=len(items), reason=reason)
 
     def _handle_cancels(self) -> None:
@@ -463,7 +403,7 @@ class ControlLoop:
             self._next_cancel_poll_at = t + CANCEL_POLL_S
             job_ids = list(self.in_flight)
             ok, flags = self.link.attempt(
-                lambda: self.adapter.scripts.run([self.adapter.cancel_check(job_ids)])[0]
+                lambda: self.link.scripts.call(self.adapter.cancel_check(job_ids))
             )
             for job_id, flag in zip(job_ids, flags or [], strict=False):
                 if flag is not None and job_id in self.in_flight:
@@ -482,16 +422,15 @@ class ControlLoop:
         if self.leases.heartbeat_due():
             self._heartbeat()
         if self.leases.reap_due():
-            ok, reaped = self.link.attempt(self.adapter.reap)
+            ok, reaped = self.link.attempt(lambda: self.link.scripts.call(self.adapter.reap_call()))
             if ok and (reaped[0] or reaped[1]):
-                log.warning("reaped expired leases", requeued=reaped[0], failed=reaped[1])
+                requeued, failed = ([j.decode() for j in ids] for ids in reaped)
+                log.warning("reaped expired leases", requeued=requeued, failed=failed)
 
     def _heartbeat(self) -> None:
         claims = [i.claim for i in self.in_flight.values()]
-        state = "busy" if claims else "idle"
-        # The heartbeat script also writes the status key: the same JSON as StatusPublisher's.
-        call = self.adapter.heartbeat_call(claims, state, self.status.status())
-        ok, lost = self.link.attempt(lambda: self.adapter.scripts.call(call))
+        call = self.adapter.heartbeat_call(claims, "busy" if claims else "idle")
+        ok, lost = self.link.attempt(lambda: self.link.scripts.call(call))
         if ok:
             self.health.redis_ok()
         for member in lost or []:

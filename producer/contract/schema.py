@@ -1,4 +1,8 @@
-"""The wire schema of a job and of its result (pydantic v2), shared by producer and worker."""
+"""The wire schema of a job and of its result (pydantic v2), shared by producer and worker.
+
+`SAMPLING_FIELDS` names the request fields that are the engine's `SamplingParams` keywords
+(same names, same defaults); tests/test_contract.py checks the two against each other.
+"""
 
 from __future__ import annotations
 
@@ -7,35 +11,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from producer.contract.routing import TENANT_RE
 from producer.errors import InvalidRequestError
-from producer.keys import (
-    CANCEL_CHANNEL,
-    GENERATE_FUNC,
-    WORKER_KEY_PATTERN,
-    cancel_key,
-    job_id_for,
-    result_key,
-    stream_key,
-    worker_key,
-)
-from producer.routing import TENANT_RE
 
 __all__ = [
-    "CANCEL_CHANNEL",
-    "GENERATE_FUNC",
-    "WORKER_KEY_PATTERN",
+    "SAMPLING_FIELDS",
     "ChatMessage",
     "Choice",
     "GenerationRequest",
     "GenerationResult",
     "Timings",
     "Usage",
-    "cancel_key",
     "format_validation_error",
-    "job_id_for",
-    "result_key",
-    "stream_key",
-    "worker_key",
 ]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -73,6 +60,24 @@ RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "seed": (INT64_MIN, True, MAX_SEED, True),
     "priority": (INT64_MIN, True, INT64_MAX, True),
 }
+# The GenerationRequest fields that are also SamplingParams keywords (same names, same defaults).
+SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+)
 # Upper limits of otherwise one-sided ranges: sizes no worker could serve.
 CAPS = {"n": MAX_N, "top_k": INT64_MAX, "max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS}
 # Errors quote at most this much of a refused value (a refused prompt can be megabytes).
@@ -244,6 +249,14 @@ class GenerationRequest(BaseModel):
     def payload(self) -> dict[str, Any]:
         """The job's single RQ argument, as the contract fixes it."""
         return self.model_dump(mode="json", exclude_none=True)
+
+    def sampling_kwargs(self, max_tokens_cap: int | None = None) -> dict[str, Any]:
+        """The engine's SamplingParams keywords, `max_tokens` (and `min_tokens`) capped."""
+        kwargs = {name: getattr(self, name) for name in SAMPLING_FIELDS}
+        if max_tokens_cap is not None:
+            kwargs["max_tokens"] = min(kwargs["max_tokens"], max_tokens_cap)
+            kwargs["min_tokens"] = min(kwargs["min_tokens"], kwargs["max_tokens"])
+        return kwargs
 
 
 def format_validation_error(exc: ValidationError) -> str:

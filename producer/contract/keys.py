@@ -1,0 +1,149 @@
+"""Every Redis key, channel and job-hash field pagedq and RQ use, with the TTL defaults.
+
+The only module that spells a key: the producer, the worker, the gateway and the Lua scripts
+(through `producer.contract.lua`) take every name from here, and tests/test_contract.py fails
+when a key literal appears anywhere else. RQ's own layout (RQ 3.0, prefix ``rq:``) is here
+too, so that no other module needs to know it.
+"""
+
+from __future__ import annotations
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_URL_ENV = "PAGEDQ_REDIS_URL"
+DEFAULT_QUEUE = "pagedq"
+DEFAULT_RESULT_TTL = 7 * 24 * 3600
+DEFAULT_STREAM_TTL = 24 * 3600
+DEFAULT_CANCEL_TTL = 24 * 3600
+STREAM_MAXLEN = 10_000
+
+GENERATE_FUNC = "pagedq.generate"
+"""The only function name a pagedq job may carry; the worker refuses any other."""
+
+# --- pagedq's keys -------------------------------------------------------------------------------
+# Prefixes by name: Python builds keys with them, and the Lua scripts get the same table (`K`).
+PAGEDQ = {
+    "result": "pagedq:result:",  # + job id: the GenerationResult JSON, the one full copy
+    "stream": "pagedq:stream:",  # + job id: token deltas, then a done/error entry
+    "cancel": "pagedq:cancel:",  # + job id: "1" asks workers to cancel the job
+    "worker": "pagedq:worker:",  # + worker name: its status JSON (pagedq status/diagnose/top)
+    "subqueues": "pagedq:subqueues:",  # + base queue: sub-queue name -> {priority, tenant}
+    "fair": "pagedq:fair:",  # + root queue: fair-queueing accounts `v` and `F:{tenant}`
+    "fair_weights": "pagedq:fair-weights:",  # + root queue: tenant -> weight
+    "tenant_tokens": "pagedq:tenant-tokens:",  # + root queue: tenant -> tokens used
+}
+CANCEL_CHANNEL = "pagedq:cancel"
+WORKER_KEY_PATTERN = PAGEDQ["worker"] + "*"
+
+# --- RQ's keys ---------------------------------------------------------------------------------
+RQ = {
+    "job": "rq:job:",  # + job id: the job hash
+    "queue": "rq:queue:",  # + queue name: the list workers pop
+    "wip": "rq:wip:",  # + queue name: the started registry (zset: member -> lease deadline)
+    "finished": "rq:finished:",  # + queue name: registries of ended jobs (zset: id -> expiry)
+    "failed": "rq:failed:",
+    "canceled": "rq:canceled:",
+    "results": "rq:results:",  # + job id: RQ's result stream
+    "worker": "rq:worker:",  # + worker name: the worker hash `rq info` reads
+    "workers_of": "rq:workers:",  # + queue name: set of worker keys
+}
+RQ_QUEUES = "rq:queues"  # set of every queue key
+RQ_WORKERS = "rq:workers"  # set of every worker key
+# RQ's Result.Type values, as its result stream stores them.
+RQ_RESULT_SUCCESSFUL, RQ_RESULT_FAILED = 1, 2
+
+# --- job-hash fields pagedq adds to RQ's ----------------------------------------------------------
+JOB_FIELDS = {
+    "execution": "pagedq_execution",  # the holding worker's fencing token
+    "attempts": "pagedq_attempts",  # runs started so far
+    "crashes": "pagedq_crashes",  # worker crashes the job was in flight during
+    "enqueued": "pq_enq",  # enqueue time from Redis's clock (aging)
+    "cost": "pq_cost",  # estimated tokens (fair queueing)
+    "base": "pq_base",  # the base queue of its sub-queue
+    "meta": "pq_meta",  # its sub-queue's index entry (JSON)
+    "tenant": "pq_tenant",  # the tenant charged when it ends
+}
+
+
+def result_key(job_id: str) -> str:
+    """Key of the plain JSON GenerationResult of a job."""
+    return PAGEDQ["result"] + job_id
+
+
+def stream_key(job_id: str) -> str:
+    """Key of the Redis stream carrying a job's token deltas and its final done/error entry."""
+    return PAGEDQ["stream"] + job_id
+
+
+def cancel_key(job_id: str) -> str:
+    """Key whose presence ("1") asks workers to cancel a job."""
+    return PAGEDQ["cancel"] + job_id
+
+
+def worker_key(name: str) -> str:
+    """Key of a worker's status JSON {in_flight, running, waiting, kv_cache_usage, ...}."""
+    return PAGEDQ["worker"] + name
+
+
+def subqueue_index_key(base: str) -> str:
+    """Hash of the sub-queues of ``base``: RQ queue name -> {"priority": p, "tenant": t}."""
+    return PAGEDQ["subqueues"] + base
+
+
+def root_queue(base: str) -> str:
+    """The queue a base belongs to: ``pagedq@model`` -> ``pagedq`` (accounts are per root)."""
+    return base.split("@", 1)[0]
+
+
+def fair_key(base: str) -> str:
+    """Hash of the fair-queueing accounts of a queue: `v` and one `F:{tenant}` per tenant."""
+    return PAGEDQ["fair"] + root_queue(base)
+
+
+def weights_key(base: str) -> str:
+    """Hash of tenant weights of a queue (tenant -> weight; absent = 1), set by workers."""
+    return PAGEDQ["fair_weights"] + root_queue(base)
+
+
+def tenant_tokens_key(base: str) -> str:
+    """Hash of tokens used per tenant of a queue (tenant -> count; "" = no tenant)."""
+    return PAGEDQ["tenant_tokens"] + root_queue(base)
+
+
+def rq_job_key(job_id: str) -> str:
+    """RQ's hash of a job."""
+    return RQ["job"] + job_id
+
+
+def rq_queue_key(name: str) -> str:
+    """RQ's list of a queue."""
+    return RQ["queue"] + name
+
+
+def rq_queue_name(key: str) -> str:
+    """The queue name of an RQ queue key."""
+    return key.removeprefix(RQ["queue"])
+
+
+def rq_wip_key(queue: str) -> str:
+    """RQ's started registry of a queue (pagedq's leases)."""
+    return RQ["wip"] + queue
+
+
+def rq_registry_key(registry: str, queue: str) -> str:
+    """RQ's registry of ended jobs: `registry` is finished, failed or canceled."""
+    return RQ[registry] + queue
+
+
+def rq_results_key(job_id: str) -> str:
+    """RQ's result stream of a job."""
+    return RQ["results"] + job_id
+
+
+def rq_worker_key(name: str) -> str:
+    """RQ's hash of a worker (what `rq info` lists)."""
+    return RQ["worker"] + name
+
+
+def rq_workers_of_key(queue: str) -> str:
+    """RQ's set of the workers serving a queue."""
+    return RQ["workers_of"] + queue
