@@ -21,6 +21,7 @@ from producer.keys import (
     DEFAULT_RESULT_TTL,
     DEFAULT_STREAM_TTL,
     STREAM_MAXLEN,
+    batch_counts_key,
     cancel_key,
     result_key,
     stream_key,
@@ -55,6 +56,12 @@ STATUS_NAMES = {
 }
 
 RequestLike = GenerationRequest | dict[str, Any]
+# KEYS[1]: a batch's counts hash; ARGV[1]: the field. Like the worker's end script, counts only
+# while the batch's counts hash exists.
+COUNT_IF_PRESENT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+return redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
+"""
 
 
 class StreamRestart(str):
@@ -93,6 +100,7 @@ class Client:
         self.retries = retries
         self.job_timeout = job_timeout
         self.check_interval = check_interval
+        self._count_canceled = self.redis.register_script(COUNT_IF_PRESENT)
 
     def submit(
         self,
@@ -121,11 +129,15 @@ class Client:
         return job_ids
 
     def enqueue(
-        self, requests: list[GenerationRequest], id_namespace: str | None = None
+        self,
+        requests: list[GenerationRequest],
+        id_namespace: str | None = None,
+        batch_id: str | None = None,
     ) -> list[str]:
         """Enqueue validated requests in one round trip; an existing job is reused, not re-run.
 
-        `id_namespace` scopes custom_ids (job id from "{id_namespace}/{custom_id}").
+        `id_namespace` scopes custom_ids (job id from "{id_namespace}/{custom_id}"); with
+        `batch_id`, each job's end is counted in `batch_counts_key(batch_id)`.
         """
         jobs = [
             build_job(
@@ -138,11 +150,11 @@ class Client:
             )
             for r in requests
         ]
-        created = enqueue_jobs(self.redis, self.queue, jobs)
+        created = enqueue_jobs(self.redis, self.queue, jobs, batch_id)
         for job, was_created in zip(jobs, created, strict=True):
             if not was_created and ended_status(self.redis, job.id) in RERUN_STATUSES | {None}:
                 clear_job(self.redis, job.id)
-                enqueue_jobs(self.redis, self.queue, [job])
+                enqueue_jobs(self.redis, self.queue, [job], batch_id)
         return [job.id for job in jobs]
 
     def result(self, job_id: str, timeout: float | None = None) -> GenerationResult:
@@ -229,12 +241,16 @@ class Client:
             while True:
                 try:
                     pipe.watch(job.key)
-                    status = (pipe.hget(job.key, "status") or b"").decode()
+                    status, batch = pipe.hmget(job.key, "status", "pq_batch")
+                    status = (status or b"").decode()
                     if status not in QUEUED_STATUSES:
                         return status == "started" or was_started
                     pipe.multi()
                     job.cancel(pipeline=pipe)
                     self._write_canceled(pipe, job)
+                    if batch is not None:  # ended here, not by a worker's script: count it
+                        keys = [batch_counts_key(batch.decode())]
+                        self._count_canceled(keys=keys, args=["canceled"], client=pipe)
                     pipe.execute()
                     return True
                 except WatchError:

@@ -118,9 +118,14 @@ def _hset_args(job: Job) -> list[bytes | str]:
     return args
 
 
-def enqueue_jobs(connection: Redis, queue: Queue, jobs: Sequence[Job]) -> list[bool]:
+def enqueue_jobs(
+    connection: Redis, queue: Queue, jobs: Sequence[Job], batch_id: str | None = None
+) -> list[bool]:
     """Save and push each job (to its origin queue: `queue` or a model's queue) unless it or
-    its result exists; one round trip. True = created."""
+    its result exists; one round trip. True = created.
+
+    `batch_id` is written to each job hash as `pq_batch`: the script that ends the job counts
+    it in `batch_counts_key(batch_id)`."""
     script = connection.register_script(ENQUEUE_IF_ABSENT)
     queue_keys = sorted({queue.key} | {_queue_key(job.origin) for job in jobs})
     pipe = connection.pipeline(transaction=False)
@@ -144,6 +149,8 @@ def enqueue_jobs(connection: Redis, queue: Queue, jobs: Sequence[Job]) -> list[b
         ]
         meta = subqueue_meta(priority, tenant)
         args = [job.id, job.origin, base, meta, cost, tenant or "", *_hset_args(job)]
+        if batch_id is not None:
+            args += ["pq_batch", batch_id]
         script(keys=keys, args=args, client=pipe)
     return [bool(created) for created in pipe.execute()[1:]]
 

@@ -94,6 +94,16 @@ def cancel_key(job_id: str) -> str:
     return f"{KEY_PREFIX}:cancel:{job_id}"
 
 
+def batch_counts_key(batch_id: str) -> str:
+    """Hash of a batch's line counts: `finished`, `failed`, `canceled` (+1 as each of its jobs
+    ends, in the script that ends it) and `prompt_tokens`, `completion_tokens` of finished ones.
+
+    A job carries its batch id in the job-hash field `pq_batch`; the count is kept only while
+    this hash exists (the batch's owner creates it).
+    """
+    return f"{KEY_PREFIX}:batch:{batch_id}:counts"
+
+
 def worker_key(name: str) -> str:
     """Key of a worker's JSON heartbeat {in_flight, running, waiting, kv_cache_usage, ...}."""
     return f"{KEY_PREFIX}:worker:{name}"

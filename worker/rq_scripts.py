@@ -41,6 +41,24 @@ local function charge(jkey, result_json)
     pq_charge(f[1], f[2] or '', tonumber(f[3]) or used, used)
 end
 
+-- Counts a batch line's end in its batch's counts hash (producer.keys.batch_counts_key), only
+-- while that hash exists: finished / failed / canceled, and the tokens of a finished one.
+local function count_in_batch(jkey, status, result_json)
+    local batch = redis.call('HGET', jkey, 'pq_batch')
+    if not batch then return end
+    local ckey = 'pagedq:batch:' .. batch .. ':counts'
+    if redis.call('EXISTS', ckey) == 0 then return end
+    redis.call('HINCRBY', ckey, status, 1)
+    local ok, result = pcall(cjson.decode, result_json)
+    local usage = ok and type(result) == 'table' and result.usage
+    if status == 'finished' and type(usage) == 'table' then
+        for _, field in ipairs({'prompt_tokens', 'completion_tokens'}) do
+            local n = math.floor(tonumber(usage[field]) or 0)
+            redis.call('HINCRBY', ckey, field, string.format('%d', n))
+        end
+    end
+end
+
 -- Ends a started job: RQ status, registries, RQ result entry, pagedq result key, final entry,
 -- and the ending worker's RQ counters (worker_key '' for the reaper: the worker is dead).
 local function end_job(job_id, queue, member, status, registry, ended_at, score, ttl,
@@ -58,6 +76,7 @@ local function end_job(job_id, queue, member, status, registry, ended_at, score,
         redis.call('EXPIRE', rkey, ttl)
     end
     charge(jkey, result_json)
+    count_in_batch(jkey, status, result_json)
     redis.call('SET', 'pagedq:result:' .. job_id, result_json, 'EX', ttl)
     local skey = 'pagedq:stream:' .. job_id
     redis.call('XADD', skey, 'MAXLEN', '~', maxlen, '*', unpack(final_fields))
