@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in WORKER_COMMANDS:  # run by the `pagedq` entry module; listed here for --help
         what = "run a worker" if name == "worker" else "run a local demo"
         sub.add_parser(name, help=f"{what} (needs pagedq[worker])", add_help=False)
+    sub.add_parser("serve", help="OpenAI-compatible HTTP gateway (needs pagedq[gateway])")
     return parser
 
 
