@@ -33,8 +33,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = Client(config.redis_url, config.queue, result_ttl=config.result_ttl)
-        file_store = FileStore(client.redis, config.file_ttl)
-        batch_store = BatchStore(client.redis, file_store, config.file_ttl)
+        file_store = FileStore(client.redis, config.file_ttl, config.file_chunk_bytes)
+        batch_store = BatchStore(client.redis, file_store, config.file_ttl, config.queue)
         hub = StreamHub(config.redis_url)
         runner = BatchRunner(client.redis, client, file_store, batch_store, config)
         app.state.client, app.state.files, app.state.batches = client, file_store, batch_store

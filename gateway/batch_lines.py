@@ -28,12 +28,12 @@ class BatchLines:
     pinned: dict[str, Any]
 
     @classmethod
-    def of(cls, files: FileStore, queue: str, fields: dict[str, str]) -> BatchLines:
-        """The lines of the batch whose hash is `fields`."""
+    def of(cls, files: FileStore, fields: dict[str, str]) -> BatchLines:
+        """The lines of the batch whose hash is `fields` (its queue names its jobs)."""
         pinned: dict[str, Any] = {"priority": int(fields["priority"])}
         if fields.get("tenant"):
             pinned["tenant"] = fields["tenant"]
-        return cls(files, fields["input_file_id"], fields["id"], queue, pinned)
+        return cls(files, fields["input_file_id"], fields["id"], fields["queue"], pinned)
 
     def chunk_starts(self) -> list[int]:
         """The line number before the first line of each chunk."""

@@ -142,6 +142,8 @@ class BatchRunner:
             self.redis.srem(ACTIVE_BATCHES, batch_id)
             self._release(keys=[batch_lease_key(batch_id)], args=[self.token])
             return False
+        if fields.get("queue") != self.client.queue.name:
+            return False  # a batch of another queue: its own gateways run it
         if not self.hold(batch_id):
             return False
         status = fields["status"]
@@ -173,7 +175,7 @@ class BatchRunner:
         return renew
 
     def _lines(self, fields: dict[str, str]) -> BatchLines:
-        return BatchLines.of(self.files, self.client.queue.name, fields)
+        return BatchLines.of(self.files, fields)
 
     def _validate(self, batch_id: str, fields: dict[str, str]) -> None:
         """Check the whole file as OpenAI does while `validating`; failed with line numbers."""
@@ -352,7 +354,7 @@ class BatchRunner:
         pipe = self.redis.pipeline()
         pipe.hset(file_key(file_id), mapping=record)
         pipe.expire(file_key(file_id), ttl)
-        pipe.zadd(files_index_key(fields["owner"]), {file_id: now})
+        pipe.zadd(files_index_key(fields["owner"]), {file_id: time.time_ns() // 1000})
         pipe.execute()
         return file_id
 

@@ -127,8 +127,9 @@ def _decode(raw: dict[bytes, bytes]) -> dict[str, str]:
 class BatchStore:
     """Creates, reads, lists and cancels batches (sync Redis); the runner does the rest."""
 
-    def __init__(self, redis: Redis, files: FileStore, record_ttl: int) -> None:
+    def __init__(self, redis: Redis, files: FileStore, record_ttl: int, queue: str) -> None:
         self.redis = redis
+        self.queue = queue
         self.files = files
         self.record_ttl = record_ttl
         self._transition = redis.register_script(TRANSITION)
@@ -161,6 +162,7 @@ class BatchStore:
         fields = {
             "id": batch_id,
             "owner": tenant.owner,
+            "queue": self.queue,
             "tenant": tenant.name or "",
             "priority": tenant.batch_priority,
             "status": "validating",
@@ -180,7 +182,7 @@ class BatchStore:
         # The workers' end script counts only while this hash exists.
         pipe.hset(batch_counts_key(batch_id), "created_at", now)
         pipe.expire(batch_counts_key(batch_id), self.record_ttl)
-        pipe.zadd(batches_index_key(tenant.owner), {batch_id: now})
+        pipe.zadd(batches_index_key(tenant.owner), {batch_id: time.time_ns() // 1000})
         pipe.sadd(ACTIVE_BATCHES, batch_id)
         pipe.execute()
         return self.get(tenant.owner, batch_id)

@@ -46,6 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-file-bytes", type=int, default=200 * 2**20, help="largest batch file")
     p.add_argument("--max-file-lines", type=int, default=50_000, help="most requests per file")
+    p.add_argument(
+        "--batch-lease-seconds",
+        type=float,
+        default=15.0,
+        help="a gateway that died working on a batch is replaced after this long",
+    )
+    p.add_argument(
+        "--file-chunk-bytes",
+        type=int,
+        default=1 << 20,
+        help="files are stored, and batches enqueued, in chunks of whole lines of this size",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
@@ -68,6 +80,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_file_bytes=args.max_file_bytes,
         max_file_lines=args.max_file_lines,
         batch_priority=args.batch_priority,
+        batch_lease_s=args.batch_lease_seconds,
+        file_chunk_bytes=args.file_chunk_bytes,
     )
     config.check()
     return config

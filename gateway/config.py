@@ -49,6 +49,8 @@ class GatewayConfig:
     batch_poll_s: float = 0.5
     # The batch lease: a gateway that dies holding it is replaced after this many seconds.
     batch_lease_s: float = 15.0
+    # Uploads are stored (and batches enqueued) in chunks of whole lines of about this size.
+    file_chunk_bytes: int = 1 << 20
 
     def check(self) -> None:
         """Refuse a non-loopback address without keys: anyone could use the queue then."""

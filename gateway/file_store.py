@@ -54,9 +54,10 @@ def _decode(raw: dict[bytes, bytes]) -> dict[str, str]:
 class FileStore:
     """Uploads, lists, reads and deletes files of one owner at a time (sync Redis)."""
 
-    def __init__(self, redis: Redis, file_ttl: int) -> None:
+    def __init__(self, redis: Redis, file_ttl: int, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.redis = redis
         self.file_ttl = file_ttl
+        self.chunk_bytes = chunk_bytes
 
     def upload(
         self, owner: str, filename: str, purpose: str, source: IO[bytes], limits: Limits
@@ -72,7 +73,7 @@ class FileStore:
         errors: list[str] = []
         total_bytes, line_no, requests = 0, 0, 0
         try:
-            for chunk in _line_chunks(source):
+            for chunk in _line_chunks(source, self.chunk_bytes):
                 total_bytes += len(chunk)
                 if total_bytes > limits.max_bytes:
                     raise APIError(
@@ -128,7 +129,7 @@ class FileStore:
         pipe.hset(file_key(file_id), mapping=fields)
         pipe.expire(file_key(file_id), self.file_ttl)
         pipe.expire(data_key, self.file_ttl)
-        pipe.zadd(files_index_key(owner), {file_id: now})
+        pipe.zadd(files_index_key(owner), {file_id: time.time_ns() // 1000})
         pipe.execute()
         return file_object(_decode({k.encode(): str(v).encode() for k, v in fields.items()}))
 
@@ -227,13 +228,13 @@ def chunk_lines(chunk: bytes, first_line: int) -> Iterator[tuple[int, str]]:
             yield i, raw.decode("utf-8")
 
 
-def _line_chunks(source: IO[bytes]) -> Iterator[bytes]:
-    """The source's bytes cut into chunks of whole lines, each about CHUNK_BYTES."""
+def _line_chunks(source: IO[bytes], chunk_bytes: int) -> Iterator[bytes]:
+    """The source's bytes cut into chunks of whole lines, each about `chunk_bytes`."""
     pending = b""
-    while block := source.read(READ_BYTES):
+    while block := source.read(min(READ_BYTES, chunk_bytes)):
         pending += block
         cut = pending.rfind(b"\n")
-        if len(pending) >= CHUNK_BYTES and cut >= 0:
+        if len(pending) >= chunk_bytes and cut >= 0:
             yield pending[: cut + 1]
             pending = pending[cut + 1 :]
     if pending:

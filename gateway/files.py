@@ -68,7 +68,7 @@ def file_content(request: Request, file_id: str, tenant: TenantDep) -> Streaming
         batch = state.batches.fields(fields.get("batch_id", ""))
         if not batch:
             raise APIError(404, f"the batch of file {file_id} is gone", code="not_found")
-        lines = BatchLines.of(state.files, state.client.queue.name, batch)
+        lines = BatchLines.of(state.files, batch)
         want_errors = fields["kind"] == "error"
         made = output_lines(lines, batch.get("stop", ""), int(batch["created_at"]))
         body = (line for is_error, line in made if is_error == want_errors)

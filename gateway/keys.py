@@ -4,11 +4,11 @@
 |---|---|---|
 | `pagedq:file:{id}` | hash | a file's fields, owner, lines per chunk (an output: its batch) |
 | `pagedq:file:{id}:data` | list | an uploaded file's bytes in chunks of whole lines (<= 1 MiB) |
-| `pagedq:files:{owner}` | zset | the owner's file ids by created_at |
+| `pagedq:files:{owner}` | zset | the owner's file ids by creation time (us) |
 | `pagedq:batch:{id}` | hash | a batch's fields and progress (next chunk to enqueue) |
 | `pagedq:batch:{id}:counts` | hash | line ends, counted by the job-ending scripts |
 | `pagedq:batch:{id}:lease` | string | the gateway working on it (expires: another takes over) |
-| `pagedq:batches:{owner}` | zset | the owner's batch ids by created_at |
+| `pagedq:batches:{owner}` | zset | the owner's batch ids by creation time (us) |
 | `pagedq:batches:active` | set | batches still needing work (validating to finalizing) |
 """
 
@@ -41,7 +41,7 @@ def file_data_key(file_id: str) -> str:
 
 
 def files_index_key(owner: str) -> str:
-    """Sorted set of an owner's file ids, scored by created_at."""
+    """Sorted set of an owner's file ids, scored by creation time (microseconds)."""
     return f"{KEY_PREFIX}:files:{owner}"
 
 
@@ -56,5 +56,5 @@ def batch_lease_key(batch_id: str) -> str:
 
 
 def batches_index_key(owner: str) -> str:
-    """Sorted set of an owner's batch ids, scored by created_at."""
+    """Sorted set of an owner's batch ids, scored by creation time (microseconds)."""
     return f"{KEY_PREFIX}:batches:{owner}"
