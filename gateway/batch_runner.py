@@ -147,9 +147,10 @@ class BatchRunner:
         if not self.hold(batch_id):
             return False
         status = fields["status"]
-        if status in ("validating", "in_progress") and not fields.get("stop"):
+        # Validation is bounded (one pass over the file): the window runs out on lines only.
+        if status == "in_progress" and not fields.get("stop"):
             if time.time() >= int(fields["expires_at"]):
-                self.batches.transition(batch_id, ("validating", "in_progress"), stop="expired")
+                self.batches.transition(batch_id, ("in_progress",), stop="expired")
                 fields = self.batches.fields(batch_id)
         if fields.get("stop"):
             return self._stopping(batch_id, fields)
@@ -280,7 +281,7 @@ class BatchRunner:
         """Cancel a stopping batch's lines (cancel or expiry), then end it once they ended."""
         stop, status = fields["stop"], fields["status"]
         final_status = "cancelled" if stop == "cancelled" else "expired"
-        if status == "validating":  # nothing was enqueued
+        if status == "validating":  # cancelled before any line was enqueued: no files
             self._end(batch_id, ("validating",), final_status, {})
             return False
         lines = self._lines(fields)

@@ -18,6 +18,7 @@ from gateway.keys import (
     batch_counts_key,
     batch_key,
     batches_index_key,
+    file_key,
 )
 from producer.openai_output import CHAT_URL, COMPLETIONS_URL
 
@@ -183,6 +184,8 @@ class BatchStore:
         pipe.hset(batch_counts_key(batch_id), "created_at", now)
         pipe.expire(batch_counts_key(batch_id), self.record_ttl)
         pipe.zadd(batches_index_key(tenant.owner), {batch_id: time.time_ns() // 1000})
+        # A file a batch reads is only hidden when deleted: its outputs are made from it.
+        pipe.hincrby(file_key(input_file_id), "batch_refs", 1)
         pipe.sadd(ACTIVE_BATCHES, batch_id)
         pipe.execute()
         return self.get(tenant.owner, batch_id)

@@ -34,7 +34,6 @@ from producer.schema import GenerationResult
 router = APIRouter()
 # How long a reader waits for the result key after a `done` entry (workers write it first).
 RESULT_GRACE_S = 2.0
-DISCONNECT_CHECK_S = 1.0
 PING_S = 15
 
 
@@ -78,25 +77,36 @@ async def _default_model(request: Request, asked: str | None) -> str:
 async def _whole(request: Request, online: Online, follow: Follow) -> Any:
     hub = request.app.state.hub
     ended = False
+    waiting = asyncio.ensure_future(_final_entry(follow))
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        while True:
-            try:
-                entry = await asyncio.wait_for(follow.entries.get(), DISCONNECT_CHECK_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return JSONResponse(error_body("client went away", "server_error"), 499)
-                continue
-            if is_final(entry):
-                ended = True
-                break
-        result = await _result(request, follow.job_id, entry)
+        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done():
+            return JSONResponse(error_body("client went away", "server_error"), 499)
+        ended = True
+        result = await _result(request, follow.job_id, waiting.result())
     finally:
+        waiting.cancel()
+        gone.cancel()
         hub.unfollow(follow)
         if not ended:
             _cancel(request, follow.job_id)
     if result.status != "finished":
         raise _job_error(result)
     return completion_body(result, online.url, online.top_k).model_dump(mode="json")
+
+
+async def _final_entry(follow: Follow) -> dict[str, str]:
+    while True:
+        entry = await follow.entries.get()
+        if is_final(entry):
+            return entry
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (its body was read: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _stream(

@@ -157,7 +157,7 @@ class FileStore:
     def fields(self, owner: str, file_id: str) -> dict[str, str]:
         """A file's hash; 404 when absent or another owner's."""
         fields = _decode(self.redis.hgetall(file_key(file_id)))
-        if not fields or fields.get("owner") != owner:
+        if not fields or fields.get("owner") != owner or fields.get("deleted"):
             raise not_found("file", file_id)
         return fields
 
@@ -178,7 +178,7 @@ class FileStore:
         data, gone = [], []
         for file_id in ids:
             fields = _decode(self.redis.hgetall(file_key(file_id)))
-            if not fields:
+            if not fields or fields.get("deleted"):
                 gone.append(file_id)
                 continue
             if purpose is not None and fields.get("purpose") != purpose:
@@ -200,9 +200,14 @@ class FileStore:
 
     def delete(self, owner: str, file_id: str) -> dict[str, Any]:
         """Delete a file (its chunks too); OpenAI's FileDeleted object."""
-        self.fields(owner, file_id)
+        fields = self.fields(owner, file_id)
         pipe = self.redis.pipeline()
-        pipe.delete(file_key(file_id), file_data_key(file_id))
+        if int(fields.get("batch_refs", 0)):
+            # Its batches still read it (to enqueue, and to write their output): hidden only,
+            # it goes when its TTL ends.
+            pipe.hset(file_key(file_id), "deleted", "1")
+        else:
+            pipe.delete(file_key(file_id), file_data_key(file_id))
         pipe.zrem(files_index_key(owner), file_id)
         pipe.execute()
         return {"id": file_id, "object": "file", "deleted": True}
