@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
         help='JSON {"KEY": {"tenant": T, "priority": P, "batch_priority": B}, ...}',
     )
     p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve without keys on a non-loopback --host (e.g. in a container whose port is "
+        "published on 127.0.0.1 only)",
+    )
+    p.add_argument(
         "--batch-priority",
         type=int,
         default=DEFAULT_BATCH_PRIORITY,
@@ -83,7 +89,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         batch_lease_s=args.batch_lease_seconds,
         file_chunk_bytes=args.file_chunk_bytes,
     )
-    config.check()
+    if not args.allow_unauthenticated:
+        config.check()
     return config
 
 
