@@ -15,6 +15,7 @@ from gateway import batches, completions, errors, files, models
 from gateway.batch_runner import BatchRunner
 from gateway.batch_store import BatchStore
 from gateway.config import GatewayConfig
+from gateway.enqueuer import Enqueuer
 from gateway.errors import APIError, error_response
 from gateway.file_store import FileStore
 from gateway.keys import ACTIVE_BATCHES, batch_key
@@ -39,6 +40,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         runner = BatchRunner(client.redis, client, file_store, batch_store, config)
         app.state.client, app.state.files, app.state.batches = client, file_store, batch_store
         app.state.hub = hub
+        app.state.enqueuer = Enqueuer(client)
         app.state.catalog = ModelCatalog(hub.redis, config.queue)
         collector = ActiveBatches(lambda: _active_statuses(client))
         REGISTRY.register(collector)

@@ -121,6 +121,9 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         port=config.port,
         log_level=args.log_level.lower(),
         timeout_graceful_shutdown=5,
+        # Clients (and load balancers) keep connections between requests; uvicorn's 5 s
+        # would close them under a client about to reuse them.
+        timeout_keep_alive=75,
     )
     return 0
 

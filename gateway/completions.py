@@ -13,7 +13,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -60,8 +59,8 @@ async def _answer(request: Request, tenant: Tenant, url: str) -> Any:
     if routed is not None:
         online.request = online.request.model_copy(update={"model": routed})
     started = time.perf_counter()
-    job_id = (await anyio.to_thread.run_sync(state.client.enqueue, [online.request]))[0]
-    follow = await state.hub.follow(job_id)
+    job_id = await state.enqueuer.submit(online.request)
+    follow = state.hub.follow(job_id)
     model = routed or await _default_model(request, online.model)
     if online.stream:
         chunks = _stream(request, online, follow, model, started)
@@ -122,15 +121,23 @@ async def _stream(
             yield {"data": writer.chunk(0, "", role=True)}
         while True:
             entry = await follow.entries.get()
+            new = ""
+            # Entries that queued up while the client was being written to go out as one
+            # chunk: under load, fewer and larger events.
+            while not is_final(entry):
+                new += relay.take(entry)
+                if follow.entries.empty():
+                    break
+                entry = follow.entries.get_nowait()
             if is_final(entry):
                 ended = True
-                break
-            new = relay.take(entry)
             if new:
                 if not relay.first_sent:
                     relay.first_sent = True
                     TTFT.observe(time.perf_counter() - started)
                 yield {"data": writer.chunk(0, new)}
+            if ended:
+                break
         result = await _result(request, follow.job_id, entry)
         if result.status != "finished":
             err = _job_error(result)

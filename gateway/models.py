@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -27,11 +28,19 @@ class ModelCatalog:
         self.queue = queue
         self._models: list[dict[str, Any]] = []
         self._read_at = float("-inf")
+        self._reading: asyncio.Future | None = None
 
     async def models(self) -> list[dict[str, Any]]:
         """[{"id", "created", "owned_by"}] of every model a live worker on the queue serves."""
         if time.monotonic() - self._read_at < CACHE_S:
             return self._models
+        # One read for a burst of requests, not one each.
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(self._read())
+        await asyncio.shield(self._reading)
+        return self._models
+
+    async def _read(self) -> None:
         found: dict[str, int] = {}
         async for key in self.redis.scan_iter(match=WORKER_KEY_PATTERN, count=500):
             raw = await self.redis.get(key)
@@ -50,7 +59,6 @@ class ModelCatalog:
             for name, created in sorted(found.items())
         ]
         self._read_at = time.monotonic()
-        return self._models
 
     async def route(self, model: str | None) -> str | None:
         """The served model a request's `model` names (aliases match), else None: such a

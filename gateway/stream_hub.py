@@ -25,6 +25,8 @@ log = logging.getLogger("pagedq.gateway.streams")
 BLOCK_MS = 1000
 CHECK_S = 2.0
 COUNT = 512
+POOL_SIZE = 64
+POOL_WAIT_S = 30.0
 
 
 @dataclass(eq=False)
@@ -40,13 +42,18 @@ class StreamHub:
     """Reads the streams of all followed jobs and hands each entry to its follower."""
 
     def __init__(self, redis_url: str) -> None:
-        self.redis = aioredis.Redis.from_url(redis_url)
+        # Many requests at once wait for a pooled connection rather than fail.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            redis_url, max_connections=POOL_SIZE, timeout=POOL_WAIT_S
+        )
+        self.redis = aioredis.Redis(connection_pool=pool)
         self._reader = aioredis.Redis.from_url(redis_url, single_connection_client=True)
         self._follows: dict[str, list[Follow]] = {}
         self._reader_id: int | None = None
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._next_check = 0.0
+        self._wake_scheduled = False
 
     def __len__(self) -> int:
         return sum(len(f) for f in self._follows.values())
@@ -64,15 +71,23 @@ class StreamHub:
         await self._reader.aclose()
         await self.redis.aclose()
 
-    async def follow(self, job_id: str) -> Follow:
+    def follow(self, job_id: str) -> Follow:
         """Follow a job's stream from its first entry."""
         follow = Follow(job_id)
         self._follows.setdefault(job_id, []).append(follow)
         self._changed.set()
+        if not self._wake_scheduled:
+            self._wake_scheduled = True
+            asyncio.get_running_loop().create_task(self._wake())
+        return follow
+
+    async def _wake(self) -> None:
+        """Unblock the reader once for a burst of new follows, so it reads them at once."""
+        await asyncio.sleep(0)
+        self._wake_scheduled = False
         if self._reader_id is not None:
             with contextlib.suppress(RedisError):
                 await self.redis.client_unblock(self._reader_id)
-        return follow
 
     def unfollow(self, follow: Follow) -> None:
         """Stop following (the request ended or went away)."""
