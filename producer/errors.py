@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from redis.exceptions import OutOfMemoryError
+
 
 class InvalidRequestError(ValueError):
     """A job's fields were refused; the message names each field, its value and what is allowed."""
@@ -39,3 +41,15 @@ class JobNotFoundError(KeyError):
 
     def __str__(self) -> str:
         return f"no job {self.job_id!r} in Redis (never submitted, or its result expired)"
+
+
+class RedisFullError(OutOfMemoryError):
+    """Redis refused to queue jobs: it reached its maxmemory under the `noeviction` policy."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(
+            f"Redis is out of memory and refused to queue jobs ({error}). Jobs of this call "
+            "before the refusal may be queued; submitting again is safe for requests with a "
+            "custom_id (the same id is the same job). Free memory in Redis (results expire with "
+            "their TTL) or raise its maxmemory, then submit again."
+        )

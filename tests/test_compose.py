@@ -64,10 +64,10 @@ def test_the_file_is_valid_against_the_compose_specification_schema(compose):
     assert list(validator.iter_errors(broken))
 
 
-def test_plain_up_runs_redis_a_cpu_worker_and_the_dashboard(compose):
+def test_plain_up_runs_redis_a_cpu_worker_the_dashboard_and_the_gateway(compose):
     services = compose["services"]
     default = {name for name, s in services.items() if "profiles" not in s}
-    assert default == {"redis", "worker", "dashboard"}
+    assert default == {"redis", "worker", "dashboard", "gateway"}
     assert services["worker-gpu"]["profiles"] == ["gpu"]
     assert "deploy" not in services["worker"]  # no GPU reservation: starts on a laptop
     devices = services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"]
@@ -77,7 +77,8 @@ def test_plain_up_runs_redis_a_cpu_worker_and_the_dashboard(compose):
 def test_every_image_is_pinned(compose, dockerfile):
     images = [s["image"] for s in compose["services"].values()]
     dashboard_file = (ROOT / "docker" / "dashboard.Dockerfile").read_text()
-    images += re.findall(r"^FROM (\S+)", dockerfile + dashboard_file, flags=re.M)
+    gateway_file = (ROOT / "docker" / "gateway.Dockerfile").read_text()
+    images += re.findall(r"^FROM (\S+)", dockerfile + dashboard_file + gateway_file, flags=re.M)
     for image in images:
         name, _, tag = image.rpartition(":")
         assert name and tag and tag != "latest", image
@@ -161,3 +162,23 @@ def test_dockerfile_installs_the_worker_extra_and_runs_pagedq(dockerfile):
     assert '".[worker]"' in dockerfile
     assert "pagedq_cli.py" in dockerfile  # the console script's module
     assert 'ENTRYPOINT ["pagedq"]' in dockerfile
+
+
+def test_the_gateway_serves_the_compose_queue_on_this_host_only_with_a_healthcheck(compose):
+    gateway = compose["services"]["gateway"]
+    assert gateway["command"][0] == "serve"
+    assert gateway["ports"] == ["127.0.0.1:8000:8000"]
+    assert gateway["depends_on"]["redis"]["condition"] == "service_healthy"
+    flags = _flags(gateway["command"])
+    assert _interpolate(flags["--redis-url"], {}) == _interpolate(
+        _flags(compose["services"]["worker"]["command"])["--redis-url"], {}
+    )
+    assert flags["--queue"] == _flags(compose["services"]["worker"]["command"])["--queue"]
+    assert f"http://127.0.0.1:{flags['--port']}/health" in " ".join(gateway["healthcheck"]["test"])
+    assert gateway["environment"]["PAGEDQ_API_KEY"] == "${PAGEDQ_API_KEY:-}"
+    # The flags parse with the real CLI; the image installs the gateway extra, never torch.
+    gateway_cli = pytest.importorskip("gateway.cli")
+    gateway_cli.build_parser().parse_args(gateway["command"][1:])
+    dockerfile = (ROOT / gateway["build"]["dockerfile"]).read_text()
+    assert '".[gateway]"' in dockerfile and "torch" not in dockerfile
+    assert "COPY worker" not in dockerfile and 'ENTRYPOINT ["pagedq"]' in dockerfile

@@ -89,5 +89,7 @@ def test_defaults_and_aliases_are_declared_once():
         keys.DEFAULT_STREAM_TTL,
     )
     assert (config.redis_url, config.queue) == (keys.DEFAULT_REDIS_URL, keys.DEFAULT_QUEUE)
-    client = Client(connection=object())  # type: ignore[arg-type] - never connected
+    from redis import Redis
+
+    client = Client(connection=Redis(host="never-used.invalid"))  # never connected
     assert (client.queue.name, client.result_ttl) == (keys.DEFAULT_QUEUE, keys.DEFAULT_RESULT_TTL)

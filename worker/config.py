@@ -95,6 +95,13 @@ class WorkerConfig:
         ),
     )
     log_level: str = field(default="INFO", metadata=_doc("DEBUG, INFO, WARNING or ERROR"))
+    allow_eviction: bool = field(
+        default=False,
+        metadata=_doc(
+            "run on a Redis whose maxmemory-policy may evict keys (queued jobs and results "
+            "could vanish); without it the worker refuses to start there"
+        ),
+    )
     name: str | None = field(
         default=None, metadata=_doc("worker name in RQ and `pagedq status` (none: random)")
     )

@@ -148,7 +148,7 @@ class JobEnder:
             claim,
             result.status,
             result.model_dump_json(),
-            result.usage.total_tokens,
+            (result.usage.prompt_tokens, result.usage.completion_tokens),
             final,
             error=result.error,
             **end,

@@ -19,8 +19,16 @@ from producer.contract.lua import LuaScript
 
 log = structlog.get_logger("pagedq.worker")
 
-# Errors that mean "Redis is not there right now" (down, restarting, loading, failing over).
-UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError)
+# Errors that mean "Redis cannot take our calls right now": down, restarting, loading, failing
+# over, or out of memory under `noeviction` (it refuses writes until memory is freed).
+UNAVAILABLE = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.OutOfMemoryError,
+)
+# The one maxmemory policy under which Redis never drops a key of ours to make room.
+SAFE_MAXMEMORY_POLICY = "noeviction"
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 
@@ -33,6 +41,24 @@ def connect(url: str) -> redis.Redis:
         socket_connect_timeout=5,
         socket_timeout=30,
         health_check_interval=15,
+    )
+
+
+def eviction_risk(connection: redis.Redis) -> str | None:
+    """Why this Redis may drop pagedq's keys to make room (queued jobs, leases, results), or
+    None when it never does or will not say (a managed Redis without CONFIG)."""
+    try:
+        policy = connection.config_get("maxmemory-policy").get("maxmemory-policy")
+    except redis.ResponseError:
+        return None
+    if policy in (None, SAFE_MAXMEMORY_POLICY):
+        return None
+    return (
+        f"Redis's maxmemory-policy is {policy!r}: when memory runs short Redis evicts keys, "
+        "queued jobs and results included, and no one is told. Set it to 'noeviction' "
+        "(CONFIG SET maxmemory-policy noeviction, or `maxmemory-policy noeviction` in "
+        "redis.conf): Redis then refuses writes instead, and pagedq's workers buffer and retry "
+        "them. --allow-eviction runs anyway"
     )
 
 
@@ -150,23 +176,32 @@ class RedisLink:
     def flush(self) -> None:
         """Write buffered batches in order, stopping at the first connection failure."""
         while self.outbox and self.up:
-            calls, on_replies = self.outbox[0]
             try:
-                replies = self.scripts.run(calls)
+                self._write_first()
             except UNAVAILABLE as exc:
                 self._went_down(exc)
                 return
-            self.outbox.popleft()
-            if on_replies is not None:
-                on_replies(replies)
+
+    def _write_first(self) -> None:
+        calls, on_replies = self.outbox[0]
+        replies = self.scripts.run(calls)
+        self.outbox.popleft()
+        if on_replies is not None:
+            on_replies(replies)
 
     def poll(self) -> bool:
-        """While down, try to reconnect when the backoff allows; True on the reconnecting call."""
+        """While down, try to reconnect when the backoff allows; True on the reconnecting call.
+
+        Back means a buffered write went through (or, with nothing buffered, a PING): an
+        out-of-memory Redis answers PING but still refuses writes.
+        """
         if self.up or time.monotonic() < self._next_attempt_at:
             return False
         self._attempt += 1
         try:
             self.scripts.connection.ping()
+            if self.outbox:
+                self._write_first()
         except UNAVAILABLE as exc:
             backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (self._attempt - 1))
             self._next_attempt_at = time.monotonic() + backoff

@@ -242,7 +242,7 @@ class RQAdapter:
         claim: Claim,
         status: str,
         result_json: str,
-        used_tokens: int,
+        usage: tuple[int, int],
         final_entry: dict[str, str],
         rq_return_value: dict[str, Any] | None = None,
         *,
@@ -251,12 +251,13 @@ class RQAdapter:
     ) -> ScriptCall:
         """The fenced script that ends a held job as finished, failed or canceled.
 
-        RQ's result entry gets `rq_return_value` (a small summary; finished) or `error`
-        (failed); the full result JSON goes to the result key only. `stream_ttl_set`: this
+        `usage` is the result's (prompt_tokens, completion_tokens). RQ's result entry gets
+        `rq_return_value` (a small summary; finished) or `error` (failed); the full result JSON
+        goes to the result key only. `stream_ttl_set`: this
         run's entries already gave the stream its TTL. Reply 1 = ended, 0 = lease lost.
         """
         args, rest = self._ending(
-            claim, status, result_json, used_tokens, final_entry, rq_return_value, error
+            claim, status, result_json, usage, final_entry, rq_return_value, error
         )
         if stream_ttl_set:
             args["stream_ttl"] = 0
@@ -273,7 +274,7 @@ class RQAdapter:
         0 = lease lost.
         """
         final = {"event": "error", "error": reason}
-        args, rest = self._ending(claim, "failed", result_json, 0, final, None, reason)
+        args, rest = self._ending(claim, "failed", result_json, (0, 0), final, None, reason)
         job = {"job_id": claim.job_id, "queue": claim.queue, "execution": claim.execution}
         crash = {"count_crash": int(count_crash), "max_crashes": self.max_crashes}
         return _call(REQUEUE, {"worker": self.key}, job | crash | args, rest=rest)
@@ -283,7 +284,7 @@ class RQAdapter:
         claim: Claim,
         status: str,
         result_json: str,
-        used_tokens: int,
+        usage: tuple[int, int],
         final_entry: dict[str, str],
         rq_return_value: dict[str, Any] | None,
         error: str | None,
@@ -308,7 +309,8 @@ class RQAdapter:
             "score": t + self.result_ttl,
             "ttl": self.result_ttl,
             "result": result_json,
-            "used_tokens": used_tokens,
+            "prompt_tokens": usage[0],
+            "completion_tokens": usage[1],
             "stream_ttl": self.stream_ttl,
             "maxlen": STREAM_MAXLEN,
             "n_rq": len(rq_fields) * 2,

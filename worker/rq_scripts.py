@@ -129,11 +129,27 @@ local function slice(t, first, count)
     return out
 end
 
+-- Counts a gateway batch line's end in its batch's counts hash, only while that hash exists:
+-- finished / failed / canceled, and the tokens of a finished one.
+local function count_in_batch(jkey, status, prompt_tokens, completion_tokens)
+    local batch = redis.call('HGET', jkey, F.batch)
+    if not batch then return end
+    local ckey = K.batch_counts .. batch
+    if redis.call('EXISTS', ckey) == 0 then return end
+    redis.call('HINCRBY', ckey, status, 1)
+    if status == 'finished' then
+        redis.call('HINCRBY', ckey, 'prompt_tokens', prompt_tokens)
+        redis.call('HINCRBY', ckey, 'completion_tokens', completion_tokens)
+    end
+end
+
 -- Ends a started job: RQ status, registries, RQ result entry, pagedq result key, final entry,
--- the tenant's charge (the tokens it used), and the ending worker's RQ counters (worker_key ''
--- for the reaper: the worker is dead).
-local function end_job(job_id, queue, member, status, ended_at, score, ttl, result_json, used,
-                       rq_fields, final_fields, stream_ttl, maxlen, worker_key)
+-- the tenant's charge (the tokens it used), its batch's counts, and the ending worker's RQ
+-- counters (worker_key '' for the reaper: the worker is dead).
+local function end_job(job_id, queue, member, status, ended_at, score, ttl, result_json,
+                       prompt_tokens, completion_tokens, rq_fields, final_fields, stream_ttl,
+                       maxlen, worker_key)
+    local used = prompt_tokens + completion_tokens
     local jkey = RQ.job .. job_id
     local counter = ({finished = 'successful_job_count', failed = 'failed_job_count'})[status]
     if worker_key ~= '' and counter then redis.call('HINCRBY', worker_key, counter, 1) end
@@ -148,6 +164,7 @@ local function end_job(job_id, queue, member, status, ended_at, score, ttl, resu
     end
     local f = redis.call('HMGET', jkey, F.base, F.tenant, F.cost)
     if f[1] then pq_charge(f[1], f[2] or '', tonumber(f[3]) or used, used) end
+    count_in_batch(jkey, status, prompt_tokens, completion_tokens)
     redis.call('SET', K.result .. job_id, result_json, 'EX', ttl)
     local skey = K.stream .. job_id
     redis.call('XADD', skey, 'MAXLEN', '~', maxlen, '*', unpack(final_fields))
@@ -157,15 +174,17 @@ end
 """
 
 # What ends a job, after the job's own (job_id, queue, execution): END's and REQUEUE's tail.
-# `result` is the GenerationResult JSON, `used_tokens` what the tenant is charged; the rest of
-# ARGV holds `n_rq` field/values of RQ's result entry, then `n_final` of the final entry.
+# `result` is the GenerationResult JSON, and `prompt_tokens`, `completion_tokens` its usage (what
+# the tenant is charged and the batch counts), so the script never parses the result; the rest
+# of ARGV holds `n_rq` field/values of RQ's result entry, then `n_final` of the final entry.
 ENDING_ARGS = (
     "status",
     "ended_at",
     "score",
     "ttl",
     "result",
-    "used_tokens",
+    "prompt_tokens",
+    "completion_tokens",
     "stream_ttl",
     "maxlen",
     "n_rq",
@@ -173,7 +192,8 @@ ENDING_ARGS = (
 )
 _END_JOB_CALL = """
     end_job(a_job_id, a_queue, a_job_id .. ':' .. a_execution, STATUS, a_ended_at, a_score,
-        a_ttl, a_result, tonumber(a_used_tokens), slice(ARGV, REST, tonumber(a_n_rq)),
+        a_ttl, a_result, tonumber(a_prompt_tokens), tonumber(a_completion_tokens),
+        slice(ARGV, REST, tonumber(a_n_rq)),
         slice(ARGV, REST + tonumber(a_n_rq), tonumber(a_n_final)), a_stream_ttl, a_maxlen,
         k_worker)
 """
@@ -351,7 +371,7 @@ for k = KEYS_REST, #KEYS do
                     local result = cjson.encode({job_id = job_id, status = 'failed',
                         error = a_reason})
                     end_job(job_id, queue, member, 'failed', a_ended_at,
-                        now + tonumber(a_failure_ttl), a_failure_ttl, result, 0,
+                        now + tonumber(a_failure_ttl), a_failure_ttl, result, 0, 0,
                         {'type', RESULT.failed, 'worker_name', '', 'exc_string', a_exc_string},
                         {'event', 'error', 'error', a_reason}, a_stream_ttl, a_maxlen, '')
                     failed[#failed + 1] = job_id

@@ -1,8 +1,9 @@
 """Start one worker process: connect, load the engine once, serve the queue.
 
-Start-up problems (a malformed Redis URL, wrong credentials, an unreachable Redis, a busy
-metrics port, a worker name in use) end the process with one log line and a non-zero exit
-code, never a traceback; Redis URLs are logged with their password redacted.
+Start-up problems (a malformed Redis URL, wrong credentials, an unreachable Redis, a Redis that
+may evict keys, a busy metrics port, a worker name in use) end the process with one log line
+and a non-zero exit code, never a traceback; Redis URLs are logged with their password
+redacted.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from worker.config import WorkerConfig
 from worker.endpoints import MetricsPortInUse, WorkerHealth
 from worker.logs import log_engine_ready
 from worker.metrics import WorkerMetrics
-from worker.redis_link import connect
+from worker.redis_link import connect, eviction_risk
 from worker.rq_adapter import RQAdapter
 
 log = structlog.get_logger("pagedq.worker")
@@ -77,6 +78,12 @@ def run_worker(config: WorkerConfig) -> int:
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         log.error("cannot reach Redis", redis_url=url, error=str(exc))
         return EXIT_ERROR
+    risk = eviction_risk(connection)
+    if risk is not None:
+        if not config.allow_eviction:
+            log.error("Redis may evict pagedq's keys; not starting", redis_url=url, why=risk)
+            return EXIT_ERROR
+        log.warning("Redis may evict pagedq's keys (--allow-eviction)", redis_url=url, why=risk)
     # Health and metrics exist before the model loads: /healthz says "starting" meanwhile, and a
     # busy port fails the start in a second, not after the load.
     health = WorkerHealth(config.model)

@@ -30,7 +30,16 @@ PAGEDQ = {
     "fair": "pagedq:fair:",  # + root queue: fair-queueing accounts `v` and `F:{tenant}`
     "fair_weights": "pagedq:fair-weights:",  # + root queue: tenant -> weight
     "tenant_tokens": "pagedq:tenant-tokens:",  # + root queue: tenant -> tokens used
+    # The gateway's files and batches (gateway/):
+    "file": "pagedq:file:",  # + file id: hash of a file's fields
+    "file_data": "pagedq:file-data:",  # + file id: list of an uploaded file's chunks
+    "files": "pagedq:files:",  # + owner: zset of file ids by creation time (us)
+    "batch": "pagedq:batch:",  # + batch id: hash of a batch's fields and progress
+    "batch_counts": "pagedq:batch-counts:",  # + batch id: line ends, counted by ending scripts
+    "batch_lease": "pagedq:batch-lease:",  # + batch id: the gateway working on it
+    "batches": "pagedq:batches:",  # + owner: zset of batch ids by creation time (us)
 }
+ACTIVE_BATCHES = "pagedq:active-batches"  # set of batches still needing a gateway's work
 CANCEL_CHANNEL = "pagedq:cancel"
 WORKER_KEY_PATTERN = PAGEDQ["worker"] + "*"
 
@@ -61,6 +70,7 @@ JOB_FIELDS = {
     "base": "pq_base",  # the base queue of its sub-queue
     "meta": "pq_meta",  # its sub-queue's index entry (JSON)
     "tenant": "pq_tenant",  # the tenant charged when it ends
+    "batch": "pq_batch",  # the gateway batch whose counts its end goes to
 }
 
 
@@ -82,6 +92,43 @@ def cancel_key(job_id: str) -> str:
 def worker_key(name: str) -> str:
     """Key of a worker's status JSON {in_flight, running, waiting, kv_cache_usage, ...}."""
     return PAGEDQ["worker"] + name
+
+
+def file_key(file_id: str) -> str:
+    """Hash of a gateway file's fields."""
+    return PAGEDQ["file"] + file_id
+
+
+def file_data_key(file_id: str) -> str:
+    """List of an uploaded file's chunks (whole lines)."""
+    return PAGEDQ["file_data"] + file_id
+
+
+def files_index_key(owner: str) -> str:
+    """Sorted set of an owner's file ids, scored by creation time (microseconds)."""
+    return PAGEDQ["files"] + owner
+
+
+def batch_key(batch_id: str) -> str:
+    """Hash of a gateway batch's fields."""
+    return PAGEDQ["batch"] + batch_id
+
+
+def batch_counts_key(batch_id: str) -> str:
+    """Hash of a batch's line counts: `finished`, `failed`, `canceled` (+1 as each of its jobs
+    ends, in the script that ends it) and `prompt_tokens`, `completion_tokens` of finished ones;
+    counted only while the hash exists (the batch's owner creates it)."""
+    return PAGEDQ["batch_counts"] + batch_id
+
+
+def batch_lease_key(batch_id: str) -> str:
+    """The lease of the gateway working on a batch."""
+    return PAGEDQ["batch_lease"] + batch_id
+
+
+def batches_index_key(owner: str) -> str:
+    """Sorted set of an owner's batch ids, scored by creation time (microseconds)."""
+    return PAGEDQ["batches"] + owner
 
 
 def subqueue_index_key(base: str) -> str:

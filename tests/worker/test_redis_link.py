@@ -45,7 +45,7 @@ def test_fenced_scripts_run_again_after_a_restart_emptied_the_script_cache(serve
     claim = adapter.claim(link.scripts.call(call), execution, started_at)
     server.restart()  # AOF keeps the job; the script cache is empty now
     result = f'{{"job_id": "{claim.job_id}", "status": "finished"}}'
-    link.run([adapter.end_call(claim, "finished", result, 0, {"event": "done"})])
+    link.run([adapter.end_call(claim, "finished", result, (0, 0), {"event": "done"})])
     assert server.client().hget(f"rq:job:{claim.job_id}", "status") == b"finished"
 
 

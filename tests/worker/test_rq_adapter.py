@@ -66,7 +66,8 @@ class Driver:
         return [j.decode() for j in requeued], [j.decode() for j in failed]
 
     def end_call(self, claim, status, result: dict, final, summary=None, **kwargs):
-        used = sum((result.get("usage") or {}).values())
+        usage = result.get("usage") or {}
+        used = (usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
         return self.adapter.end_call(
             claim, status, json.dumps(result), used, final, summary,
             error=result.get("error"), **kwargs,

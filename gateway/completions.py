@@ -1,0 +1,193 @@
+"""POST /v1/chat/completions and /v1/completions: one job each, answered whole or streamed.
+
+A request becomes a job with its key's tenant and priority; its answer is read from the job's
+token stream (through the gateway's StreamHub) and its result key. A client that goes away
+before the job ended cancels it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from sse_starlette import EventSourceResponse
+
+from gateway.auth import TenantDep
+from gateway.config import Tenant
+from gateway.errors import APIError, error_body
+from gateway.metrics import CANCELED_ON_DISCONNECT, OPEN_STREAMS, TTFT
+from gateway.requests import Online, parse_online
+from gateway.sse import DONE, ChunkWriter, Relay, StreamDiverged
+from gateway.stream_hub import Follow
+from producer.contract.keys import result_key
+from producer.contract.schema import GenerationResult
+from producer.openai_output import CHAT_URL, COMPLETIONS_URL, completion_body
+from producer.results import MAX_READ_BYTES, is_final
+
+router = APIRouter()
+# How long a reader waits for the result key after a `done` entry (workers write it first).
+RESULT_GRACE_S = 2.0
+PING_S = 15
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, tenant: TenantDep) -> Any:
+    """OpenAI's chat completions (stream=True answers with server-sent events)."""
+    return await _answer(request, tenant, CHAT_URL)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, tenant: TenantDep) -> Any:
+    """OpenAI's (legacy) text completions (stream=True answers with server-sent events)."""
+    return await _answer(request, tenant, COMPLETIONS_URL)
+
+
+async def _answer(request: Request, tenant: Tenant, url: str) -> Any:
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        raise APIError(400, "the request body is not valid JSON") from None
+    online = parse_online(body, url, tenant)
+    state = request.app.state
+    routed = await state.catalog.route(online.model)
+    if routed is not None:
+        online.request = online.request.model_copy(update={"model": routed})
+    started = time.perf_counter()
+    job_id = await state.enqueuer.submit(online.request)
+    follow = state.hub.follow(job_id)
+    model = routed or await _default_model(request, online.model)
+    if online.stream:
+        chunks = _stream(request, online, follow, model, started)
+        return EventSourceResponse(chunks, ping=PING_S)
+    return await _whole(request, online, follow)
+
+
+async def _default_model(request: Request, asked: str | None) -> str:
+    served = await request.app.state.catalog.models()
+    return served[0]["id"] if len(served) == 1 else asked or ""
+
+
+async def _whole(request: Request, online: Online, follow: Follow) -> Any:
+    hub = request.app.state.hub
+    ended = False
+    waiting = asyncio.ensure_future(_final_entry(follow))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done():
+            return JSONResponse(error_body("client went away", "server_error"), 499)
+        ended = True
+        result = await _result(request, follow.job_id, waiting.result())
+    finally:
+        waiting.cancel()
+        gone.cancel()
+        hub.unfollow(follow)
+        if not ended:
+            _cancel(request, follow.job_id)
+    if result.status != "finished":
+        raise _job_error(result)
+    return completion_body(result, online.url, online.top_k).model_dump(mode="json")
+
+
+async def _final_entry(follow: Follow) -> dict[str, str]:
+    while True:
+        entry = await follow.entries.get()
+        if is_final(entry):
+            return entry
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (its body was read: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _stream(
+    request: Request, online: Online, follow: Follow, model: str, started: float
+) -> AsyncIterator[dict[str, str]]:
+    hub = request.app.state.hub
+    writer = ChunkWriter(online, follow.job_id, model)
+    relay = Relay()
+    ended = False
+    OPEN_STREAMS.inc()
+    try:
+        if writer.chat:
+            yield {"data": writer.chunk(0, "", role=True)}
+        while True:
+            entry = await follow.entries.get()
+            new = ""
+            # Entries that queued up while the client was being written to go out as one
+            # chunk: under load, fewer and larger events.
+            while not is_final(entry):
+                new += relay.take(entry)
+                if follow.entries.empty():
+                    break
+                entry = follow.entries.get_nowait()
+            if is_final(entry):
+                ended = True
+            if new:
+                if not relay.first_sent:
+                    relay.first_sent = True
+                    TTFT.observe(time.perf_counter() - started)
+                yield {"data": writer.chunk(0, new)}
+            if ended:
+                break
+        result = await _result(request, follow.job_id, entry)
+        if result.status != "finished":
+            err = _job_error(result)
+            yield {"data": json.dumps(error_body(err.message, err.type, code=err.code))}
+            return
+        text = result.all_choices()[0].text
+        if text.startswith(relay.sent) and len(text) > len(relay.sent):
+            # The stream lost entries (expired or trimmed): the result holds the whole text.
+            yield {"data": writer.chunk(0, text[len(relay.sent) :])}
+        for chunk in writer.final(result):
+            yield {"data": chunk}
+        if online.include_usage:
+            yield {"data": writer.usage(result)}
+        yield {"data": DONE}
+    except StreamDiverged as exc:
+        yield {"data": json.dumps(error_body(str(exc), "server_error", code="stream_diverged"))}
+    finally:
+        OPEN_STREAMS.dec()
+        hub.unfollow(follow)
+        if not ended:
+            _cancel(request, follow.job_id)
+
+
+def _cancel(request: Request, job_id: str) -> None:
+    """Cancel a job whose client went away, without waiting (this task may be cancelled)."""
+    CANCELED_ON_DISCONNECT.inc()
+    loop = asyncio.get_running_loop()
+    loop.run_in_executor(None, request.app.state.client.cancel, job_id)
+
+
+async def _result(request: Request, job_id: str, entry: dict[str, str]) -> GenerationResult:
+    """The result of a job whose final entry was read (its result key, or what the entry says)."""
+    redis = request.app.state.hub.redis
+    deadline = time.monotonic() + (RESULT_GRACE_S if entry.get("event") == "done" else 0)
+    while True:
+        raw = await redis.get(result_key(job_id))
+        if raw is not None or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.05)
+    if raw is not None and len(raw) <= MAX_READ_BYTES:
+        try:
+            return GenerationResult.model_validate_json(raw)
+        except ValidationError:
+            pass
+    canceled = entry.get("status") == "canceled" or entry.get("error") == "canceled"
+    status = "canceled" if canceled else "failed"
+    return GenerationResult(job_id=job_id, status=status, error=entry.get("error") or "no result")
+
+
+def _job_error(result: GenerationResult) -> APIError:
+    if result.status == "canceled":
+        return APIError(500, "the request was canceled", code="canceled", type="server_error")
+    return APIError(500, f"the request failed: {result.error or 'no message'}", code="job_failed")

@@ -1,0 +1,178 @@
+"""Every token stream a gateway follows, read with one blocking XREAD on one connection.
+
+A request follows its job's stream through a `Follow` (an asyncio queue of entries). New
+follows wake the blocked XREAD with CLIENT UNBLOCK, so their first entries come at once; every
+CHECK_S the followed jobs are also looked up, because some ends write no stream entry (a queued
+job canceled through RQ) and streams expire before results do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+from rq.job import Job
+
+from producer.contract.keys import result_key, stream_key
+from producer.results import decode_entry, is_final
+
+log = logging.getLogger("pagedq.gateway.streams")
+
+BLOCK_MS = 1000
+CHECK_S = 2.0
+COUNT = 512
+POOL_SIZE = 64
+POOL_WAIT_S = 30.0
+
+
+@dataclass(eq=False)
+class Follow:
+    """The entries of one job's stream, from its first, ending with a done/error entry."""
+
+    job_id: str
+    entries: asyncio.Queue = field(default_factory=asyncio.Queue)
+    last_id: str = "0"
+
+
+class StreamHub:
+    """Reads the streams of all followed jobs and hands each entry to its follower."""
+
+    def __init__(self, redis_url: str) -> None:
+        # Many requests at once wait for a pooled connection rather than fail.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            redis_url, max_connections=POOL_SIZE, timeout=POOL_WAIT_S
+        )
+        self.redis = aioredis.Redis(connection_pool=pool)
+        self._reader = aioredis.Redis.from_url(redis_url, single_connection_client=True)
+        self._follows: dict[str, list[Follow]] = {}
+        self._reader_id: int | None = None
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._next_check = 0.0
+        self._wake_scheduled = False
+
+    def __len__(self) -> int:
+        return sum(len(f) for f in self._follows.values())
+
+    async def start(self) -> None:
+        """Start the reading task."""
+        self._task = asyncio.create_task(self._run(), name="stream-hub")
+
+    async def close(self) -> None:
+        """Stop reading and close the connections."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        await self._reader.aclose()
+        await self.redis.aclose()
+
+    def follow(self, job_id: str) -> Follow:
+        """Follow a job's stream from its first entry."""
+        follow = Follow(job_id)
+        self._follows.setdefault(job_id, []).append(follow)
+        self._changed.set()
+        if not self._wake_scheduled:
+            self._wake_scheduled = True
+            asyncio.get_running_loop().create_task(self._wake())
+        return follow
+
+    async def _wake(self) -> None:
+        """Unblock the reader once for a burst of new follows, so it reads them at once."""
+        await asyncio.sleep(0)
+        self._wake_scheduled = False
+        if self._reader_id is not None:
+            with contextlib.suppress(RedisError):
+                await self.redis.client_unblock(self._reader_id)
+
+    def unfollow(self, follow: Follow) -> None:
+        """Stop following (the request ended or went away)."""
+        follows = self._follows.get(follow.job_id, [])
+        if follow in follows:
+            follows.remove(follow)
+        if not follows:
+            self._follows.pop(follow.job_id, None)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                if not self._follows:
+                    self._changed.clear()
+                    await self._changed.wait()
+                    continue
+                if self._reader_id is None:
+                    self._reader_id = await self._reader.client_id()
+                if loop.time() >= self._next_check:
+                    self._next_check = loop.time() + CHECK_S
+                    await self._check_ended()
+                await self._read()
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as exc:
+                log.warning("stream hub: Redis unreachable (%s); retrying", type(exc).__name__)
+                self._reader_id = None
+                await asyncio.sleep(1.0)
+
+    async def _read(self) -> None:
+        self._changed.clear()
+        streams = {stream_key(j): self._last_id(j) for j in self._follows}
+        reply = await self._reader.xread(streams, count=COUNT, block=BLOCK_MS)
+        for key, entries in reply or []:
+            job_id = key.decode().split(":", 2)[2]
+            self._deliver(job_id, entries)
+
+    def _last_id(self, job_id: str) -> str:
+        return min((f.last_id for f in self._follows[job_id]), key=_entry_order)
+
+    def _deliver(self, job_id: str, entries: list) -> None:
+        for entry_id, fields in entries:
+            entry_id = entry_id.decode()
+            entry = decode_entry(fields)
+            for follow in list(self._follows.get(job_id, [])):
+                if _entry_order(entry_id) <= _entry_order(follow.last_id):
+                    continue
+                follow.last_id = entry_id
+                follow.entries.put_nowait(entry)
+                if is_final(entry):
+                    self.unfollow(follow)
+
+    async def _check_ended(self) -> None:
+        job_ids = list(self._follows)
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.exists(result_key(job_id))
+            pipe.hget(Job.key_for(job_id), "status")
+        replies = await pipe.execute()
+        for i, job_id in enumerate(job_ids):
+            has_result, status = replies[2 * i], replies[2 * i + 1]
+            ended = _synthetic_end(bool(has_result), status.decode() if status else None)
+            if ended is None or job_id not in self._follows:
+                continue
+            # Deliver what the stream still holds first, so no delta is lost to the end.
+            self._deliver(job_id, await self.redis.xrange(stream_key(job_id), "-", "+"))
+            for follow in list(self._follows.get(job_id, [])):
+                follow.entries.put_nowait(ended)
+                self.unfollow(follow)
+
+
+def _synthetic_end(has_result: bool, status: str | None) -> dict[str, str] | None:
+    """The final entry of a job that ended without writing one (None: not ended)."""
+    if has_result:
+        return {"event": "done", "status": "result"}
+    if status is None:
+        return {"event": "error", "error": "job not found", "status": "not_found"}
+    if status in ("canceled", "stopped"):
+        return {"event": "error", "error": "canceled", "status": "canceled"}
+    if status == "failed":
+        return {"event": "error", "error": "failed", "status": "failed"}
+    return None
+
+
+def _entry_order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

@@ -1,0 +1,56 @@
+"""Gateway fixtures: a real redis-server, a real worker serving a tiny random Llama, and real
+`pagedq serve` processes on free ports, driven by OpenAI's own SDK."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from gateway_stack import KEYS, QUEUE, GatewayProcess, Stack
+from openai import OpenAI
+from redis import Redis
+from worker_process import WorkerProcess
+
+from worker.redis_server import PrivateRedis
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One redis-server and one worker for the gateway tests (tiny model: ready in seconds)."""
+    log_dir = tmp_path_factory.mktemp("gateway-logs")
+    keys_file = log_dir / "keys.json"
+    keys_file.write_text(json.dumps(KEYS))
+    with PrivateRedis() as server:
+        worker = WorkerProcess(
+            server.url,
+            QUEUE,
+            "gateway-tests",
+            log_dir,
+            model=tiny_llama_dir,
+            kv_cache_memory="16MiB",
+            # 2 cores are shared with pytest and the gateways: one OpenMP thread.
+            env={"OMP_NUM_THREADS": "1"},
+        )
+        redis = Redis.from_url(server.url)
+        stack = Stack(server.url, redis, worker, log_dir, keys_file)
+        try:
+            worker.wait_ready(timeout=120)
+            yield stack
+        finally:
+            for gw in stack.gateways:
+                gw.stop()
+            worker.stop(timeout=15)
+            redis.close()
+
+
+@pytest.fixture(scope="session")
+def gateway(stack: Stack) -> GatewayProcess:
+    """The session's main gateway (with API keys)."""
+    return stack.gateway()
+
+
+@pytest.fixture
+def oai(gateway: GatewayProcess) -> OpenAI:
+    """OpenAI's SDK on the main gateway, as tenant team-a."""
+    return gateway.openai()

@@ -1,0 +1,155 @@
+"""Chat and completions over HTTP, driven by OpenAI's SDK: same answers as the Python client."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_models_lists_the_model_the_live_worker_serves(oai, stack):
+    models = [m.id for m in oai.models.list()]
+    assert models == [stack.worker.status()["model"]]
+    assert oai.models.retrieve(models[0]).id == models[0]
+
+
+def test_a_chat_completion_is_what_the_python_client_gets_for_the_same_request(oai, stack):
+    answer = oai.chat.completions.create(
+        model="gpt-4o-mini", messages=MESSAGES, max_tokens=8, temperature=0
+    )
+    with stack.client() as client:
+        job = client.submit(messages=MESSAGES, max_tokens=8, temperature=0)
+        expected = client.result(job, timeout=60)
+    assert answer.object == "chat.completion"
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].message.content == expected.text
+    assert answer.choices[0].finish_reason == expected.finish_reason
+    assert answer.usage.completion_tokens == expected.usage.completion_tokens
+    assert answer.usage.prompt_tokens == expected.usage.prompt_tokens
+
+
+def test_streamed_chat_deltas_join_to_the_non_streamed_text(oai):
+    whole = oai.chat.completions.create(
+        model="any", messages=MESSAGES, max_tokens=12, temperature=0
+    )
+    stream = oai.chat.completions.create(
+        model="any",
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason
+    assert [f for f in finishes if f] == [finishes[-1]]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    assert sum(bool(c.choices and c.choices[0].delta.content) for c in chunks) > 1
+
+
+def test_completions_whole_and_streamed_with_n_and_logprobs(oai):
+    whole = oai.completions.create(
+        model="any", prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2
+    )
+    assert whole.object == "text_completion"
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == whole.usage.completion_tokens == len(lp.token_logprobs)
+    streamed = oai.completions.create(
+        model="any", prompt="The capital of France is", max_tokens=6, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].text for c in streamed if c.choices)
+    assert text == whole.choices[0].text
+    many = oai.chat.completions.create(
+        model="any", messages=MESSAGES, max_tokens=4, n=3, temperature=1.0, seed=7
+    )
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    streamed = oai.chat.completions.create(
+        model="any", messages=MESSAGES, max_tokens=4, n=3, temperature=1.0, seed=7, stream=True
+    )
+    texts = {0: "", 1: "", 2: ""}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == {c.index: c.message.content for c in many.choices}
+
+
+def test_chat_logprobs_come_as_openai_shapes(oai):
+    answer = oai.chat.completions.create(
+        model="any", messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_a_bad_field_is_a_400_naming_it(oai):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model="any", messages=MESSAGES, max_tokens=0)
+    assert err.value.status_code == 400
+    assert err.value.body["param"] == "max_tokens"
+    assert err.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model="any", messages=MESSAGES, temperature="hot")
+    assert err.value.body["param"] == "temperature"
+
+
+def test_validation_errors_of_fastapi_use_openais_envelope(gateway):
+    r = httpx.get(gateway.url + "/v1/files?limit=0", headers={"Authorization": "Bearer sk-team-a"})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "limit"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        content=b"{not json",
+        headers={"Authorization": "Bearer sk-team-a"},
+    )
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.get(gateway.url + "/v1/nothing", headers={"Authorization": "Bearer sk-team-a"})
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_no_key_and_a_wrong_key_are_401(gateway):
+    with pytest.raises(openai.AuthenticationError) as err:
+        gateway.openai(key="sk-wrong").models.list()
+    assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+    r = httpx.get(gateway.url + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+    assert "sk-wrong" not in gateway.log_tail(100_000)
+
+
+def test_a_client_that_disconnects_cancels_its_job(gateway, stack):
+    body = {
+        "model": "any",
+        "messages": MESSAGES,
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": "Bearer sk-team-a"}
+    with httpx.stream(
+        "POST", gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=60
+    ) as r:
+        lines = r.iter_lines()
+        first = json.loads(next(line for line in lines if line.startswith("data:"))[5:])
+        job_id = first["id"].removeprefix("chatcmpl-")
+        # Wait for real tokens, then hang up mid-stream.
+        next(line for line in lines if '"content":"' in line and '"content":""' not in line)
+    deadline = time.monotonic() + 30
+    with stack.client() as client:
+        while client.status(job_id) != "canceled":
+            assert time.monotonic() < deadline, client.status(job_id)
+            time.sleep(0.1)
+        result = json.loads(stack.redis.get(f"pagedq:result:{job_id}"))
+    assert result["status"] == "canceled"
+    assert len(result["token_ids"]) < 400
