@@ -58,7 +58,8 @@ class WorkerConfig:
         default=60,
         metadata=_doc(
             "seconds after which a dead worker's jobs are re-run elsewhere (heartbeats renew "
-            "leases every lease_ttl / 3 s); a stale registration under --name is taken over then",
+            "leases every lease_ttl / 3 s); a --name held by a live worker is waited for that "
+            "long, one whose process died on this host is taken over at once",
             min=1,
         ),
     )

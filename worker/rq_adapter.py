@@ -158,11 +158,32 @@ class RQAdapter:
 
     def name_in_use(self) -> bool:
         """True when a live worker (heartbeat younger than a lease) is registered under the
-        name: the register script's test, read-only, to fail fast at start-up."""
+        name: the register script's test, read-only."""
         death, heartbeat = self.connection.hmget(self.key, "death", "pagedq_heartbeat")
         if not self.connection.exists(self.key) or death is not None:
             return False
         return heartbeat is None or time.time() - float(heartbeat) < self.lease_ttl
+
+    def predecessor_gone(self) -> bool:
+        """True when the worker registered under this name provably died: it ran on this host
+        and its PID is no longer running (or is this process's own, as in a restarted
+        container)."""
+        host, pid = self.connection.hmget(self.key, "hostname", "pid")
+        if host is None or pid is None or host.decode() != socket.gethostname():
+            return False
+        try:
+            pid_number = int(pid)
+        except ValueError:
+            return False
+        if pid_number == os.getpid():
+            return True
+        try:
+            os.kill(pid_number, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # running, as another user
+            return False
+        return False
 
     def unregister(self) -> None:
         """Remove the worker from RQ's registry."""
@@ -353,13 +374,16 @@ class RQAdapter:
         }
         return _call(HEARTBEAT, {"worker": self.key}, args, rest=rest)
 
-    def reap_call(self) -> ScriptCall:
-        """Requeue (or fail, after max_crashes) jobs whose lease expired; the reply is
-        (requeued ids, failed ids)."""
+    def reap_call(self, dead_holder: str | None = None) -> ScriptCall:
+        """Requeue (or fail, after max_crashes) jobs whose lease expired, or with `dead_holder`
+        every job that worker holds (it is known to be dead); the reply is (requeued ids,
+        failed ids)."""
         t = time.time()
         reason = crash_reason(self.max_crashes)
         args = {
             "now": t,
+            "until": t if dead_holder is None else "+inf",
+            "holder": dead_holder or "",
             "max_crashes": self.max_crashes,
             "ended_at": rq_date(t),
             "failure_ttl": self.result_ttl,

@@ -338,11 +338,14 @@ return lost
 # Our replacement for RQ's StartedJobRegistry.cleanup: an expired lease means the worker
 # holding it died; its job goes back to the queue front, or fails once it was in flight
 # during max_crashes crashes. Also drops expired finished/failed/canceled registry entries.
-# Returns {requeued job ids, failed job ids}.
+# With a `holder` (a worker name; '' for any) and `until` '+inf', it takes every lease of a
+# worker known to be dead, expired or not. Returns {requeued job ids, failed job ids}.
 REAP = LuaScript(
     "reap",
     args=(
         "now",
+        "until",
+        "holder",
         "max_crashes",
         "ended_at",
         "failure_ttl",
@@ -359,12 +362,19 @@ local requeued, failed = {}, {}
 for k = KEYS_REST, #KEYS do
     local wip = KEYS[k]
     local queue = string.sub(wip, string.len(RQ.wip) + 1)
-    local expired = redis.call('ZRANGEBYSCORE', wip, '-inf', now, 'LIMIT', 0, tonumber(a_limit))
+    local expired = redis.call('ZRANGEBYSCORE', wip, '-inf', a_until, 'LIMIT', 0,
+        tonumber(a_limit))
     for _, member in ipairs(expired) do
         local sep = string.find(member, ':[^:]*$')
+        local job_id, execution, jkey, mine = nil, nil, nil, true
         if sep then
-            local job_id, execution = string.sub(member, 1, sep - 1), string.sub(member, sep + 1)
-            local jkey = RQ.job .. job_id
+            job_id, execution = string.sub(member, 1, sep - 1), string.sub(member, sep + 1)
+            jkey = RQ.job .. job_id
+            if a_holder ~= '' then
+                mine = redis.call('HGET', jkey, 'worker_name') == a_holder
+            end
+        end
+        if sep and mine then
             if held(jkey, execution) then
                 local crashes = redis.call('HINCRBY', jkey, F.crashes, 1)
                 if crashes >= max_crashes then
@@ -383,7 +393,7 @@ for k = KEYS_REST, #KEYS do
                 end
             end
         end
-        redis.call('ZREM', wip, member)
+        if mine then redis.call('ZREM', wip, member) end
     end
     for _, registry in ipairs({'finished', 'failed', 'canceled'}) do
         redis.call('ZREMRANGEBYSCORE', RQ[registry] .. queue, '-inf', now)

@@ -21,7 +21,7 @@ from worker.config import WorkerConfig
 from worker.endpoints import MetricsPortInUse, WorkerHealth
 from worker.logs import log_engine_ready
 from worker.metrics import WorkerMetrics
-from worker.redis_link import connect, eviction_risk
+from worker.redis_link import ScriptRunner, connect, eviction_risk
 from worker.rq_adapter import RQAdapter
 
 log = structlog.get_logger("pagedq.worker")
@@ -110,9 +110,7 @@ def run_worker(config: WorkerConfig) -> int:
         max_crashes=config.max_crashes,
         aging_seconds=config.engine.priority_aging_seconds or 0,
     )
-    if adapter.name_in_use():
-        _log_name_taken(adapter.name)
-        return EXIT_ERROR
+    claim_name(adapter)
     t0 = time.monotonic()
     log.info(
         "loading model", model=config.model, device=config.engine.device, dtype=config.engine.dtype
@@ -128,6 +126,36 @@ def run_worker(config: WorkerConfig) -> int:
     except WorkerNameTaken:
         _log_name_taken(adapter.name)
         return EXIT_ERROR
+
+
+def claim_name(adapter: RQAdapter) -> None:
+    """Make the worker's name free to register: taken over at once from a predecessor that
+    provably died (same host, its PID gone: a crashed process or pod restarted under its stable
+    name), whose jobs are requeued now instead of when their leases run out; else, while a live
+    worker holds it, wait for that worker's lease to run out."""
+    if not adapter.name_in_use():
+        return
+    if adapter.predecessor_gone():
+        requeued, failed = ScriptRunner(adapter.connection).call(
+            adapter.reap_call(dead_holder=adapter.name)
+        )
+        adapter.unregister()
+        log.warning(
+            "took over the name of a dead worker on this host",
+            worker=adapter.name,
+            requeued=[j.decode() for j in requeued],
+            failed=[j.decode() for j in failed],
+        )
+        return
+    log.warning(
+        "a live worker has this name (its heartbeat is younger than --lease-ttl): waiting "
+        "for its lease to run out",
+        worker=adapter.name,
+        lease_ttl=adapter.lease_ttl,
+    )
+    while adapter.name_in_use():
+        time.sleep(min(1.0, adapter.lease_ttl / 4))
+    log.info("the name is free", worker=adapter.name)
 
 
 def _log_name_taken(name: str) -> None:
