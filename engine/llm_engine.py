@@ -457,7 +457,7 @@ class LLMEngine:
         for request in ready:
             self.scheduler.add_request(request)
         for request, error in failed:
-            if request.parent_id in self.parents:
+            if request.parent_id in self.parents and not request.status.finished:
                 self._early_outputs.append(self._fail_parent(request.parent_id, error))
 
     def _fail_parent(self, parent_id: str, error: str) -> RequestOutput:
@@ -466,12 +466,13 @@ class LLMEngine:
         for child in parent.children:
             if child.status.finished:
                 continue
-            if self.structured.forget(child):  # never reached the scheduler
-                child.status = RequestStatus.FINISHED_ABORTED
-                child.finished_time = time.time()
-            else:
+            self.structured.forget(child)
+            if child.request_id in self.scheduler.requests:
                 self.isolation.forget(child)
                 self.scheduler.abort_request(child.request_id)
+            else:  # still waiting for its grammar: it never reached the scheduler
+                child.status = RequestStatus.FINISHED_ABORTED
+                child.finished_time = time.time()
         self._faulty.discard(parent_id)
         self.failed_requests.append((parent_id, error))
         return self._make_output(parent, keep=True)
