@@ -4,8 +4,9 @@
     python bench/structured.py --num-requests 64 --rounds 5
 
 Each round runs the constrained batch (a JSON schema per request, half greedy, half sampled),
+the same batch with fast-forward off (every token a decode step: the cost of the masks alone),
 then the same prompts unconstrained with ``ignore_eos`` and each request's ``max_tokens`` set to
-the length its constrained output had, so both runs produce the same number of tokens per
+the length its constrained output had, so every run produces the same number of tokens per
 request. Rounds alternate the two; the ratio is taken per round and its median printed (the
 machines are shared and noisy). Forced tokens are counted as generated: they are output the
 user gets, and skipping their decode steps is the point of forcing them.
@@ -121,7 +122,7 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype)
     chats, params = workload(args.num_requests, args.max_tokens)
     timed(llm, chats[:2], params[:2])  # warm-up: the tokenizer for llguidance, first kernels
-    ratios, rows = [], []
+    ratios, mask_ratios, rows = [], [], []
     for r in range(args.rounds):
         before = llm.stats
         t_c, outs = timed(llm, chats, params)
@@ -131,24 +132,54 @@ def main() -> None:
             replace(p, structured_outputs=None, max_tokens=n, ignore_eos=True)
             for p, n in zip(params, lengths)
         ]
+        llm.llm_engine.structured.enable_fast_forward = False
+        greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+        t_m, outs_m = timed(llm, [chats[i] for i in greedy], [params[i] for i in greedy])
+        llm.llm_engine.structured.enable_fast_forward = True
         t_u, outs_u = timed(llm, chats, plain)
+        t_ug, _ = timed(llm, [chats[i] for i in greedy], [plain[i] for i in greedy])
         tokens = sum(lengths)
         assert tokens == sum(len(o.outputs[0].token_ids) for o in outs_u)
+        # Greedy outputs do not depend on fast-forward: the same tokens, one step each.
+        assert [o.outputs[0].token_ids for o in outs_m] == [
+            outs[i].outputs[0].token_ids for i in greedy
+        ]
+        mask_ratio = t_ug / t_m
         forced = after.num_forced_tokens - before.num_forced_tokens
         steps = after.num_steps - before.num_steps
         stopped = sum(o.outputs[0].finish_reason == "stop" for o in outs)
         ratio = (tokens / t_c) / (tokens / t_u)
         ratios.append(ratio)
-        rows.append((r, tokens, tokens / t_c, tokens / t_u, ratio, forced / tokens, steps, stopped))
+        rows.append(
+            (
+                r,
+                tokens,
+                tokens / t_c,
+                tokens / t_u,
+                ratio,
+                mask_ratio,
+                forced / tokens,
+                steps,
+                stopped,
+            )
+        )
+        mask_ratios.append(mask_ratio)
     print(f"{args.num_requests} requests, {args.model} {args.dtype}, max_tokens {args.max_tokens}")
-    print("round  tokens  constrained tok/s  unconstrained tok/s  ratio  forced  steps  stopped")
-    for r, tokens, c, u, ratio, share, steps, stopped in rows:
+    print(
+        "round  tokens  constrained tok/s  unconstrained tok/s  ratio  "
+        "ratio greedy no-ff  forced  steps  stopped"
+    )
+    for r, tokens, c, u, ratio, mask_ratio, share, steps, stopped in rows:
         print(
-            f"{r:5d}  {tokens:6d}  {c:17.1f}  {u:19.1f}  {ratio:5.2f}  {share:6.1%}  "
-            f"{steps:5d}  {stopped:4d}/{args.num_requests}"
+            f"{r:5d}  {tokens:6d}  {c:17.1f}  {u:19.1f}  {ratio:5.2f}  {mask_ratio:18.2f}  "
+            f"{share:6.1%}  {steps:5d}  {stopped:4d}/{args.num_requests}"
         )
     stats = llm.stats
     print(f"median ratio constrained / unconstrained: {statistics.median(ratios):.2f}")
+    print(
+        "median ratio, greedy half without fast-forward (masks only): "
+        f"{statistics.median(mask_ratios):.2f}"
+    )
     print(
         f"grammar compiles: {stats.num_grammar_compiles} in {stats.grammar_compile_seconds:.3f} s, "
         f"cache hits {stats.grammar_cache_hits}"
