@@ -335,3 +335,21 @@ def test_an_unconstrained_batch_never_builds_a_mask(llm):
     fresh.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert fresh.llm_engine.structured._bitmask is None
     assert fresh.stats.num_grammar_compiles == 0 and fresh.stats.num_constrained_tokens == 0
+
+
+def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing_behind(llm):
+    engine = llm.llm_engine
+    schema = {"type": "object", "properties": {"aborted_while_compiling": {"type": "integer"}}}
+    before = engine.get_stats()
+    engine.add_request("gone", "x", SamplingParams(n=2, structured_outputs={"json": schema}))
+    assert engine.get_stats().num_waiting_for_grammar == 2
+    engine.abort_request("gone")
+    assert engine.step() == [] and not engine.has_unfinished_requests()
+    stats = engine.get_stats()
+    assert stats.num_waiting_for_grammar == 0 and stats.num_running == stats.num_waiting == 0
+    # One compile for both samples; asking again hits the cache.
+    engine.add_request("again", "x", SamplingParams(structured_outputs={"json": schema}))
+    engine.abort_request("again")
+    after = engine.get_stats()
+    assert after.grammar_cache_hits - before.grammar_cache_hits == 2
+    assert after.num_grammar_compiles - before.num_grammar_compiles <= 1
