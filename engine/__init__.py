@@ -5,6 +5,7 @@ from engine.llm import LLM
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -15,4 +16,5 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

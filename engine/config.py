@@ -119,6 +119,13 @@ class EngineConfig:
             "cores it may use)"
         ),
     )
+    max_grammar_compile_s: float = field(
+        default=10.0,
+        metadata=_doc(
+            "seconds a structured-output grammar may take to compile; past it that request "
+            "fails alone"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
@@ -161,6 +168,15 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"num_threads={self.num_threads!r} is invalid: must be None (auto) or an int >= 1"
+            )
+        if (
+            isinstance(self.max_grammar_compile_s, bool)
+            or not isinstance(self.max_grammar_compile_s, int | float)
+            or not self.max_grammar_compile_s > 0
+        ):
+            raise ValueError(
+                f"max_grammar_compile_s={self.max_grammar_compile_s!r} is invalid: "
+                "must be seconds > 0"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(

@@ -82,6 +82,7 @@ class LLM:
                 processed.append(engine.prompts.process(prompt))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from e
+        self._compile_grammars(params)
         ids = [str(next(self._counter)) for _ in prompts]
         for i, (request_id, prompt) in enumerate(zip(ids, processed)):
             engine.add_request(
@@ -92,6 +93,20 @@ class LLM:
                 tenant=tenant[i] if tenant else None,
             )
         return self._run_engine(ids, use_tqdm)
+
+    def _compile_grammars(self, params: list[SamplingParams]) -> None:
+        # Each distinct grammar compiles (cached) before anything is queued: a bad one raises
+        # here, like a bad prompt, and the engine stays clean.
+        engine, seen = self.llm_engine, set()
+        for i, p in enumerate(params):
+            so = p.structured_outputs
+            if so is None or so.key in seen:
+                continue
+            seen.add(so.key)
+            try:
+                engine.structured.compiler.compile_now(so, engine.config.max_grammar_compile_s)
+            except ValueError as e:
+                raise ValueError(f"sampling_params[{i}]: {e}") from e
 
     @staticmethod
     def _params_list(sampling_params, n: int) -> list[SamplingParams]:

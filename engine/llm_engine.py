@@ -27,6 +27,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_isolation import StepIsolation
+from engine.structured_outputs.manager import StructuredOutputManager
 from engine.swap import INITIAL_PREFILL_TOKENS_PER_S, PreemptionCostModel, SwapSpace
 from kernels import allocate_kv_cache
 
@@ -71,6 +72,14 @@ class EngineStats:
     prefill_tokens_per_s: float = 0.0  # the moving average the swap/recompute rule uses
     copy_bytes_per_s: float = 0.0  # measured at start (0 without a swap pool)
     num_scheduled_tokens: int = 0  # tokens the latest step computed (prefill chunks + decodes)
+    # Structured outputs (issue 24): grammar compiles, and the tokens grammars decided.
+    num_grammar_compiles: int = 0
+    grammar_compile_seconds: float = 0.0  # summed over compiles (on the compile threads)
+    grammar_cache_hits: int = 0
+    num_waiting_for_grammar: int = 0  # requests whose grammar is still compiling
+    num_grammar_failures: int = 0  # requests failed by their grammar (bad, too slow, refused)
+    num_constrained_tokens: int = 0  # sampled under a grammar's mask
+    num_forced_tokens: int = 0  # appended by a grammar without a decode step
 
 
 class _ParentRequest:
@@ -133,6 +142,12 @@ class LLMEngine:
             self.cost_model,
         )
         self.eos_token_ids = self._eos_token_ids()
+        self.structured = StructuredOutputManager(
+            self.tokenizer,
+            self.hf_config.vocab_size,
+            self.eos_token_ids,
+            config.max_grammar_compile_s,
+        )
         self.model_runner = ModelRunner(
             self.model,
             self.kv_caches,
@@ -140,6 +155,7 @@ class LLMEngine:
             self.device,
             Sampler(self.device, config.seed, config.attention_backend),
             self.eos_token_ids,
+            self.structured,
         )
         self.parents: dict[str, _ParentRequest] = {}
         self.num_steps = 0
@@ -148,9 +164,12 @@ class LLMEngine:
         # Step isolation: a step that raises is retried without its culprit (step_isolation.py).
         self.isolate_failures = True
         self.failed_requests: list[tuple[str, str]] = []
-        self.isolation = StepIsolation(self.scheduler, self._step, self._children, self._fail)
+        self.isolation = StepIsolation(
+            self.scheduler, self._step, self._children, self._fail_parent
+        )
         self._faults_enabled = os.environ.get(FAULT_ENV) == "1"
         self._faulty: set[str] = set()
+        self._early_outputs: list[RequestOutput] = []  # ended before a step ran (grammar failed)
 
     # --- set-up -------------------------------------------------------------------------
     def _kv_bytes_per_block(self) -> int:
@@ -240,6 +259,8 @@ class LLMEngine:
         processed = self.prompts.process(prompt)
         text, token_ids = processed.text, processed.token_ids
         self._check_params(params, len(token_ids))
+        if params.structured_outputs is not None:
+            self.structured.check(params.structured_outputs)  # cheap; the compile runs apart
         arrival_time = time.time() if arrival_time is None else arrival_time
         children, detoks = [], []
         for k in range(params.n):
@@ -267,7 +288,9 @@ class LLMEngine:
         if self._faults_enabled and FAULT_MARKER in self.tokenizer.decode(token_ids):
             self._faulty.add(request_id)
         for child in children:
-            self.scheduler.add_request(child)
+            # A constrained request joins the scheduler once its grammar is compiled.
+            if not self.structured.hold(child):
+                self.scheduler.add_request(child)
 
     def _check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         """What SamplingParams cannot know alone: the vocabulary and the context."""
@@ -292,6 +315,7 @@ class LLMEngine:
         self._faulty.discard(request_id)
         for child in parent.children:
             if not child.status.finished:
+                self.structured.forget(child)
                 self.isolation.forget(child)
                 self.scheduler.abort_request(child.request_id)
 
@@ -310,13 +334,15 @@ class LLMEngine:
         running requests can still grow without preemption.
         """
         sched, kv = self.scheduler, self.kv_cache_manager
-        if len(sched.running) + sched.num_waiting >= self.config.max_num_seqs:
+        held = self.structured.held
+        if len(sched.running) + sched.num_waiting + len(held) >= self.config.max_num_seqs:
             return False
         if num_prompt_tokens is None:
             num_prompt_tokens = 4 * self.config.block_size
         needed = kv.num_blocks_for(num_prompt_tokens) + self.config.admission_reserve_blocks
         needed += sum(kv.num_blocks_for(r.num_tokens) for r in sched.waiting)
         needed += sum(kv.num_blocks_for(r.num_tokens) for r in sched.swapped)
+        needed += sum(kv.num_blocks_for(r.num_tokens) for r in held)
         needed += len(sched.running) // self.config.block_size
         return needed <= kv.num_free_blocks
 
@@ -342,21 +368,13 @@ class LLMEngine:
         parent = self.parents.get(parent_id)
         return parent.children if parent is not None else None
 
-    def _fail(self, parent_id: str, error: str) -> RequestOutput:
-        """End a request that makes steps raise ("abort"), and record why."""
-        parent = self.parents[parent_id]
-        for child in parent.children:
-            if not child.status.finished:
-                self.isolation.forget(child)
-                self.scheduler.abort_request(child.request_id)
-        self._faulty.discard(parent_id)
-        self.failed_requests.append((parent_id, error))
-        return self._make_output(parent)
-
     def _step(self) -> list[RequestOutput]:
+        self._release_grammar_requests()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
-            return []
+            if self.structured.held and not self._early_outputs:
+                self.structured.wait()  # only grammars compiling: wait instead of spinning
+            return self._take_early_outputs()
         if self._faulty and any(s.request.parent_id in self._faulty for s in sched_out.scheduled):
             raise InjectedFault("injected test fault (PAGEDQ_TEST_FAULTS)")
         t0 = time.perf_counter()
@@ -372,14 +390,32 @@ class LLMEngine:
                     s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens
                 )
             req.num_computed_tokens += s.num_new_tokens
-            if row not in sampled:
+            # A sibling's failure may have ended this sample earlier in the loop.
+            if row not in sampled or req.status.finished:
                 continue
             token_id, logprobs = sampled[row]
             self._append_token(req, token_id, logprobs, now)
             touched[req.parent_id] = self.parents[req.parent_id]
-        return [self._make_output(p) for p in touched.values()]
+        return self._take_early_outputs() + [self._make_output(p) for p in touched.values()]
 
     def _append_token(self, req: Request, token_id: int, logprobs, now: float) -> None:
+        status = self._record_token(req, token_id, logprobs, now)
+        if status is None and req.structured_output_request is not None:
+            # A forced token has no distribution of its own: logprob 0 (probability 1).
+            forced_logprobs = (lambda t: {t: 0.0}) if logprobs is not None else (lambda t: None)
+            status, error = self.structured.advance(
+                req,
+                token_id,
+                lambda t: self._record_token(req, t, forced_logprobs(t), now),
+            )
+            if error is not None:
+                self.structured.num_failed += 1
+                self._fail_parent(req.parent_id, error, keep=True)
+                return
+        if status is not None:
+            self.scheduler.finish_request(req, status)
+
+    def _record_token(self, req: Request, token_id: int, logprobs, now: float):
         req.append_output_token(token_id)
         self.num_generated_tokens += 1
         if req.first_token_time is None:
@@ -387,9 +423,45 @@ class LLMEngine:
         if logprobs is not None:
             req.logprobs.append(logprobs)
             req.cumulative_logprob += logprobs[token_id]
-        status = self._check_stop(req, token_id)
-        if status is not None:
-            self.scheduler.finish_request(req, status)
+        return self._check_stop(req, token_id)
+
+    # --- structured outputs -------------------------------------------------------------
+    def _release_grammar_requests(self) -> None:
+        """Schedule the requests whose grammar compiled; fail those whose compile failed."""
+        if not self.structured.held or self.isolation.active:
+            return
+        ready, failed = self.structured.release()
+        for request in ready:
+            self.scheduler.add_request(request)
+        for request, error in failed:
+            if request.parent_id in self.parents and not request.status.finished:
+                output = self._fail_parent(request.parent_id, error, keep=True)
+                self._early_outputs.append(output)
+
+    def _fail_parent(self, parent_id: str, error: str, keep: bool = False) -> RequestOutput:
+        """End every sample of a request "abort" and list its error in `failed_requests`
+        (a request that makes steps raise, or whose grammar failed); `keep`: leave it in
+        `parents` until its early output is taken."""
+        parent = self.parents[parent_id]
+        for child in parent.children:
+            if child.status.finished:
+                continue
+            self.structured.forget(child)
+            if child.request_id in self.scheduler.requests:
+                self.isolation.forget(child)
+                self.scheduler.abort_request(child.request_id)
+            else:  # still waiting for its grammar: it never reached the scheduler
+                child.status = RequestStatus.FINISHED_ABORTED
+                child.finished_time = time.time()
+        self._faulty.discard(parent_id)
+        self.failed_requests.append((parent_id, error))
+        return self._make_output(parent, keep=keep)
+
+    def _take_early_outputs(self) -> list[RequestOutput]:
+        outputs, self._early_outputs = self._early_outputs, []
+        for out in outputs:
+            self.parents.pop(out.request_id, None)
+        return outputs
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         params = req.params
@@ -407,7 +479,7 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _make_output(self, parent: _ParentRequest) -> RequestOutput:
+    def _make_output(self, parent: _ParentRequest, keep: bool = False) -> RequestOutput:
         outputs = []
         for req, detok in zip(parent.children, parent.detokenizers):
             done = req.status.finished
@@ -420,6 +492,9 @@ class LLMEngine:
                     stop_reason=req.stop_reason,
                     logprobs=list(req.logprobs) if req.logprobs is not None else None,
                     cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+                    num_forced_tokens=getattr(
+                        req.structured_output_request, "num_forced_tokens", 0
+                    ),
                 )
             )
         first = parent.children[0]
@@ -437,7 +512,7 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens,
             num_preemptions=sum(r.num_preemptions for r in parent.children),
         )
-        if finished:
+        if finished and not keep:
             del self.parents[parent.request_id]
         return RequestOutput(
             parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished, metrics
@@ -474,4 +549,11 @@ class LLMEngine:
             generation_tokens_per_s=sched.generation_rate.rate(sched.clock()),
             prefill_tokens_per_s=self.cost_model.prefill_tokens_per_s if self.cost_model else 0.0,
             copy_bytes_per_s=self.cost_model.copy_bytes_per_s if self.cost_model else 0.0,
+            num_grammar_compiles=self.structured.compiler.num_compiles,
+            grammar_compile_seconds=self.structured.compiler.compile_seconds,
+            grammar_cache_hits=self.structured.compiler.num_cache_hits,
+            num_waiting_for_grammar=self.structured.num_held,
+            num_grammar_failures=self.structured.num_failed,
+            num_constrained_tokens=self.structured.num_constrained_tokens,
+            num_forced_tokens=self.structured.num_forced_tokens,
         )

@@ -21,6 +21,7 @@ class ModelRunner:
         device: torch.device,
         sampler: Sampler,
         eos_ids: set[int],
+        structured=None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -28,6 +29,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.eos_ids = eos_ids
+        self.structured = structured  # a StructuredOutputManager: masks constrained rows
         self.block_table = BlockTable()
         model.prepack()
 
@@ -83,10 +85,14 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput):
         """Run one step; returns ``{row: (token_id, logprobs)}`` for the rows that sampled."""
         input_ids, positions, meta, logits_indices, sample_rows = self.prepare_inputs(sched)
+        requests = [sched.scheduled[r].request for r in sample_rows]
+        # The grammars' mask is filled while the model runs, and applied before any sampling.
+        mask = self.structured.start_bitmask(requests) if self.structured else None
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sample_rows:
             return {}
         logits = self.model.compute_logits(hidden[logits_indices])
-        requests = [sched.scheduled[r].request for r in sample_rows]
+        if mask is not None:
+            self.structured.apply_bitmask(logits, mask)
         token_ids, logprobs = self.sampler(logits, requests, self.eos_ids)
         return {row: (tok, lp) for row, tok, lp in zip(sample_rows, token_ids, logprobs)}

@@ -16,6 +16,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    # Tokens a grammar forced (appended without a decode step; see docs/STRUCTURED_OUTPUTS.md).
+    num_forced_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -59,6 +59,7 @@ class Request:
         "logprobs",
         "cumulative_logprob",
         "generator",
+        "structured_output_request",
     )
 
     def __init__(
@@ -96,6 +97,8 @@ class Request:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.generator = None  # a torch.Generator, made by the sampler for seeded requests
+        # Its grammar's state (engine.structured_outputs.matcher), when the output is constrained.
+        self.structured_output_request = None
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ from engine.request import Request
 from kernels import argmax
 
 MIN_TEMPERATURE = 1e-5
+inf = float("inf")
 
 
 class Sampler:
@@ -57,7 +58,8 @@ class Sampler:
             entry = {token_ids[i]: float(logprobs[i, token_ids[i]])}
             if k:
                 values, ids = logprobs[i].topk(k)
-                entry.update(zip(ids.tolist(), values.tolist()))
+                # A grammar may allow fewer than k tokens: the forbidden ones are not offered.
+                entry.update((t, v) for t, v in zip(ids.tolist(), values.tolist()) if v > -inf)
             out.append(entry)
         return out
 
@@ -99,7 +101,11 @@ class Sampler:
             # A stop id outside the vocabulary can never be sampled: nothing to ban.
             banned = [t for t in banned if 0 <= t < vocab]
             if banned:
-                logits[i, list(banned)] = float("-inf")
+                row = logits[i, banned].clone()
+                logits[i, banned] = float("-inf")
+                # A grammar that allows only EOS ends the request by itself: keep it possible.
+                if bool(torch.isneginf(logits[i]).all()):
+                    logits[i, banned] = row
         return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

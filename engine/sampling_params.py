@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.structured_outputs.params import StructuredOutputsParams
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Past these the sampler would overflow int64 tensors or the engine would never finish a request.
 MAX_N = 1024
@@ -53,6 +55,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # A JSON schema, regex, choice or grammar the output must match (dicts are converted).
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -107,6 +111,7 @@ class SamplingParams:
             f"a list of token ids in [0, {INT64_MAX}]",
         )
         self.stop_token_ids = list(ids)
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

@@ -159,12 +159,14 @@ class BulkRun:
         priority: int | None = None,
         batch_id: str | None = None,
         progress: bool = True,
+        response_format: dict[str, Any] | None = None,
     ) -> None:
         self.client = client
         self.in_path, self.out_path = in_path, out_path
         self.window, self.chunk_size, self.model = window, max(1, chunk_size), model
         pinned = {"tenant": tenant, "priority": priority}
         self.pinned = {k: v for k, v in pinned.items() if v is not None}
+        self.defaults = {} if response_format is None else {"response_format": response_format}
         self.batch_id = batch_id or default_batch_id(in_path)
         self.progress = progress
         self.summary = BulkSummary()
@@ -183,7 +185,7 @@ class BulkRun:
     def run(self) -> BulkSummary:
         """Process the whole file; safe to interrupt and run again (see run_bulk)."""
         start = time.monotonic()
-        scan = scan_file(self.in_path, self.model, self.line_id, self.pinned)
+        scan = scan_file(self.in_path, self.model, self.line_id, self.pinned, self.defaults)
         if scan.num_errors:
             raise BadInputFileError(self.in_path, scan)
         self._done_at_start = load_done(self.out_path, scan.line_ids)
@@ -225,7 +227,7 @@ class BulkRun:
         exhausted = True
         for line_no, raw in lines:
             if raw.strip():
-                self._take_line(parse_line(raw, line_no, self.model, self.pinned))
+                self._take_line(parse_line(raw, line_no, self.model, self.pinned, self.defaults))
             if len(self._pending) >= room:
                 exhausted = False
                 break
@@ -306,7 +308,7 @@ class BulkRun:
 
 def run_bulk(client: Client, in_path: str, out_path: str, **options: Any) -> BulkSummary:
     """Run `pagedq submit IN -o OUT` (options: window, chunk_size, model, tenant, priority,
-    batch_id, progress).
+    batch_id, progress, response_format: OpenAI's, for every line that has none).
 
     IN is checked whole first: a line OpenAI would refuse at upload (invalid JSON, no
     custom_id, another method or url, a repeated custom_id) raises BadInputFileError and

@@ -26,6 +26,7 @@ from producer.contract.keys import (
     REDIS_URL_ENV,
 )
 from producer.contract.routing import TENANT_RE
+from producer.contract.schema import GenerationRequest
 from producer.errors import JobCanceledError, JobFailedError, JobNotFoundError, RedisFullError
 from producer.retry import redact_url
 from producer.status import format_status, queue_status
@@ -115,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
         "else 0)",
     )
     p.add_argument("--batch-id", help="job-id namespace (default: from the input file's path)")
+    p.add_argument(
+        "--response-format",
+        metavar="FILE",
+        help="JSON file with an OpenAI response_format (e.g. a json_schema) for every line that "
+        "has none (default: each line's own)",
+    )
     p.add_argument("--retries", type=int, default=3, help="RQ retries per job (default: 3)")
     p.add_argument(
         "--result-ttl",
@@ -179,6 +186,17 @@ def _submit(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    response_format = None
+    if args.response_format is not None:
+        try:
+            with open(args.response_format, encoding="utf-8") as f:
+                response_format = json.load(f)
+            GenerationRequest.parse({"prompt": "x", "response_format": response_format})
+        except (OSError, ValueError) as exc:
+            print(
+                f"pagedq submit: --response-format {args.response_format}: {exc}", file=sys.stderr
+            )
+            return EXIT_USAGE
     client = _connect(args, result_ttl=args.result_ttl, retries=args.retries)
     try:
         s = run_bulk(
@@ -192,6 +210,7 @@ def _submit(args: argparse.Namespace) -> int:
             priority=args.priority,
             batch_id=args.batch_id,
             progress=not args.no_progress,
+            response_format=response_format,
         )
     except (BadInputFileError, StaleOutputError, OSError) as exc:
         if isinstance(exc, BrokenPipeError):

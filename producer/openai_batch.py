@@ -56,11 +56,17 @@ class ParsedLine:
 
 
 def parse_line(
-    raw: str, line_no: int, model: str | None = None, pinned: dict[str, Any] | None = None
+    raw: str,
+    line_no: int,
+    model: str | None = None,
+    pinned: dict[str, Any] | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> ParsedLine:
     """Parse one JSONL line; raises FileFormatError for a line OpenAI would refuse at upload.
 
-    `model` and `pinned` (e.g. {"tenant": "team-a", "priority": 5}) override every line's body.
+    `model` and `pinned` (e.g. {"tenant": "team-a", "priority": 5}) override every line's body;
+    `defaults` (e.g. {"response_format": ...}) fill what a body leaves out (a line with its own
+    structured_outputs or response_format keeps it).
 
     A body with bad fields yields a ParsedLine with `error` set (a 400 line in the output).
     """
@@ -89,6 +95,10 @@ def parse_line(
         fields["custom_id"] = custom_id
         if model is not None:
             fields["model"] = model
+        for name, value in (defaults or {}).items():
+            if name == "response_format" and "structured_outputs" in fields:
+                continue
+            fields.setdefault(name, value)
         fields.update(pinned or {})
         request = GenerationRequest.parse(fields)
         return ParsedLine(line_no, custom_id, url, request=request, raw_digest=digest)
@@ -157,6 +167,7 @@ def scan_file(
     model: str | None,
     line_id: Callable[[ParsedLine], str],
     pinned: dict[str, Any] | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> FileScan:
     """Check every line of IN without queuing anything; `line_id` names each line's output."""
     scan = FileScan()
@@ -167,7 +178,7 @@ def scan_file(
                 continue
             scan.lines += 1
             try:
-                parsed = parse_line(raw, line_no, model, pinned)
+                parsed = parse_line(raw, line_no, model, pinned, defaults)
             except FileFormatError as exc:
                 scan.refuse(str(exc))
                 continue

@@ -55,6 +55,7 @@ def build_result(
 
     With `batch_decode` (a tokenizer's), each choice with logprobs gets `token_texts`.
     """
+    completions = list(output.outputs) if output is not None else []
     choices = [
         Choice(
             index=c.index,
@@ -64,7 +65,7 @@ def build_result(
             logprobs=c.logprobs,
             token_texts=token_texts(c.logprobs, batch_decode) if batch_decode else None,
         )
-        for c in (output.outputs if output is not None else [])
+        for c in completions
     ]
     first = choices[0] if choices else Choice()
     prompt_ids = getattr(output, "prompt_token_ids", None) or []
@@ -81,6 +82,7 @@ def build_result(
         usage=Usage(
             prompt_tokens=len(prompt_ids),
             completion_tokens=sum(len(c.token_ids) for c in choices),
+            forced_tokens=sum(getattr(c, "num_forced_tokens", 0) for c in completions),
         ),
         timings=timings,
         model=model,

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from producer.contract.routing import TENANT_RE
+from producer.contract.structured import check_structured_outputs, from_response_format
 from producer.errors import InvalidRequestError
 
 __all__ = [
@@ -77,6 +78,7 @@ SAMPLING_FIELDS = (
     "max_tokens",
     "min_tokens",
     "logprobs",
+    "structured_outputs",
 )
 # Upper limits of otherwise one-sided ranges: sizes no worker could serve.
 CAPS = {"n": MAX_N, "top_k": INT64_MAX, "max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS}
@@ -152,6 +154,10 @@ class GenerationRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     model: Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = None
     tenant: str | None = None
+    # At most one constraint on the output (producer/contract/structured.py); OpenAI's
+    # response_format is turned into structured_outputs as it is parsed.
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     @field_validator(*RANGES)
     @classmethod
@@ -228,10 +234,28 @@ class GenerationRequest(BaseModel):
             raise ValueError("must not be empty (omit it for a random job id)")
         return v
 
+    @field_validator("structured_outputs")
+    @classmethod
+    def _structured_shape(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if v is None else check_structured_outputs(v)
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format_shape(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            from_response_format(v)
+        return v
+
     @model_validator(mode="after")
     def _check_combination(self) -> GenerationRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if self.response_format is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give response_format or structured_outputs, not both")
+            # One field carries the constraint on the wire (and into the job id's digest).
+            self.structured_outputs = from_response_format(self.response_format)
+            self.response_format = None
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
@@ -277,10 +301,12 @@ def format_validation_error(exc: ValidationError) -> str:
 
 
 class Usage(BaseModel):
-    """Token counts of a finished job."""
+    """Token counts of a finished job; `forced_tokens` of the completion tokens were appended by
+    a structured output's grammar without a decode step of their own."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    forced_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
