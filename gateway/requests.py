@@ -69,6 +69,7 @@ def parse_online(body: Any, url: str, tenant: Tenant) -> Online:
     if tenant.name is not None:
         fields["tenant"] = tenant.name
     fields["priority"] = tenant.priority
+    fields["stream"] = stream
     try:
         request = GenerationRequest.parse(fields)
     except InvalidRequestError as exc:

@@ -117,7 +117,10 @@ class Client:
         **fields: Any,
     ) -> str:
         """Enqueue one job and return its id; with `custom_id`, resubmitting the same request
-        returns the same id (a different request under that custom_id is a new job)."""
+        returns the same id (a different request under that custom_id is a new job).
+
+        The job streams its tokens (`stream()` reads them live) unless `stream=False`."""
+        fields.setdefault("stream", True)
         if prompt is not None:
             fields["prompt"] = prompt
         if messages is not None:
@@ -126,6 +129,9 @@ class Client:
 
     def submit_many(self, requests: Iterable[RequestLike], chunk_size: int = 500) -> list[str]:
         """Enqueue many jobs, one Redis round trip per chunk; returns their ids in order.
+
+        Bulk jobs write their result only (no token entries) unless a request says
+        `"stream": True`; `stream()` then yields a job's whole text when it ends.
 
         Each chunk is validated whole before it is enqueued, so a bad request raises
         InvalidRequestError with nothing of its chunk enqueued (earlier chunks stay queued).

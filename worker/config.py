@@ -54,6 +54,14 @@ class WorkerConfig:
         default=DEFAULT_STREAM_TTL,
         metadata=_doc("seconds a job's token stream is kept", min=1),
     )
+    stream_interval: float = field(
+        default=0.05,
+        metadata=_doc(
+            "seconds between two token entries of a job that streams, at least (the tokens "
+            "between are coalesced); 0: one entry per engine step",
+            min=0,
+        ),
+    )
     lease_ttl: int = field(
         default=60,
         metadata=_doc(

@@ -264,7 +264,9 @@ class ControlLoop:
         item = InFlight(
             claim=claim,
             request=request,
-            stream=StreamState.for_attempt(claim.attempt),
+            stream=StreamState.for_attempt(
+                claim.attempt, request.stream, self.config.stream_interval
+            ),
             enqueued_at=enqueued_at,
             started_at=claim.started_at,
             deadline=time.monotonic() + timeout_s,
@@ -328,7 +330,7 @@ class ControlLoop:
             if item is None:
                 continue  # canceled, timed out or lost meanwhile
             item.last_output = output
-            for fields in item.stream.take(output.outputs[0]):
+            for fields in item.stream.take(output.outputs[0], event.time, output.finished):
                 entries.append((item.claim, fields, not item.stream.ttl_set))
                 item.stream.ttl_set = True
             self._observe_tokens(item, output, event.time)

@@ -109,8 +109,10 @@ def _run_prompts(
 
     client = Client(redis_url, queue=args.queue, check_interval=1.0)
     fields = {"temperature": 0.0, "max_tokens": args.max_tokens}
-    job_ids = client.submit_many(
-        {"messages": [{"role": "user", "content": p}], **fields} for p in DEMO_PROMPTS
+    # The first answer streams live; the others are bulk jobs that write their result only.
+    job_ids = [client.submit(messages=[{"role": "user", "content": DEMO_PROMPTS[0]}], **fields)]
+    job_ids += client.submit_many(
+        {"messages": [{"role": "user", "content": p}], **fields} for p in DEMO_PROMPTS[1:]
     )
     print(f"submitted {len(job_ids)} prompts; loading the model takes a while on a CPU...\n")
     deadline = time.monotonic() + args.timeout

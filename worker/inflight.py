@@ -18,19 +18,27 @@ RESTART_ENTRY = {"event": "restart"}
 class StreamState:
     """What this run of a job has streamed: its text and its number of tokens.
 
-    A re-run (attempt > 1) starts with a pending restart entry, so the entries after the last
-    restart always concatenate to the final result's text.
+    Only a job that asked for it (`stream`) gets token entries, at most one every
+    `interval_s` (the tokens between are coalesced into one entry); the others get only their
+    final entry. A re-run (attempt > 1) starts with a pending restart entry, so the entries
+    after the last restart always concatenate to the final result's text.
     """
 
     text: str = ""
     num_tokens: int = 0
     pending: list[dict[str, str]] = field(default_factory=list)
     ttl_set: bool = False
+    enabled: bool = True
+    interval_s: float = 0.0
+    next_at: float = 0.0
 
     @classmethod
-    def for_attempt(cls, attempt: int) -> StreamState:
+    def for_attempt(
+        cls, attempt: int, enabled: bool = True, interval_s: float = 0.0
+    ) -> StreamState:
         """The state of a new run: a re-run starts with the restart entry."""
-        return cls(pending=[dict(RESTART_ENTRY)] if attempt > 1 else [])
+        pending = [dict(RESTART_ENTRY)] if attempt > 1 and enabled else []
+        return cls(pending=pending, enabled=enabled, interval_s=interval_s)
 
     def token_entry(self, completion: Any) -> dict[str, str] | None:
         """The entry for this step's new tokens of choice 0, or None when nothing is new."""
@@ -42,8 +50,14 @@ class StreamState:
         self.num_tokens += len(new_ids)
         return {"event": "token", "delta": delta, "token_ids": json.dumps(new_ids)}
 
-    def take(self, completion: Any | None) -> list[dict[str, str]]:
-        """The entries to write this step: a pending restart, then the new tokens."""
+    def take(
+        self, completion: Any | None, now: float = 0.0, final: bool = False
+    ) -> list[dict[str, str]]:
+        """The entries to write this step: a pending restart, then the new tokens; nothing
+        within `interval_s` of the last write unless `final` (the job ends with this step)."""
+        if not self.enabled or (now < self.next_at and not final):
+            return []
+        self.next_at = now + self.interval_s
         entries, self.pending = self.pending, []
         if completion is not None:
             entry = self.token_entry(completion)

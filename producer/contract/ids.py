@@ -11,8 +11,9 @@ from producer.contract.keys import DEFAULT_QUEUE
 
 
 def request_digest(payload: dict[str, Any]) -> str:
-    """sha256 hex of a job payload's canonical JSON (sorted keys, no spaces), custom_id left out."""
-    body = {k: v for k, v in payload.items() if k != "custom_id"}
+    """sha256 hex of a job payload's canonical JSON (sorted keys, no spaces), custom_id and
+    stream left out: what the job computes."""
+    body = {k: v for k, v in payload.items() if k not in ("custom_id", "stream")}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
 

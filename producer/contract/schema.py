@@ -158,6 +158,9 @@ class GenerationRequest(BaseModel):
     # response_format is turned into structured_outputs as it is parsed.
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # Write token entries to the job's stream as they come (someone reads them); without it
+    # the stream gets only the final entry.
+    stream: bool = False
 
     @field_validator(*RANGES)
     @classmethod

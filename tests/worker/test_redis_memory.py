@@ -8,11 +8,11 @@ import sys
 import time
 
 import pytest
-from worker_helpers import REPO, make_client
+from worker_helpers import REPO, make_client, submit_running
 from worker_process import WorkerProcess
 
 from producer.cli import main as pagedq
-from producer.contract.keys import result_key, rq_job_key, rq_worker_key
+from producer.contract.keys import result_key, rq_worker_key
 from producer.errors import RedisFullError
 from worker.redis_server import PrivateRedis
 
@@ -50,14 +50,7 @@ def test_out_of_memory_fails_enqueues_clearly_and_the_worker_loses_nothing(
     client = make_client(server.url, QUEUE)
     try:
         worker.wait_ready(timeout=300)
-        job_ids = client.submit_many(
-            {"prompt": f"Count {i}", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
-            for i in range(6)
-        )
-        deadline = time.monotonic() + 60
-        while any(admin.hget(rq_job_key(j), "status") != b"started" for j in job_ids):
-            assert time.monotonic() < deadline, worker.log_tail()
-            time.sleep(0.05)
+        job_ids = submit_running(client, worker, 6, max_tokens=300)
 
         admin.config_set("maxmemory", 1)  # below what is used: every write is refused now
         with pytest.raises(RedisFullError, match="out of memory"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from worker_helpers import make_client
+from worker_helpers import make_client, submit_running
 from worker_process import WorkerProcess
 
 from producer.contract.keys import rq_job_key, rq_worker_key
@@ -30,14 +30,7 @@ def test_a_sigkilled_worker_restarted_under_its_name_takes_over_at_once(
     first = _worker(private_redis.url, "w-stable", tmp_path / "a", tiny_llama_dir)
     try:
         first.wait_ready(timeout=300)
-        job_ids = client.submit_many(
-            {"prompt": f"Count {i}", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
-            for i in range(3)
-        )
-        deadline = time.monotonic() + 60
-        while any(admin.hget(rq_job_key(j), "status") != b"started" for j in job_ids):
-            assert time.monotonic() < deadline, first.log_tail()
-            time.sleep(0.05)
+        job_ids = submit_running(client, first, 3, max_tokens=400)
         first.kill()
         killed_at = time.monotonic()
 
