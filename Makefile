@@ -29,15 +29,16 @@ lint: venv
 	$(BIN)/ruff check engine kernels worker producer tests bench
 	$(BIN)/ruff format --check engine kernels worker producer tests bench
 
-# pagedq vs vLLM's CPU build (when $(PEERS_DIR)/venv-vllm exists) vs Hugging Face, both
-# workloads; ratios come from one run. Install the peer: PEERS_DIR=/work/peers bash
-# ../shared/peers/setup_vllm.sh
-PEERS_DIR ?= /work/peers
+# pagedq vs vLLM's CPU build vs Hugging Face, both workloads, two tables: each engine at the
+# dtype that is faster for it on this host, and each as a user starts it. vLLM runs from
+# $(PEERS_DIR)/venv-vllm when there is one: PEERS_DIR=~/peers bash ../shared/peers/setup_vllm.sh,
+# then `make bench PEERS_DIR=~/peers` (or PEERS_DIR in the environment).
+PEERS_ARG = $(if $(PEERS_DIR),--peers-dir $(PEERS_DIR))
 bench: venv
-	$(BIN)/python bench/peers.py --peers-dir $(PEERS_DIR)
+	$(BIN)/python bench/peers.py --dtype best,default $(PEERS_ARG)
 
 bench-quick: venv
-	$(BIN)/python bench/peers.py --quick --peers-dir $(PEERS_DIR)
+	$(BIN)/python bench/peers.py --quick --dtype best,default $(PEERS_ARG)
 
 bench-roofline: venv
 	$(BIN)/python bench/roofline.py

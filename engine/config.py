@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine.cpu_features import cpu_has_amx
+from engine.dtype_probe import probe_cpu_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "auto": Triton on CUDA, the C++ kernels on the CPU (torch reference without a compiler).
@@ -33,7 +33,8 @@ class EngineConfig:
     dtype: str = field(
         default="auto",
         metadata=_doc(
-            "auto (bf16 on CUDA, or fp16 without bf16; on CPU bf16 only with AMX, else fp32), "
+            "auto (bf16 on CUDA, or fp16 without bf16; on CPU whichever of fp32 and bf16 a "
+            "short measurement at first start finds faster, cached per CPU and torch version), "
             "float32, bfloat16, float16"
         ),
     )
@@ -193,13 +194,15 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` -> bf16 where the device computes it fast (CUDA; CPUs with AMX), else fp32."""
+    """``auto`` -> bf16 on CUDA (fp16 without bf16 support); on the CPU whichever of fp32 and
+    bf16 the host measured faster (``engine/dtype_probe.py``); fp32 elsewhere. A named dtype is
+    returned as it is."""
     if dtype != "auto":
         return DTYPES[dtype]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu" and cpu_has_amx():
-        return torch.bfloat16
+    if device.type == "cpu":
+        return probe_cpu_dtype().dtype
     return torch.float32
 
 

@@ -6,16 +6,22 @@ import functools
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (empty where ``/proc/cpuinfo`` cannot be read)."""
+def cpuinfo_field(name: str) -> str:
+    """The first ``name`` line's value in ``/proc/cpuinfo``, e.g. "cpu family" ("" if none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
+                key, _, value = line.partition(":")
+                if key.strip() == name:
+                    return value.strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (empty where ``/proc/cpuinfo`` cannot be read)."""
+    return frozenset(cpuinfo_field("flags").split())
 
 
 def cpu_has_amx() -> bool:

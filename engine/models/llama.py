@@ -124,13 +124,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 of the rows that need sampling."""
         if self.packed_lm_head is not None:
-            return self.packed_lm_head(hidden).float()
+            return self.packed_lm_head(hidden)
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
     def prepack(self) -> bool:
         """Reorder every projection and the LM head for oneDNN where that is faster (CPU: fp32,
-        and bf16 with AMX).
+        and bf16, widened to fp32 without AMX); the packed LM head gives fp32 logits.
 
         Idempotent; call after the weights are loaded and the model is on its device and dtype.
         A tied LM head gets its own packed copy: the embedding still needs the plain table.
@@ -143,9 +143,9 @@ class LlamaForCausalLM(nn.Module):
             attn.qkv_proj, attn.o_proj = pack(attn.qkv_proj), pack(attn.o_proj)
             mlp.gate_up_proj, mlp.down_proj = pack(mlp.gate_up_proj), pack(mlp.down_proj)
         if self.tie_word_embeddings:
-            self.packed_lm_head = pack(_Tied(weight))
+            self.packed_lm_head = pack(_Tied(weight), torch.float32)
         else:
-            self.lm_head = self.packed_lm_head = pack(self.lm_head)
+            self.lm_head = self.packed_lm_head = pack(self.lm_head, torch.float32)
         return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

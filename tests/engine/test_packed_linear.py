@@ -1,4 +1,5 @@
-"""oneDNN-prepacked linears give F.linear's numbers: fp32 everywhere, bf16 on CPUs with AMX."""
+"""oneDNN-prepacked linears give F.linear's numbers: fp32, and bf16 (native with AMX, else
+widened to fp32)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from tiny_models import make_tiny_model
 from engine import LLM, SamplingParams
 from engine.cpu_features import cpu_has_amx
 from engine.model_loader import load_model
-from engine.models.packed_linear import PackedLinear, prepack_supported
+from engine.models.packed_linear import PackedLinear, prepack_supported, widens_bf16
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(
@@ -31,20 +32,43 @@ def test_fp32_packed_linear_matches_f_linear():
 
 
 @needs_onednn
-@pytest.mark.skipif(not cpu_has_amx(), reason="bf16 is prepacked only on CPUs with AMX")
-def test_bf16_packed_linear_matches_f_linear_on_amx():
+def test_bf16_packed_linear_matches_f_linear():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(192, 576, generator=gen).to(torch.bfloat16)
+    b = torch.randn(192, generator=gen).to(torch.bfloat16)
     x = torch.randn(7, 576, generator=gen).to(torch.bfloat16)
-    out = PackedLinear(w)(x)
+    linear = PackedLinear(w, b)
+    out = linear(x)
     assert out.dtype == torch.bfloat16 and out.shape == (7, 192)
     # Against the exact products of the same bf16 values: one bf16 rounding of the output.
-    assert _rel_err(out, F.linear(x.float(), w.float())) < 4e-3
+    exact = F.linear(x.double(), w.double(), b.double())
+    assert _rel_err(out, exact) < 4e-3
+    assert torch.equal(linear.weight, w)  # widening to fp32 loses nothing
+    assert linear.compute_dtype == (torch.float32 if widens_bf16() else torch.bfloat16)
 
 
-def test_bf16_is_prepacked_only_with_amx(monkeypatch):
+@needs_onednn
+def test_a_widened_bf16_linear_rounds_its_fp32_products_once():
+    """Without AMX a bf16 product is fp32 sums of the bf16 values, rounded to bf16 once; an fp32
+    output (the LM head's logits) keeps the sums unrounded."""
+    if not widens_bf16():
+        pytest.skip("bf16 is packed natively on CPUs with AMX")
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    fp32_sums = F.linear(x.float(), w.float())
+    out = PackedLinear(w)(x)
+    assert out.dtype == torch.bfloat16
+    # One rounding to bf16 (8 significant bits) is within 2**-9 of each sum; allow 2**-8.
+    assert torch.all((out.float() - fp32_sums).abs() <= fp32_sums.abs() * 2**-8 + 1e-6)
+    logits = PackedLinear(w, out_dtype=torch.float32)(x)
+    assert logits.dtype == torch.float32 and _rel_err(logits, fp32_sums) < 1e-6
+
+
+def test_fp32_and_bf16_are_prepacked_where_onednn_is(monkeypatch):
     onednn = prepack_supported(CPU, torch.float32)
-    assert prepack_supported(CPU, torch.bfloat16) == (onednn and cpu_has_amx())
+    assert prepack_supported(CPU, torch.bfloat16) == onednn
+    assert widens_bf16() == (not cpu_has_amx())
     assert not prepack_supported(CPU, torch.float16)
     assert not prepack_supported(torch.device("meta"), torch.float32)
     monkeypatch.setenv("PAGEDQ_PREPACK", "0")
@@ -53,8 +77,7 @@ def test_bf16_is_prepacked_only_with_amx(monkeypatch):
 
 
 @needs_onednn
-@pytest.mark.skipif(not cpu_has_amx(), reason="bf16 is prepacked only on CPUs with AMX")
-def test_a_bf16_engine_runs_on_packed_weights_on_amx(tmp_path, monkeypatch):
+def test_a_bf16_engine_runs_on_packed_weights(tmp_path, monkeypatch):
     """The engine packs a bf16 model, and its first token's logprobs match the plain model's."""
     folder = make_tiny_model(tmp_path / "llama", "llama")
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=5)

@@ -1,0 +1,169 @@
+"""``dtype="auto"`` on the CPU: fp32 or bf16, whichever runs the engine's step faster here.
+
+Whether bf16 pays on a CPU depends on more than its flags: with AMX, bf16 projections took
+0.18x the time of fp32 ones; with AVX512-BF16 alone 1.3-1.6x; with AVX2 only, bf16 is emulated
+(docs/PERFORMANCE.md). So the first start on a host times one decoder layer's projections
+(QKV, O, gate/up, down of the default model) at a decode batch and a prefill chunk, in both
+dtypes, the way the engine would run them (prepacked for oneDNN where the engine prepacks that
+dtype), and keeps the result in the cache directory per CPU and torch version. Later starts
+read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.cpu_features import cpu_flags, cpuinfo_field
+
+log = logging.getLogger(__name__)
+
+PROBE_VERSION = (
+    2  # bump when the measurement or a dtype's path changes: older files are measured again
+)
+# One SmolLM2-135M decoder layer, (out_features, in_features): QKV, O, gate/up, down. The
+# engine picks its dtype before it reads the model's config, so the probe uses the default
+# model's shapes; what it measures is how this CPU computes each dtype.
+PROJECTIONS = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+TOKEN_COUNTS = (32, 128)  # a decode batch and a prefill chunk
+MAX_ROUNDS = 3
+ROUNDS_BUDGET_S = 0.3  # no round starts past this (the first always runs)
+
+Measure = Callable[[], tuple[float, float]]
+
+
+@dataclass(slots=True, frozen=True)
+class DtypeProbe:
+    """One host's measurement: seconds for the probe's projections in fp32 and in bf16."""
+
+    float32_s: float
+    bfloat16_s: float
+    host: str
+    version: int = PROBE_VERSION
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The faster dtype; a tie keeps fp32, the one that is exact against Hugging Face."""
+        return torch.bfloat16 if self.bfloat16_s < self.float32_s else torch.float32
+
+
+def host_key() -> str:
+    """What the measurement depends on: the CPU (name, family/model, flags) and torch."""
+    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+    name, family, model = (cpuinfo_field(f) or "?" for f in ("model name", "cpu family", "model"))
+    return f"{name} family {family} model {model} flags {flags} torch {torch.__version__}"
+
+
+def probe_cache_path(cache_dir: Path | None = None) -> Path:
+    """``<$PAGEDQ_CACHE_DIR or ~/.cache/pagedq>/probes/dtype-<host>.json``."""
+    if cache_dir is None:
+        env = os.environ.get("PAGEDQ_CACHE_DIR")
+        cache_dir = Path(env).expanduser() if env else Path.home() / ".cache" / "pagedq"
+    slug = re.sub(r"[^A-Za-z0-9.+-]+", "_", host_key()).strip("_")
+    return cache_dir / "probes" / f"dtype-{slug}.json"
+
+
+def probe_cpu_dtype(measure: Measure | None = None, cache_dir: Path | None = None) -> DtypeProbe:
+    """The cached probe of this host, else a fresh measurement (``measure``: the default is
+    ``measure_projections``), which is then cached. A cache file that cannot be read, or is
+    of another host or probe version, is measured again."""
+    path = probe_cache_path(cache_dir)
+    cached = _read(path)
+    if cached is not None:
+        _log(cached, f"cached in {path}")
+        return cached
+    float32_s, bfloat16_s = (measure or measure_projections)()
+    probe = DtypeProbe(float32_s, bfloat16_s, host_key())
+    _write(path, probe)
+    _log(probe, f"measured, cached in {path}")
+    return probe
+
+
+def measure_projections() -> tuple[float, float]:
+    """Median seconds of one layer's projections at each of ``TOKEN_COUNTS``, (fp32, bf16).
+
+    After a warm-up call of each (oneDNN builds its kernels then), the dtypes take turns, so a
+    change in the host's load weighs on both alike.
+    """
+    runs = {dtype: _projections(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    for run in runs.values():
+        run()
+    times: dict[torch.dtype, list[float]] = {dtype: [] for dtype in runs}
+    start = time.perf_counter()
+    for round_ in range(MAX_ROUNDS):
+        for dtype in list(runs)[:: 1 if round_ % 2 else -1]:
+            t0 = time.perf_counter()
+            runs[dtype]()
+            times[dtype].append(time.perf_counter() - t0)
+        if time.perf_counter() - start > ROUNDS_BUDGET_S:
+            break
+    return statistics.median(times[torch.float32]), statistics.median(times[torch.bfloat16])
+
+
+def _projections(dtype: torch.dtype) -> Callable[[], None]:
+    """One call of every probe projection at every token count, as the engine runs ``dtype``."""
+    from engine.models.packed_linear import PackedLinear, prepack_supported
+
+    gen = torch.Generator().manual_seed(0)
+    packed = prepack_supported(torch.device("cpu"), dtype)
+    calls = []
+    for out_features, in_features in PROJECTIONS:
+        weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(dtype)
+        linear = PackedLinear(weight) if packed else (lambda x, w=weight: F.linear(x, w))
+        for num_tokens in TOKEN_COUNTS:
+            x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
+            calls.append((linear, x))
+
+    def run() -> None:
+        with torch.inference_mode():
+            for linear, x in calls:
+                linear(x)
+
+    return run
+
+
+def _read(path: Path) -> DtypeProbe | None:
+    try:
+        probe = DtypeProbe(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    valid = (
+        probe.version == PROBE_VERSION
+        and probe.host == host_key()
+        and all(isinstance(t, int | float) and t > 0 for t in (probe.float32_s, probe.bfloat16_s))
+    )
+    return probe if valid else None
+
+
+def _write(path: Path, probe: DtypeProbe) -> None:
+    # Written aside and renamed: a worker starting at the same moment reads a whole file or none.
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(asdict(probe), indent=1) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("dtype auto: could not cache the probe in %s (%s)", path, exc)
+
+
+def _log(probe: DtypeProbe, how: str) -> None:
+    log.info(
+        "dtype auto on this CPU: %s (one layer's projections at %s tokens: fp32 %.1f ms, "
+        "bf16 %.1f ms; %s)",
+        str(probe.dtype).removeprefix("torch."),
+        " and ".join(map(str, TOKEN_COUNTS)),
+        probe.float32_s * 1e3,
+        probe.bfloat16_s * 1e3,
+        how,
+    )
