@@ -38,7 +38,9 @@ def test_submit_enqueues_one_json_rq_job_naming_the_generate_function(client):
     job = fetch(client, job_id)
     assert job.func_name == GENERATE_FUNC
     assert job.args == [
-        GenerationRequest.parse({"prompt": "hi", "max_tokens": 5, "temperature": 0}).payload()
+        GenerationRequest.parse(
+            {"prompt": "hi", "max_tokens": 5, "temperature": 0, "stream": True}
+        ).payload()
     ]
     assert job.kwargs == {}
     assert job.get_status() == "queued" and job.origin == "pagedq"

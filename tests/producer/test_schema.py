@@ -129,6 +129,7 @@ def test_payload_has_defaults_and_omits_nulls():
         "max_tokens": 256,
         "min_tokens": 0,
         "priority": 0,
+        "stream": False,
     }
     assert GenerationRequest.parse(payload) == GenerationRequest.parse({"prompt": "hi"}).model_copy(
         update={"temperature": 0.0}
