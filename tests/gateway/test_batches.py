@@ -7,7 +7,7 @@ import time
 
 import openai
 import pytest
-from conftest import batch_file, chat_line, wait_batch
+from gw_helpers import batch_file, chat_line, wait_batch
 
 from producer.keys import batch_counts_key
 

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import KEY, REPO
+from gw_helpers import KEY, REPO
 
 DOC = (REPO / "docs" / "GATEWAY.md").read_text()
 EXAMPLES = dict(re.findall(r"<!-- gateway-example: (\w+) -->\s*```python\n(.*?)```", DOC, re.S))
