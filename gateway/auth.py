@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from gateway.config import Tenant
 from gateway.errors import APIError
 
+
 def tenant_for(request: Request) -> Tenant:
     """The tenant of the request's `Authorization: Bearer KEY` (FastAPI dependency).
 
