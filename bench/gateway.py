@@ -40,6 +40,7 @@ from worker.redis_server import PrivateRedis, free_port  # noqa: E402
 QUEUE = "bench"
 IDLE_QUEUE = "bench-idle"  # no worker serves it: its jobs stay queued, their streams idle
 PROMPT = "Write one sentence about the sea, number {i}."
+OPEN_TIMEOUT_S = 120.0
 
 
 def start_gateway(redis_url: str, queue: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
@@ -132,7 +133,7 @@ def percentile(values: list[float], q: float) -> float:
 async def hold_idle(url: str, live_url: str, n: int, hold_s: float, pid: int) -> dict:
     """Open n idle streams on one gateway, hold them, measure, then close them all."""
     limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=0)
-    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(hold_s + 60))
+    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(hold_s + OPEN_TIMEOUT_S + 60))
     body = {"model": "any", "messages": [{"role": "user", "content": "wait"}], "stream": True}
     opened = 0
     release = asyncio.Event()
@@ -150,22 +151,23 @@ async def hold_idle(url: str, live_url: str, n: int, hold_s: float, pid: int) ->
 
     start = time.perf_counter()
     tasks = [asyncio.create_task(one()) for _ in range(n)]
-    deadline = time.perf_counter() + hold_s
-    while opened < n and time.perf_counter() < deadline:
+    open_deadline = start + OPEN_TIMEOUT_S
+    while opened < n and time.perf_counter() < open_deadline:
         await asyncio.sleep(0.1)
     open_s = time.perf_counter() - start
+    held = opened
+    await asyncio.sleep(hold_s)
     # Its own connection: the streams' pool queues requests behind the streams still opening.
     async with httpx.AsyncClient(timeout=30) as probe:
         gauge = _gauge(await probe.get(url + "/metrics"), "pagedq_gateway_open_streams")
         followed = (await probe.get(url + "/health")).json()["open_streams"]
     rss_mib = _rss_mib(pid)
     live = await gateway_ttfts(live_url, 1, 4)
-    await asyncio.sleep(max(0.0, deadline - time.perf_counter()))
     release.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     await http.aclose()
     return {
-        "opened": opened,
+        "opened": held,
         "open_s": open_s,
         "gauge": gauge,
         "followed": followed,
@@ -303,10 +305,10 @@ def main() -> None:
     ratio = percentile(results["gateway"], 0.5) / percentile(results["client"], 0.5)
     print(f"gateway / client p50: {ratio:.2f}")
     print(
-        f"idle streams: {idle['opened']} of {args.idle} open in {idle['open_s']:.1f} s "
-        f"(streams followed by its hub {idle['followed']}, SSE generators running "
-        f"{idle['gauge']:.0f}), gateway RSS {idle['rss_mib']:.0f} MiB, held "
-        f"{args.hold:.0f} s; a live request meanwhile: first token in {idle['live'][0]:.3f} s"
+        f"idle streams: {idle['opened']} of {args.idle} open in {idle['open_s']:.1f} s; after "
+        f"{args.hold:.0f} s held: {idle['followed']} followed by the gateway's hub "
+        f"({idle['gauge']:.0f} SSE streams), gateway RSS {idle['rss_mib']:.0f} MiB; a live "
+        f"request on the other gateway meanwhile: first token in {idle['live'][0]:.3f} s"
     )
     _print_batch(batch)
 
