@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, OpenAI
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
@@ -39,6 +40,7 @@ from worker.redis_server import PrivateRedis, free_port  # noqa: E402
 QUEUE = "bench"
 IDLE_QUEUE = "bench-idle"  # no worker serves it: its jobs stay queued, their streams idle
 PROMPT = "Write one sentence about the sea, number {i}."
+OPEN_TIMEOUT_S = 120.0
 
 
 def start_gateway(redis_url: str, queue: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
@@ -131,7 +133,7 @@ def percentile(values: list[float], q: float) -> float:
 async def hold_idle(url: str, live_url: str, n: int, hold_s: float, pid: int) -> dict:
     """Open n idle streams on one gateway, hold them, measure, then close them all."""
     limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=0)
-    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(hold_s + 60))
+    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(hold_s + OPEN_TIMEOUT_S + 60))
     body = {"model": "any", "messages": [{"role": "user", "content": "wait"}], "stream": True}
     opened = 0
     release = asyncio.Event()
@@ -139,27 +141,90 @@ async def hold_idle(url: str, live_url: str, n: int, hold_s: float, pid: int) ->
     async def one() -> None:
         nonlocal opened
         async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            # The role chunk: the stream is open. (Leaving an `async for` over the lines
+            # would close the response.)
             lines = r.aiter_lines()
-            async for line in lines:
-                if line.startswith("data:"):  # the role chunk: the stream is open
-                    opened += 1
-                    break
+            while not (await lines.__anext__()).startswith("data:"):
+                pass
+            opened += 1
             await release.wait()
 
     start = time.perf_counter()
     tasks = [asyncio.create_task(one()) for _ in range(n)]
-    deadline = time.perf_counter() + hold_s
-    while opened < n and time.perf_counter() < deadline:
+    open_deadline = start + OPEN_TIMEOUT_S
+    while opened < n and time.perf_counter() < open_deadline:
         await asyncio.sleep(0.1)
     open_s = time.perf_counter() - start
-    gauge = _gauge(await http.get(url + "/metrics"), "pagedq_gateway_open_streams")
+    held = opened
+    await asyncio.sleep(hold_s)
+    # Its own connection: the streams' pool queues requests behind the streams still opening.
+    async with httpx.AsyncClient(timeout=30) as probe:
+        gauge = _gauge(await probe.get(url + "/metrics"), "pagedq_gateway_open_streams")
+        followed = (await probe.get(url + "/health")).json()["open_streams"]
     rss_mib = _rss_mib(pid)
     live = await gateway_ttfts(live_url, 1, 4)
-    await asyncio.sleep(max(0.0, deadline - time.perf_counter()))
     release.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     await http.aclose()
-    return {"opened": opened, "open_s": open_s, "gauge": gauge, "rss_mib": rss_mib, "live": live}
+    return {
+        "opened": held,
+        "open_s": open_s,
+        "gauge": gauge,
+        "followed": followed,
+        "rss_mib": rss_mib,
+        "live": live,
+    }
+
+
+def run_batch(redis_url: str, url: str, logs: Path, n: int) -> dict:
+    """Upload n lines and create the batch through a gateway that is then stopped; poll the
+    batch to its end through another gateway (`url`)."""
+    uploader, up_url = start_gateway(redis_url, QUEUE, logs)
+    client = OpenAI(base_url=up_url + "/v1", api_key="none", timeout=600)
+    lines = (
+        json.dumps(
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": "any",
+                    "messages": [{"role": "user", "content": f"n {i}"}],
+                    "max_tokens": 1,
+                },
+            }
+        )
+        + "\n"
+        for i in range(n)
+    )
+    start = time.perf_counter()
+    data = "".join(lines).encode()
+    uploaded = client.files.create(file=("big.jsonl", data), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    uploaded_s = time.perf_counter() - start
+    uploader.terminate()  # the uploading side is gone from here on
+    uploader.wait(15)
+    other = OpenAI(base_url=url + "/v1", api_key="none")
+    deadline = time.monotonic() + 1800
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(2)
+        batch = other.batches.retrieve(batch.id)
+    out_lines = 0
+    if batch.output_file_id:
+        out_lines = len(other.files.content(batch.output_file_id).text.splitlines())
+    return {
+        "lines": n,
+        "bytes": len(data),
+        "uploaded_s": uploaded_s,
+        "total_s": time.perf_counter() - start,
+        "status": batch.status,
+        "counts": batch.request_counts,
+        "output_lines": out_lines,
+    }
 
 
 def _gauge(response: httpx.Response, name: str) -> float:
@@ -183,6 +248,13 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--idle", type=int, default=2000, help="idle streams to hold (<= 10000)")
     p.add_argument("--hold", type=float, default=10.0, help="seconds to hold them (<= 120)")
+    p.add_argument(
+        "--batch-lines",
+        type=int,
+        default=0,
+        help="also run a batch of this many lines (<= 50000) uploaded through one gateway "
+        "process that is then stopped, finished through another",
+    )
     p.add_argument("--model", default=None, help="worker model (default: a tiny random Llama)")
     args = p.parse_args()
     args.idle = min(args.idle, 10_000)
@@ -214,6 +286,9 @@ def main() -> None:
                 results["client"] += client_ttfts(server.url, args.streams, args.max_tokens)
                 results["gateway"] += asyncio.run(gateway_ttfts(url, args.streams, args.max_tokens))
             idle = asyncio.run(hold_idle(idle_url, url, args.idle, args.hold, idle_gw.pid))
+            batch = None
+            if args.batch_lines:
+                batch = run_batch(server.url, url, logs, min(args.batch_lines, 50_000))
         finally:
             for process in (gw, idle_gw):
                 process.terminate()
@@ -230,9 +305,23 @@ def main() -> None:
     ratio = percentile(results["gateway"], 0.5) / percentile(results["client"], 0.5)
     print(f"gateway / client p50: {ratio:.2f}")
     print(
-        f"idle streams: {idle['opened']} of {args.idle} open in {idle['open_s']:.1f} s "
-        f"(gauge {idle['gauge']:.0f}), gateway RSS {idle['rss_mib']:.0f} MiB, held "
-        f"{args.hold:.0f} s; a live request meanwhile: first token in {idle['live'][0]:.3f} s"
+        f"idle streams: {idle['opened']} of {args.idle} open in {idle['open_s']:.1f} s; after "
+        f"{args.hold:.0f} s held: {idle['followed']} followed by the gateway's hub "
+        f"({idle['gauge']:.0f} SSE streams), gateway RSS {idle['rss_mib']:.0f} MiB; a live "
+        f"request on the other gateway meanwhile: first token in {idle['live'][0]:.3f} s"
+    )
+    _print_batch(batch)
+
+
+def _print_batch(batch: dict | None) -> None:
+    if batch is None:
+        return
+    c = batch["counts"]
+    print(
+        f"batch of {batch['lines']} lines ({batch['bytes'] / 2**20:.1f} MiB): uploaded and created "
+        f"in {batch['uploaded_s']:.1f} s through a gateway then stopped; {batch['status']} after "
+        f"{batch['total_s']:.0f} s through another, {c.completed} completed, {c.failed} failed, "
+        f"{batch['output_lines']} output lines"
     )
 
 

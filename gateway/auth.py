@@ -11,8 +11,6 @@ from fastapi import Depends, Request
 from gateway.config import Tenant
 from gateway.errors import APIError
 
-ANONYMOUS = Tenant()
-
 
 def tenant_for(request: Request) -> Tenant:
     """The tenant of the request's `Authorization: Bearer KEY` (FastAPI dependency).
@@ -20,9 +18,10 @@ def tenant_for(request: Request) -> Tenant:
     With no keys configured every request is the anonymous tenant (the gateway then listens on
     loopback only). A missing or unknown key is 401, as OpenAI answers.
     """
-    keys: dict[str, Tenant] = request.app.state.config.api_keys
+    config = request.app.state.config
+    keys: dict[str, Tenant] = config.api_keys
     if not keys:
-        return ANONYMOUS
+        return Tenant(batch_priority=config.batch_priority)
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():

@@ -11,6 +11,7 @@ jobs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -102,6 +103,7 @@ class BatchRunner:
         self._commit = redis.register_script(COMMIT_CHUNK)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._held: set[str] = set()
 
     def start(self) -> None:
         """Start the runner thread."""
@@ -109,10 +111,14 @@ class BatchRunner:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop after the current step (leases are left to expire or be renewed elsewhere)."""
+        """Stop after the current step and release this gateway's leases."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        # A clean stop hands its batches over at once instead of after the lease.
+        for batch_id in list(self._held):
+            with contextlib.suppress(RedisError):
+                self._release(keys=[batch_lease_key(batch_id)], args=[self.token])
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -167,7 +173,9 @@ class BatchRunner:
     def hold(self, batch_id: str) -> bool:
         """Take or renew this gateway's lease on a batch."""
         ms = int(self.config.batch_lease_s * 1000)
-        return bool(self._hold(keys=[batch_lease_key(batch_id)], args=[self.token, ms]))
+        held = bool(self._hold(keys=[batch_lease_key(batch_id)], args=[self.token, ms]))
+        (self._held.add if held else self._held.discard)(batch_id)
+        return held
 
     def _renewer(self, batch_id: str) -> Callable[[], None]:
         def renew() -> None:
@@ -335,6 +343,7 @@ class BatchRunner:
             BATCHES_ENDED.labels(status=status).inc()
         self.redis.srem(ACTIVE_BATCHES, batch_id)
         self._release(keys=[batch_lease_key(batch_id)], args=[self.token])
+        self._held.discard(batch_id)
 
     def _output_file(self, fields: dict[str, str], kind: str, size: int) -> str:
         """The record of an output or error file (its content is made when it is read)."""

@@ -67,6 +67,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def flags_markdown() -> str:
+    """The flags table of docs/GATEWAY.md, generated from the parser (a test compares them)."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for action in build_parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        default = action.default
+        shown = "-" if default in (None, [], False) else f"`{default}`"
+        if action.dest == "redis_url":
+            shown = f"`{DEFAULT_REDIS_URL}`"  # not the environment of whoever generates it
+        rows.append(f"| `{action.option_strings[0]}` | {shown} | {action.help} |")
+    return "\n".join(rows)
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     """The GatewayConfig of parsed flags (ValueError with a readable message)."""
     keys: dict[str, Tenant] = {}

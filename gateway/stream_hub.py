@@ -114,13 +114,15 @@ class StreamHub:
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
-                log.warning("stream hub: Redis unreachable (%s); retrying", type(exc).__name__)
+                log.warning("stream hub: Redis failed (%s: %s); retrying", type(exc).__name__, exc)
                 self._reader_id = None
                 await asyncio.sleep(1.0)
 
     async def _read(self) -> None:
         self._changed.clear()
         streams = {stream_key(j): self._last_id(j) for j in self._follows}
+        if not streams:  # every follow ended while the check above ran
+            return
         reply = await self._reader.xread(streams, count=COUNT, block=BLOCK_MS)
         for key, entries in reply or []:
             job_id = key.decode().split(":", 2)[2]

@@ -5,14 +5,39 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
-from gateway_stack import KEYS, QUEUE, GatewayProcess, Stack
+from gw_helpers import KEYS, QUEUE, GatewayProcess
 from openai import OpenAI
 from redis import Redis
 from worker_process import WorkerProcess
 
+from producer.client import Client
 from worker.redis_server import PrivateRedis
+
+
+@dataclass
+class Stack:
+    """Redis, one worker and the gateways started on it."""
+
+    redis_url: str
+    redis: Redis
+    worker: WorkerProcess
+    log_dir: Path
+    keys_file: Path
+    gateways: list[GatewayProcess] = field(default_factory=list)
+
+    def gateway(self, *extra: str, keys: bool = True) -> GatewayProcess:
+        """Start one more gateway on the same Redis."""
+        gw = GatewayProcess(self.redis_url, self.log_dir, self.keys_file if keys else None, *extra)
+        self.gateways.append(gw)
+        return gw
+
+    def client(self) -> Client:
+        """The Python client on the same queue, for comparisons."""
+        return Client(self.redis_url, queue=QUEUE, check_interval=0.2)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import time
 
 import openai
 import pytest
-from gateway_stack import batch_file, chat_line, wait_batch
+from gw_helpers import batch_file, chat_line, wait_batch
 
 from producer.contract.keys import batch_counts_key, batch_key
 

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from gateway_stack import KEY, REPO
+from gw_helpers import KEY, REPO
 
 DOC = (REPO / "docs" / "GATEWAY.md").read_text()
 EXAMPLES = dict(re.findall(r"<!-- gateway-example: (\w+) -->\s*```python\n(.*?)```", DOC, re.S))
@@ -36,3 +36,10 @@ def test_the_gateway_never_unpickles_or_deserializes_rq_jobs():
     source = "\n".join(p.read_text() for p in Path(REPO, "gateway").glob("*.py"))
     for forbidden in ("pickle", "Job.fetch", "Job.restore", "eval(", "exec("):
         assert forbidden not in source, forbidden
+
+
+def test_the_flags_table_is_the_parsers():
+    from gateway.cli import flags_markdown
+
+    table = DOC.split("<!-- gateway-flags:start -->\n")[1].split("\n<!-- gateway-flags:end -->")[0]
+    assert table == flags_markdown()

@@ -153,3 +153,14 @@ def test_a_client_that_disconnects_cancels_its_job(gateway, stack):
         result = json.loads(stack.redis.get(f"pagedq:result:{job_id}"))
     assert result["status"] == "canceled"
     assert len(result["token_ids"]) < 400
+
+
+def test_a_request_naming_the_served_model_goes_to_its_queue(oai, stack):
+    served = oai.models.list().data[0].id
+    answer = oai.chat.completions.create(model=served, messages=MESSAGES, max_tokens=2)
+    job_id = answer.id.removeprefix("chatcmpl-")
+    assert stack.redis.hget(f"rq:job:{job_id}", "origin").decode().startswith("gw@")
+    assert answer.model == served
+    other = oai.chat.completions.create(model="gpt-4o-mini", messages=MESSAGES, max_tokens=2)
+    origin = stack.redis.hget(f"rq:job:{other.id.removeprefix('chatcmpl-')}", "origin")
+    assert origin == b"gw:t:team-a"  # the shared queue (the key's tenant's sub-queue)

@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from gateway_stack import REPO, GatewayProcess, batch_file, chat_line, wait_batch
+from gw_helpers import REPO, GatewayProcess, batch_file, chat_line, wait_batch
 
 from worker.redis_server import PrivateRedis
 

@@ -1,4 +1,4 @@
-"""The gateway test stack: `pagedq serve` processes and helpers shared by tests/gateway."""
+"""Helpers of the gateway tests: gateway processes, batch files, polling."""
 
 from __future__ import annotations
 
@@ -7,16 +7,24 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 from openai import OpenAI
-from redis import Redis
-from worker_process import REPO, WorkerProcess
+from worker_process import REPO
 
-from producer.client import Client
 from worker.redis_server import free_port
+
+__all__ = [
+    "KEY",
+    "KEYS",
+    "QUEUE",
+    "REPO",
+    "GatewayProcess",
+    "batch_file",
+    "chat_line",
+    "wait_batch",
+]
 
 QUEUE = "gw"
 KEYS = {
@@ -77,28 +85,6 @@ class GatewayProcess:
                 self.process.wait(15)
             except subprocess.TimeoutExpired:
                 self.kill()
-
-
-@dataclass
-class Stack:
-    """Redis, one worker and the gateways started on it."""
-
-    redis_url: str
-    redis: Redis
-    worker: WorkerProcess
-    log_dir: Path
-    keys_file: Path
-    gateways: list[GatewayProcess] = field(default_factory=list)
-
-    def gateway(self, *extra: str, keys: bool = True) -> GatewayProcess:
-        """Start one more gateway on the same Redis."""
-        gw = GatewayProcess(self.redis_url, self.log_dir, self.keys_file if keys else None, *extra)
-        self.gateways.append(gw)
-        return gw
-
-    def client(self) -> Client:
-        """The Python client on the same queue, for comparisons."""
-        return Client(self.redis_url, queue=QUEUE, check_interval=0.2)
 
 
 def wait_batch(client: OpenAI, batch_id: str, statuses: tuple[str, ...], timeout: float = 120):
