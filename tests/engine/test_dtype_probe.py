@@ -15,7 +15,6 @@ from engine.dtype_probe import (
     PROBE_VERSION,
     DtypeProbe,
     host_key,
-    measure_projections,
     probe_cache_path,
     probe_cpu_dtype,
 )
@@ -115,11 +114,10 @@ def test_a_corrupt_or_foreign_cache_file_is_measured_again(tmp_path, content):
 
 
 def test_the_real_measurement_times_both_dtypes(tmp_path):
-    float32_s, bfloat16_s = measure_projections()
-    assert float32_s > 0 and bfloat16_s > 0
-    probe = probe_cpu_dtype(cache_dir=tmp_path)
+    probe = probe_cpu_dtype(cache_dir=tmp_path)  # measure_projections, the default
     assert probe.host == host_key() and probe.float32_s > 0 and probe.bfloat16_s > 0
-    assert probe_cache_path(tmp_path).exists()
+    assert probe.dtype == (torch.bfloat16 if probe.bfloat16_s < probe.float32_s else torch.float32)
+    assert json.loads(probe_cache_path(tmp_path).read_text())["float32_s"] == probe.float32_s
 
 
 @pytest.mark.parametrize("faster", [torch.bfloat16, torch.float32])
