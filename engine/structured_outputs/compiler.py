@@ -110,7 +110,10 @@ class GrammarCompiler:
         start = time.perf_counter()
         self._started[params.key] = start
         try:
-            tokenizer = self.ll_tokenizer()
+            try:
+                tokenizer = self.ll_tokenizer()
+            except Exception as e:  # noqa: BLE001 - e.g. a slow (Python) tokenizer
+                raise GrammarError(params.kind, f"llguidance cannot use this tokenizer: {e}") from e
             grammar = grammar_text(params)
             check(params, grammar, tokenizer)
             template = LLMatcher(tokenizer, grammar, log_level=0)
