@@ -244,7 +244,9 @@ def test_a_compile_over_the_limit_fails_that_request_alone(llm):
     try:
         slow = SamplingParams(max_tokens=1, structured_outputs={"json": schema})
         engine.add_request("slow", "x", slow)
-        engine.add_request("plain", "The sky is", SamplingParams(temperature=0, max_tokens=16))
+        engine.add_request(
+            "plain", "The sky is", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        )
         done, failed = {}, {}
         while engine.has_unfinished_requests():
             done.update((o.request_id, o) for o in engine.step() if o.finished)
