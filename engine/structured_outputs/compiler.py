@@ -28,6 +28,7 @@ class CompiledGrammar:
 
     grammar: str
     template: LLMatcher
+    seconds: float  # how long the compile took
 
     def new_matcher(self) -> LLMatcher:
         """A fresh matcher for one sample (a copy costs microseconds, a new one milliseconds)."""
@@ -110,13 +111,16 @@ class GrammarCompiler:
         start = time.perf_counter()
         self._started[params.key] = start
         try:
-            tokenizer = self.ll_tokenizer()
+            try:
+                tokenizer = self.ll_tokenizer()
+            except Exception as e:  # noqa: BLE001 - e.g. a slow (Python) tokenizer
+                raise GrammarError(params.kind, f"llguidance cannot use this tokenizer: {e}") from e
             grammar = grammar_text(params)
             check(params, grammar, tokenizer)
             template = LLMatcher(tokenizer, grammar, log_level=0)
             if template.is_error():
                 raise GrammarError(params.kind, template.get_error())
-            return CompiledGrammar(grammar, template)
+            return CompiledGrammar(grammar, template, time.perf_counter() - start)
         finally:
             with self._lock:
                 self.num_compiles += 1

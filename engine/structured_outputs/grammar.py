@@ -17,6 +17,8 @@ JSON_OBJECT_SCHEMA = '{"type":"object"}'
 # Past this, even the tokenizer-free check may take milliseconds (22 ms for a 64 KiB schema):
 # it runs on the compile pool, not on the caller's thread.
 MAX_SYNC_CHECK_CHARS = 16_384
+# llguidance's run-time errors quote the whole grammar (the schema included): keep the head.
+MAX_ERROR_CHARS = 1_000
 
 
 class GrammarError(ValueError):
@@ -24,7 +26,10 @@ class GrammarError(ValueError):
 
     def __init__(self, kind: str, message: str) -> None:
         self.kind = kind
-        super().__init__(f"structured_outputs.{kind}: {message.strip()}")
+        message = message.strip()
+        if len(message) > MAX_ERROR_CHARS:
+            message = message[:MAX_ERROR_CHARS] + f"... ({len(message)} characters)"
+        super().__init__(f"structured_outputs.{kind}: {message}")
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:

@@ -76,6 +76,10 @@ class StructuredOutputManager:
             so = request.structured_output_request
             if so.grammar.done():
                 error = so.grammar.exception()
+                if error is None and so.grammar.result().seconds > self.max_compile_s:
+                    # Done between two checks, but over the limit all the same.
+                    error = timeout_error(so.params, self.max_compile_s)
+                    self.compiler.expire(so.params, error)
                 if error is not None:
                     failed.append((request, str(error)))
                     continue

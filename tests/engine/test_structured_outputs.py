@@ -233,18 +233,20 @@ def test_bad_constraints_raise_before_anything_is_queued(llm):
 
 def test_a_compile_over_the_limit_fails_that_request_alone(llm):
     engine = llm.llm_engine
-    # About 64 KiB of schema: tens of milliseconds to compile, far over a 1 ms limit.
+    # 3,000 required properties (about 200 KiB): far over a 1 ms limit to compile.
+    names = [f"timeout_{i}" for i in range(3000)]
     schema = {
         "type": "object",
-        "properties": {
-            f"timeout_{i}": {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]}
-            for i in range(600)
-        },
+        "properties": {n: {"anyOf": [{"type": "string"}, {"type": "null"}]} for n in names},
+        "required": names,
     }
     engine.structured.max_compile_s = 0.001
     try:
-        engine.add_request("slow", "x", SamplingParams(structured_outputs={"json": schema}))
-        engine.add_request("plain", "The sky is", SamplingParams(temperature=0, max_tokens=4))
+        slow = SamplingParams(max_tokens=1, structured_outputs={"json": schema})
+        engine.add_request("slow", "x", slow)
+        engine.add_request(
+            "plain", "The sky is", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        )
         done, failed = {}, {}
         while engine.has_unfinished_requests():
             done.update((o.request_id, o) for o in engine.step() if o.finished)
