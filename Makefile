@@ -26,8 +26,8 @@ test: venv
 	$(BIN)/python -m pytest -q tests
 
 lint: venv
-	$(BIN)/ruff check engine kernels worker producer tests bench
-	$(BIN)/ruff format --check engine kernels worker producer tests bench
+	$(BIN)/ruff check engine kernels worker producer gateway tests bench
+	$(BIN)/ruff format --check engine kernels worker producer gateway tests bench
 
 # pagedq vs vLLM's CPU build vs Hugging Face, both workloads, two tables: each engine at the
 # dtype that is faster for it on this host, and each as a user starts it. vLLM runs from
