@@ -189,7 +189,7 @@ def test_unconstrained_rows_are_untouched_and_a_bad_grammar_fails_alone(llm):
     )
     engine.add_request(
         "good",
-        engine.apply_chat_template(chat(PROMPTS["sentiment"])),
+        engine.prompts.apply_chat_template(chat(PROMPTS["sentiment"])),
         json_params("sentiment", temperature=0),
     )
     done, failed = {}, {}
