@@ -28,6 +28,35 @@ FINISHED_REASONS = ("stop", "length", "abort")
 JOB_STATUSES = ("finished", "failed", "canceled")
 # EngineStats fields read when present (engine-sched adds them; 0 / {} before that lands).
 PREEMPTION_FIELDS = {"recompute": "num_preemptions_recompute", "swap": "num_preemptions_swap"}
+# Structured outputs: (metric, help, EngineStats field).
+STRUCTURED_OUTPUT_COUNTERS = (
+    ("pagedq:grammar_compiles", "Structured-output grammars compiled.", "num_grammar_compiles"),
+    (
+        "pagedq:grammar_compile_seconds",
+        "Seconds spent compiling grammars (on the compile threads).",
+        "grammar_compile_seconds",
+    ),
+    (
+        "pagedq:grammar_cache_hits",
+        "Constrained requests whose grammar was already compiled.",
+        "grammar_cache_hits",
+    ),
+    (
+        "pagedq:grammar_failures",
+        "Requests failed by their grammar (invalid, too slow to compile, or refusing a token).",
+        "num_grammar_failures",
+    ),
+    (
+        "pagedq:constrained_tokens",
+        "Tokens sampled under a grammar's mask.",
+        "num_constrained_tokens",
+    ),
+    (
+        "pagedq:forced_tokens",
+        "Tokens a grammar appended alone, without a decode step.",
+        "num_forced_tokens",
+    ),
+)
 
 
 class EngineStatsCollector(Collector):
@@ -102,6 +131,7 @@ class EngineStatsCollector(Collector):
         yield self._counter("pagedq:generation_tokens", "Tokens generated.", s.num_generated_tokens)
         yield self._counter("pagedq:engine_steps", "Engine iterations run.", s.num_steps)
         yield from self._preemptions(s)
+        yield from self._structured_outputs(s)
         yield self._counter(
             "pagedq:swapped_out_bytes",
             "Bytes of KV cache copied out to the CPU swap pool.",
@@ -115,6 +145,10 @@ class EngineStatsCollector(Collector):
         for tenant, n in sorted((getattr(s, "tenant_generated_tokens", None) or {}).items()):
             tenants.add_metric([self.model_name, str(tenant)], n)
         yield tenants
+
+    def _structured_outputs(self, s: Any) -> Iterator[Metric]:
+        for name, doc, field in STRUCTURED_OUTPUT_COUNTERS:
+            yield self._counter(name, doc, getattr(s, field, 0))
 
     def _preemptions(self, s: Any) -> Iterator[Metric]:
         c = CounterMetricFamily(

@@ -149,6 +149,25 @@ def test_counters_and_histograms_count_exactly(tiny_llama_dir):
     assert value(m, "pagedq:num_preemptions_total", kind="swap") == 0
 
 
+def test_grammar_compiles_and_constrained_tokens_are_counted(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, "16MiB")
+    driver = Driver(engine)
+    schema = {"type": "object", "properties": {"ok": {"enum": ["yes", "no"]}}, "required": ["ok"]}
+    for request_id in ("j1", "j2"):  # the same schema twice: one compile, one cache hit
+        params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs={"json": schema})
+        driver.pending[request_id] = time.time()
+        engine.add_request(request_id, PROMPT_B, params)
+    driver.run()
+    m = scrape(driver.metrics)
+    stats = engine.get_stats()
+    assert value(m, "pagedq:grammar_compiles_total") == stats.num_grammar_compiles == 1
+    assert value(m, "pagedq:grammar_cache_hits_total") == stats.grammar_cache_hits == 1
+    assert value(m, "pagedq:grammar_failures_total") == 0
+    assert value(m, "pagedq:constrained_tokens_total") == stats.num_constrained_tokens > 0
+    assert value(m, "pagedq:forced_tokens_total") == stats.num_forced_tokens > 0
+    assert value(m, "pagedq:grammar_compile_seconds_total") > 0
+
+
 def test_preemptions_are_counted_by_kind(tiny_llama_dir):
     # 8 KV blocks of 16 tokens; 4 requests that each grow to 4 blocks cannot all stay resident.
     engine = make_engine(tiny_llama_dir, "64KiB")
