@@ -1,12 +1,13 @@
-"""``dtype="auto"`` on the CPU: fp32 or bf16, whichever runs the engine's step faster here.
+"""``dtype="auto"`` on the CPU: fp32 or bf16, whichever runs the engine's step faster here; and
+how bf16 projections run: in oneDNN's bf16, or widened to fp32, whichever is faster here.
 
 Whether bf16 pays on a CPU depends on more than its flags: with AMX, bf16 projections took
-0.18x the time of fp32 ones; with AVX512-BF16 alone 1.3-1.6x; with AVX2 only, bf16 is emulated
-(docs/PERFORMANCE.md). So the first start on a host times one decoder layer's projections
-(QKV, O, gate/up, down of the default model) at a decode batch and a prefill chunk, in both
-dtypes, the way the engine would run them (prepacked for oneDNN where the engine prepacks that
-dtype), and keeps the result in the cache directory per CPU and torch version. Later starts
-read it.
+0.18x the time of fp32 ones; with AVX512-BF16 alone 1.3-1.6x on an Intel host but 0.51-0.54x
+on a Zen 4 host; with AVX2 only, bf16 is emulated (docs/PERFORMANCE.md). So the first start
+on a host times one decoder layer's projections (QKV, O, gate/up, down of the default model)
+at a decode batch and a prefill chunk, prepacked for oneDNN as the engine runs them, three
+ways: fp32, bf16, and bf16 weights widened to fp32 (bf16's numbers at fp32's speed). It keeps
+the result in the cache directory per CPU and torch version; later starts read it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from engine.cpu_features import cpu_flags, cpuinfo_field
 log = logging.getLogger(__name__)
 
 PROBE_VERSION = (
-    2  # bump when the measurement or a dtype's path changes: older files are measured again
+    3  # bump when the measurement or a dtype's path changes: older files are measured again
 )
 # One SmolLM2-135M decoder layer, (out_features, in_features): QKV, O, gate/up, down. The
 # engine picks its dtype before it reads the model's config, so the probe uses the default
@@ -40,17 +41,20 @@ TOKEN_COUNTS = (32, 128)  # a decode batch and a prefill chunk
 MAX_ROUNDS = 3
 ROUNDS_BUDGET_S = 0.3  # no round starts past this (the first always runs)
 
-Measure = Callable[[], tuple[float, float]]
+# () -> (fp32 seconds, bf16 seconds as the engine runs it[, whether it widens bf16 to fp32])
+Measure = Callable[[], tuple]
 
 
 @dataclass(slots=True, frozen=True)
 class DtypeProbe:
-    """One host's measurement: seconds for the probe's projections in fp32 and in bf16."""
+    """One host's measurement: seconds for the probe's projections in fp32 and in bf16 (the
+    faster of oneDNN's bf16 and widened fp32, which `widen_bf16` says)."""
 
     float32_s: float
     bfloat16_s: float
     host: str
     version: int = PROBE_VERSION
+    widen_bf16: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -83,36 +87,43 @@ def probe_cpu_dtype(measure: Measure | None = None, cache_dir: Path | None = Non
     if cached is not None:
         _log(cached, f"cached in {path}")
         return cached
-    float32_s, bfloat16_s = (measure or measure_projections)()
-    probe = DtypeProbe(float32_s, bfloat16_s, host_key())
+    float32_s, bfloat16_s, *widen = (measure or measure_projections)()
+    probe = DtypeProbe(float32_s, bfloat16_s, host_key(), widen_bf16=bool(widen and widen[0]))
     _write(path, probe)
     _log(probe, f"measured, cached in {path}")
     return probe
 
 
-def measure_projections() -> tuple[float, float]:
-    """Median seconds of one layer's projections at each of ``TOKEN_COUNTS``, (fp32, bf16).
+def measure_projections() -> tuple[float, float, bool]:
+    """Median seconds of one layer's projections at each of ``TOKEN_COUNTS``: (fp32, bf16 the
+    faster way, whether that way is widening to fp32).
 
-    After a warm-up call of each (oneDNN builds its kernels then), the dtypes take turns, so a
-    change in the host's load weighs on both alike.
+    After a warm-up call of each (oneDNN builds its kernels then), the ways take turns, so a
+    change in the host's load weighs on all alike.
     """
-    runs = {dtype: _projections(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    runs = {
+        "float32": _projections(torch.float32),
+        "bfloat16": _projections(torch.bfloat16, widen=False),
+        "widened": _projections(torch.bfloat16, widen=True),
+    }
     for run in runs.values():
         run()
-    times: dict[torch.dtype, list[float]] = {dtype: [] for dtype in runs}
+    times: dict[str, list[float]] = {way: [] for way in runs}
     start = time.perf_counter()
     for round_ in range(MAX_ROUNDS):
-        for dtype in list(runs)[:: 1 if round_ % 2 else -1]:
+        for way in list(runs)[:: 1 if round_ % 2 else -1]:
             t0 = time.perf_counter()
-            runs[dtype]()
-            times[dtype].append(time.perf_counter() - t0)
+            runs[way]()
+            times[way].append(time.perf_counter() - t0)
         if time.perf_counter() - start > ROUNDS_BUDGET_S:
             break
-    return statistics.median(times[torch.float32]), statistics.median(times[torch.bfloat16])
+    fp32, native, widened = (statistics.median(times[w]) for w in runs)
+    return fp32, min(native, widened), widened < native
 
 
-def _projections(dtype: torch.dtype) -> Callable[[], None]:
-    """One call of every probe projection at every token count, as the engine runs ``dtype``."""
+def _projections(dtype: torch.dtype, widen: bool = False) -> Callable[[], None]:
+    """One call of every probe projection at every token count, as the engine runs ``dtype``
+    (bf16: `widen` or not)."""
     from engine.models.packed_linear import PackedLinear, prepack_supported
 
     gen = torch.Generator().manual_seed(0)
@@ -120,7 +131,10 @@ def _projections(dtype: torch.dtype) -> Callable[[], None]:
     calls = []
     for out_features, in_features in PROJECTIONS:
         weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(dtype)
-        linear = PackedLinear(weight) if packed else (lambda x, w=weight: F.linear(x, w))
+        if packed:
+            linear = PackedLinear(weight, widen=widen)
+        else:
+            linear = lambda x, w=weight: F.linear(x, w)  # noqa: E731
         for num_tokens in TOKEN_COUNTS:
             x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
             calls.append((linear, x))
@@ -160,10 +174,11 @@ def _write(path: Path, probe: DtypeProbe) -> None:
 def _log(probe: DtypeProbe, how: str) -> None:
     log.info(
         "dtype auto on this CPU: %s (one layer's projections at %s tokens: fp32 %.1f ms, "
-        "bf16 %.1f ms; %s)",
+        "bf16 %.1f ms%s; %s)",
         str(probe.dtype).removeprefix("torch."),
         " and ".join(map(str, TOKEN_COUNTS)),
         probe.float32_s * 1e3,
         probe.bfloat16_s * 1e3,
+        " widened to fp32" if probe.widen_bf16 else "",
         how,
     )

@@ -130,7 +130,8 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack(self) -> bool:
         """Reorder every projection and the LM head for oneDNN where that is faster (CPU: fp32,
-        and bf16, widened to fp32 without AMX); the packed LM head gives fp32 logits.
+        and bf16, widened to fp32 where this host measured that faster); the packed LM head
+        gives fp32 logits.
 
         Idempotent; call after the weights are loaded and the model is on its device and dtype.
         A tied LM head gets its own packed copy: the embedding still needs the plain table.

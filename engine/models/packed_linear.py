@@ -6,10 +6,11 @@ faster per projection and about 2x on the 49152-row LM head; in bf16 on a CPU wi
 per step's projections (docs/PERFORMANCE.md). The numbers differ from ``F.linear`` only by
 summation order.
 
-A bf16 weight on a CPU without AMX is packed widened to fp32 (exactly) and its products run in
-fp32, the output rounded to bf16: what a bf16 GEMM computes (bf16 inputs, fp32 sums), at fp32's
-speed. There oneDNN's own bf16 products are emulated (AVX2: plain bf16 ``F.linear`` took 2.4x
-the time of packed fp32) or slower than fp32 (AVX512-BF16 alone: 1.3-1.6x).
+A bf16 weight is packed in bf16 where oneDNN's bf16 products are faster than fp32 ones on this
+host (AMX: 0.18x; a Zen 4 with AVX512-BF16: 0.51-0.54x), and widened to fp32 (exactly) where
+they are not (AVX2: emulated, 2.4x; an Intel host with AVX512-BF16 alone: 1.3-1.6x): its
+products then run in fp32, the output rounded to bf16, what a bf16 GEMM computes (bf16 inputs,
+fp32 sums) at fp32's speed. Which one is measured once per host (engine/dtype_probe.py).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import os
 
 import torch
 from torch import nn
-
-from engine.cpu_features import cpu_has_amx
 
 # PAGEDQ_PREPACK=0 keeps plain F.linear (for comparisons in bench/roofline.py).
 PREPACK_DTYPES = (torch.float32, torch.bfloat16)
@@ -38,25 +37,33 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def widens_bf16() -> bool:
-    """True where bf16 weights are packed widened to fp32: CPUs without AMX."""
-    return not cpu_has_amx()
+    """True where bf16 weights are packed widened to fp32: hosts where that measured faster
+    than oneDNN's bf16 products (the cached probe of engine/dtype_probe.py)."""
+    from engine.dtype_probe import probe_cpu_dtype
+
+    return probe_cpu_dtype().widen_bf16
 
 
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` held only in oneDNN's layout; ``y`` in ``out_dtype``
-    (default: the weight's dtype)."""
+    (default: the weight's dtype). A bf16 weight is `widen`ed to fp32 or not as given, else as
+    this host measured faster."""
 
     def __init__(
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None,
+        widen: bool | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.out_dtype = out_dtype or weight.dtype
-        widen = weight.dtype == torch.bfloat16 and widens_bf16()
+        if weight.dtype != torch.bfloat16:
+            widen = False
+        elif widen is None:
+            widen = widens_bf16()
         self.compute_dtype = torch.float32 if widen else weight.dtype
         with torch.no_grad():
             plain = weight.detach().to(self.compute_dtype).contiguous()

@@ -3,13 +3,14 @@ widened to fp32)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 from tiny_models import make_tiny_model
 
 from engine import LLM, SamplingParams
-from engine.cpu_features import cpu_has_amx
 from engine.model_loader import load_model
 from engine.models.packed_linear import PackedLinear, prepack_supported, widens_bf16
 
@@ -48,27 +49,46 @@ def test_bf16_packed_linear_matches_f_linear():
 
 
 @needs_onednn
-def test_a_widened_bf16_linear_rounds_its_fp32_products_once():
-    """Without AMX a bf16 product is fp32 sums of the bf16 values, rounded to bf16 once; an fp32
-    output (the LM head's logits) keeps the sums unrounded."""
-    if not widens_bf16():
-        pytest.skip("bf16 is packed natively on CPUs with AMX")
+@pytest.mark.parametrize("widen", [True, False])
+def test_a_bf16_linear_rounds_its_fp32_products_once(widen):
+    """A bf16 product is fp32 sums of the bf16 values, rounded to bf16 once, widened or in
+    oneDNN's bf16; an fp32 output (the LM head's logits) keeps the sums unrounded when widened
+    (oneDNN's bf16 products come out in bf16: rounded once there too)."""
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
     x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
     fp32_sums = F.linear(x.float(), w.float())
-    out = PackedLinear(w)(x)
+    linear = PackedLinear(w, widen=widen)
+    assert linear.compute_dtype == (torch.float32 if widen else torch.bfloat16)
+    out = linear(x)
     assert out.dtype == torch.bfloat16
     # One rounding to bf16 (8 significant bits) is within 2**-9 of each sum; allow 2**-8.
     assert torch.all((out.float() - fp32_sums).abs() <= fp32_sums.abs() * 2**-8 + 1e-6)
-    logits = PackedLinear(w, out_dtype=torch.float32)(x)
-    assert logits.dtype == torch.float32 and _rel_err(logits, fp32_sums) < 1e-6
+    logits = PackedLinear(w, out_dtype=torch.float32, widen=widen)(x)
+    assert logits.dtype == torch.float32
+    if widen:
+        assert _rel_err(logits, fp32_sums) < 1e-6
+    else:
+        assert torch.all((logits - fp32_sums).abs() <= fp32_sums.abs() * 2**-8 + 1e-6)
+
+
+@pytest.mark.parametrize("widen", [True, False])
+def test_bf16_is_widened_where_the_host_measured_that_faster(tmp_path, monkeypatch, widen):
+    from engine.dtype_probe import PROBE_VERSION, host_key, probe_cache_path
+
+    monkeypatch.setenv("PAGEDQ_CACHE_DIR", str(tmp_path))
+    path = probe_cache_path()
+    path.parent.mkdir(parents=True)
+    probe = {"float32_s": 0.1, "bfloat16_s": 0.05, "host": host_key(), "widen_bf16": widen}
+    path.write_text(json.dumps({**probe, "version": PROBE_VERSION}))
+    assert widens_bf16() == widen
+    w = torch.randn(8, 16).to(torch.bfloat16)
+    assert PackedLinear(w).compute_dtype == (torch.float32 if widen else torch.bfloat16)
 
 
 def test_fp32_and_bf16_are_prepacked_where_onednn_is(monkeypatch):
     onednn = prepack_supported(CPU, torch.float32)
     assert prepack_supported(CPU, torch.bfloat16) == onednn
-    assert widens_bf16() == (not cpu_has_amx())
     assert not prepack_supported(CPU, torch.float16)
     assert not prepack_supported(torch.device("meta"), torch.float32)
     monkeypatch.setenv("PAGEDQ_PREPACK", "0")
