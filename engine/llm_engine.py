@@ -327,19 +327,24 @@ class LLMEngine:
         """Requests (prompts) not finished yet."""
         return len(self.parents)
 
-    def can_admit(self, num_prompt_tokens: int | None = None) -> bool:
-        """Would one more request run soon? Below max_num_seqs, with blocks for its prompt.
+    def can_admit(self, num_prompt_tokens: int | None = None, num_requests: int = 1) -> bool:
+        """Would `num_requests` more requests run soon? Below max_num_seqs, with blocks for
+        their prompts (`num_prompt_tokens` in all; four blocks each when not given).
 
         Counts the blocks the waiting and swapped requests will need, plus a reserve so that
         running requests can still grow without preemption.
         """
         sched, kv = self.scheduler, self.kv_cache_manager
         held = self.structured.held
-        if len(sched.running) + sched.num_waiting + len(held) >= self.config.max_num_seqs:
+        busy = len(sched.running) + sched.num_waiting + len(held)
+        if busy + num_requests > self.config.max_num_seqs:
             return False
         if num_prompt_tokens is None:
             num_prompt_tokens = 4 * self.config.block_size
-        needed = kv.num_blocks_for(num_prompt_tokens) + self.config.admission_reserve_blocks
+            needed = num_requests * kv.num_blocks_for(num_prompt_tokens)
+        else:
+            needed = kv.num_blocks_for(num_prompt_tokens)
+        needed += self.config.admission_reserve_blocks
         needed += sum(kv.num_blocks_for(r.num_tokens) for r in sched.waiting)
         needed += sum(kv.num_blocks_for(r.num_tokens) for r in sched.swapped)
         needed += sum(kv.num_blocks_for(r.num_tokens) for r in held)

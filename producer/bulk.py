@@ -20,7 +20,7 @@ from producer.client import Client
 from producer.contract.keys import result_key
 from producer.enqueue import request_job_id
 from producer.errors import JobNotFoundError
-from producer.follow import StreamFollower
+from producer.events import EventFollower
 from producer.openai_batch import (
     FileScan,
     ParsedLine,
@@ -171,7 +171,9 @@ class BulkRun:
         self.progress = progress
         self.summary = BulkSummary()
         self.in_flight: dict[str, ParsedLine] = {}
-        self.follower = StreamFollower(client.redis, check_interval=client.check_interval)
+        # One events stream per batch id: a run resumed after an interruption hears the ends
+        # of the jobs the interrupted run left in flight.
+        self.follower = EventFollower(client.redis, notify=self.batch_id)
         self._done_at_start: set[str] = set()
         self._pending: list[ParsedLine] = []
         self._reused: set[str] = set()
@@ -191,6 +193,7 @@ class BulkRun:
         self._done_at_start = load_done(self.out_path, scan.line_ids)
         self.summary.total_lines = scan.lines
         self.summary.skipped = len(self._done_at_start)
+        call_with_retry(self.follower.open, "opening the batch's events stream")
         with (
             open(self.in_path, encoding="utf-8") as fin,
             open(self.out_path, "a", encoding="utf-8") as self._out,
@@ -248,7 +251,9 @@ class BulkRun:
         if not self._pending:
             return
         requests = [p.request for p in self._pending if p.request is not None]
-        job_ids = self.client.enqueue(requests, id_namespace=self.batch_id)
+        job_ids = self.client.enqueue(
+            requests, id_namespace=self.batch_id, notify=self.follower.notify
+        )
         # A job whose result is already in Redis was computed by an earlier run.
         pipe = self.client.redis.pipeline(transaction=False)
         for job_id in job_ids:
@@ -257,7 +262,7 @@ class BulkRun:
             if job_id not in self.in_flight:
                 self.summary.submitted += 1
             self.in_flight[job_id] = parsed
-            self.follower.add(job_id)
+            self.follower.add(job_id, ended=bool(had_result))
             if had_result:
                 self._reused.add(job_id)
         self._pending = []

@@ -45,6 +45,8 @@ from producer.retry import DEFAULT_OUTAGE_S, call_with_retry
 DEFAULT_JOB_TIMEOUT = 3600
 # A refused or unroutable Redis is reported within seconds, not after the OS's ~2 min.
 CONNECT_TIMEOUT_S = 3.0
+# The first check of a job that does not stream (its result key), in `result`.
+FIRST_CHECK_S = 0.05
 QUEUED_STATUSES = {"queued", "deferred", "scheduled", "created", "rate_limited"}
 STATUS_NAMES = {
     "queued": "queued",
@@ -147,11 +149,13 @@ class Client:
         requests: list[GenerationRequest],
         id_namespace: str | None = None,
         batch_id: str | None = None,
+        notify: str | None = None,
     ) -> list[str]:
         """Enqueue validated requests in one round trip; an existing job is reused, not re-run.
 
         `id_namespace` scopes custom_ids (job id from "{id_namespace}/{custom_id}"); with
-        `batch_id`, each job's end is counted in `batch_counts_key(batch_id)`.
+        `batch_id`, each job's end is counted in `batch_counts_key(batch_id)`; with `notify`,
+        each job's end is added to that events stream (producer/events.py).
         """
         queued = [
             build_job(
@@ -165,11 +169,11 @@ class Client:
             for r in requests
         ]
         try:
-            created = enqueue_jobs(self.redis, self.queue, queued, batch_id)
+            created = enqueue_jobs(self.redis, self.queue, queued, batch_id, notify)
             for job, was_created in zip(queued, created, strict=True):
                 if not was_created and ended_status(self.redis, job.id) in RERUN_STATUSES | {None}:
                     clear_job(self.redis, job.id)
-                    enqueue_jobs(self.redis, self.queue, [job], batch_id)
+                    enqueue_jobs(self.redis, self.queue, [job], batch_id, notify)
         except OutOfMemoryError as exc:
             raise RedisFullError(exc) from exc
         return [job.id for job in queued]
@@ -219,14 +223,19 @@ class Client:
         return sum(fields.get(b"event") == b"restart" for _, fields in entries)
 
     def _entries(self, job_id: str, timeout: float | None) -> Iterator[dict[str, str]]:
-        """The job's stream entries, up to and including its (possibly synthetic) final one."""
+        """The job's stream entries, up to and including its (possibly synthetic) final one.
+
+        A job that does not stream writes no entry: its end is found by checking its result,
+        first after 50 ms, then at doubling intervals up to `check_interval`."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        follower = StreamFollower(self.redis, [job_id], check_interval=self.check_interval)
+        interval = min(FIRST_CHECK_S, self.check_interval)
+        follower = StreamFollower(self.redis, [job_id], check_interval=interval)
         while True:
             block_s = 3600.0 if deadline is None else deadline - time.monotonic()
             if block_s <= 0:
                 raise TimeoutError(f"job {job_id} did not end within {timeout} s")
             events = self._retry(lambda b=block_s: follower.read(b), f"following job {job_id}")
+            follower.check_interval = min(self.check_interval, follower.check_interval * 2)
             for _, entry in events:
                 yield entry
                 if is_final(entry):

@@ -15,12 +15,10 @@ from producer.contract.keys import (
     GENERATE_FUNC,
     RQ_QUEUES,
     cancel_key,
-    fair_key,
     result_key,
     rq_job_key,
     rq_queue_key,
     stream_key,
-    subqueue_index_key,
 )
 from producer.contract.lua import LuaScript
 from producer.contract.routing import Routing
@@ -28,33 +26,64 @@ from producer.contract.schema import GenerationRequest, GenerationResult
 from producer.results import job_shell
 
 # RQ's own unique enqueue (Queue.enqueue_job(unique=True)) cannot run inside a pipeline, and
-# Queue.enqueue_many has no unique mode; this is RQ's script (rq/scripts.py) plus a check of
-# our result key, so a job whose RQ hash expired before its result is not computed again.
-# Stamps the enqueue time from Redis's clock (one clock for every producer and worker, for
-# aging) and the fair-queueing fields, and indexes the sub-queue for the workers' fair pick.
-# ARGV after the named ones: the job hash's field/value pairs. Returns 1 created, 0 existing.
+# Queue.enqueue_many has no unique mode; this is RQ's script (rq/scripts.py) for many jobs at
+# once, plus a check of our result key, so a job whose RQ hash expired before its result is not
+# computed again. Stamps the enqueue time from Redis's clock (one clock for every producer and
+# worker, for aging) and the fair-queueing fields, and indexes each sub-queue for the workers'
+# fair pick. Per call: one TIME, and per queue one LLEN and one RPUSH; per job one EXISTS and
+# one HSET. ARGV after the named ones, per job: ENQUEUE_FIELDS, then `n_fields` field/values
+# of the job hash. Returns per job 1 created, 0 existing.
+ENQUEUE_FIELDS = ("job_id", "queue_name", "base", "meta", "cost", "tenant", "n_fields")
 ENQUEUE_IF_ABSENT = LuaScript(
     "enqueue",
-    keys=("job", "queue", "result", "index", "fair"),
-    args=("job_id", "queue_name", "base", "meta", "cost", "tenant", "batch"),
-    body="""
-if redis.call('EXISTS', k_job) == 1 or redis.call('EXISTS', k_result) == 1 then
-    return 0
-end
+    args=("batch", "notify"),
+    body=f"""
 local t = redis.call('TIME')
-if redis.call('LLEN', k_queue) == 0 then
-    -- The tenant was idle here: it shares from now on (see worker/rq_scripts.py, the pick).
-    local v = tonumber(redis.call('HGET', k_fair, 'v')) or 0
-    local f = tonumber(redis.call('HGET', k_fair, 'F:' .. a_tenant)) or v
-    redis.call('HSET', k_fair, 'F:' .. a_tenant, tostring(math.max(f, v)))
+local enqueued = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+local created, pushes, order, seen, indexed = {{}}, {{}}, {{}}, {{}}, {{}}
+local i = REST
+while i <= #ARGV do
+    local job_id, queue_name, base, meta, cost, tenant, n = unpack(ARGV, i, i + 6)
+    n = tonumber(n)
+    local first = i + {len(ENQUEUE_FIELDS)}
+    i = first + n
+    local jkey = RQ.job .. job_id
+    if redis.call('EXISTS', jkey, K.result .. job_id) > 0 then
+        created[#created + 1] = 0
+    else
+        local qkey = RQ.queue .. queue_name
+        if not seen[qkey] then
+            seen[qkey] = true
+            order[#order + 1] = qkey
+            pushes[qkey] = {{}}
+            if redis.call('LLEN', qkey) == 0 then
+                -- The tenant was idle here: it shares from now on (worker/rq_scripts.py).
+                local fair = K.fair .. string.match(base, '^[^@]*')
+                local v = tonumber(redis.call('HGET', fair, 'v')) or 0
+                local f = tonumber(redis.call('HGET', fair, 'F:' .. tenant)) or v
+                redis.call('HSET', fair, 'F:' .. tenant, tostring(math.max(f, v)))
+            end
+        end
+        local fields = {{unpack(ARGV, first, first + n - 1)}}
+        for _, kv in ipairs({{F.enqueued, enqueued, F.cost, cost, F.base, base, F.meta, meta}}) do
+            fields[#fields + 1] = kv
+        end
+        if a_batch ~= '' then fields[#fields + 1] = F.batch; fields[#fields + 1] = a_batch end
+        if a_notify ~= '' then fields[#fields + 1] = F.notify; fields[#fields + 1] = a_notify end
+        redis.call('HSET', jkey, unpack(fields))
+        local p = pushes[qkey]
+        p[#p + 1] = job_id
+        if queue_name ~= base and not indexed[queue_name] then
+            indexed[queue_name] = true
+            redis.call('HSET', K.subqueues .. base, queue_name, meta)
+        end
+        created[#created + 1] = 1
+    end
 end
-redis.call('HSET', k_job, unpack(ARGV, REST))
-redis.call('HSET', k_job, F.enqueued, t[1] .. '.' .. string.format('%06d', tonumber(t[2])),
-    F.cost, a_cost, F.base, a_base, F.meta, a_meta)
-if a_batch ~= '' then redis.call('HSET', k_job, F.batch, a_batch) end
-redis.call('RPUSH', k_queue, a_job_id)
-if a_queue_name ~= a_base then redis.call('HSET', k_index, a_queue_name, a_meta) end
-return 1
+for _, qkey in ipairs(order) do
+    if #pushes[qkey] > 0 then redis.call('RPUSH', qkey, unpack(pushes[qkey])) end
+end
+return created
 """,
 )
 
@@ -135,40 +164,43 @@ def _hset_args(job: Job) -> list[bytes | str]:
 
 
 def enqueue_jobs(
-    connection: Redis, queue: Queue, jobs: Sequence[QueuedJob], batch_id: str | None = None
+    connection: Redis,
+    queue: Queue,
+    jobs: Sequence[QueuedJob],
+    batch_id: str | None = None,
+    notify: str | None = None,
 ) -> list[bool]:
     """Save and push each job (to its routing's queue) unless it or its result exists; one
-    round trip. True = created.
+    round trip, one script call. True = created.
 
     With `batch_id` (a gateway batch), the script that ends each job counts it in
-    `batch_counts_key(batch_id)`."""
-    script = connection.register_script(ENQUEUE_IF_ABSENT.source)
+    `batch_counts_key(batch_id)`; with `notify`, it adds the job's end to
+    `events_key(notify)` while that stream exists (producer/follow.py)."""
+    if not jobs:
+        return []
     queue_keys = sorted({rq_queue_key(queue.name)} | {rq_queue_key(j.routing.queue) for j in jobs})
-    pipe = connection.pipeline(transaction=False)
-    pipe.sadd(RQ_QUEUES, *queue_keys)
+    rest: list[bytes | str] = []
     for queued in jobs:
         r = queued.routing
-        keys, args = ENQUEUE_IF_ABSENT.keys_and_args(
-            {
-                "job": rq_job_key(queued.id),
-                "queue": rq_queue_key(r.queue),
-                "result": result_key(queued.id),
-                "index": subqueue_index_key(r.base),
-                "fair": fair_key(r.base),
-            },
-            {
-                "job_id": queued.id,
-                "queue_name": r.queue,
-                "base": r.base,
-                "meta": r.meta,
-                "cost": r.cost,
-                "tenant": r.tenant,
-                "batch": batch_id or "",
-            },
-            rest=_hset_args(queued.job),
-        )
-        script(keys=keys, args=args, client=pipe)
-    return [bool(created) for created in pipe.execute()[1:]]
+        fields = _hset_args(queued.job)
+        head = {
+            "job_id": queued.id,
+            "queue_name": r.queue,
+            "base": r.base,
+            "meta": r.meta,
+            "cost": str(r.cost),
+            "tenant": r.tenant,
+            "n_fields": str(len(fields)),
+        }
+        rest += [head[name] for name in ENQUEUE_FIELDS] + fields
+    _, args = ENQUEUE_IF_ABSENT.keys_and_args(
+        args={"batch": batch_id or "", "notify": notify or ""}, rest=rest
+    )
+    script = connection.register_script(ENQUEUE_IF_ABSENT.source)
+    pipe = connection.pipeline(transaction=False)
+    pipe.sadd(RQ_QUEUES, *queue_keys)
+    script(keys=[], args=args, client=pipe)
+    return [bool(created) for created in pipe.execute()[1]]
 
 
 def ended_status(connection: Redis, job_id: str) -> str | None:

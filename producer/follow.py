@@ -11,6 +11,8 @@ from producer.contract.keys import result_key, rq_job_key, stream_key
 from producer.results import decode_entry, is_final, rq_end
 
 Event = tuple[str, dict[str, str]]
+# The synthetic final entry of a job whose result key exists: the reader takes the result.
+RESULT_READY = {"event": "done", "status": "result"}
 
 
 class StreamFollower:
@@ -81,23 +83,8 @@ class StreamFollower:
         return events
 
     def _check_ended(self) -> list[Event]:
-        job_ids = list(self._last_ids)
-        pipe = self.connection.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.exists(result_key(job_id))
-            pipe.hget(rq_job_key(job_id), "status")
-        replies = pipe.execute()
         events: list[Event] = []
-        for i, job_id in enumerate(job_ids):
-            has_result, status = replies[2 * i], replies[2 * i + 1]
-            status = status.decode() if status is not None else None
-            ended = (
-                {"event": "done", "status": "result"}
-                if has_result
-                else rq_end(self.connection, job_id, status)
-            )
-            if ended is None:
-                continue
+        for job_id, ended in check_ended(self.connection, list(self._last_ids)).items():
             # Drain what the stream still holds first, so no delta is lost to the synthetic end.
             last = self._last_ids[job_id]
             start = "-" if last == "0" else f"({last}"
@@ -106,3 +93,23 @@ class StreamFollower:
                 del self._last_ids[job_id]
                 events.append((job_id, ended))
         return events
+
+
+def check_ended(connection: Redis, job_ids: list[str]) -> dict[str, dict[str, str]]:
+    """A synthetic final entry for each of `job_ids` that has ended (by its result key, else
+    RQ's status); one pipelined round trip."""
+    if not job_ids:
+        return {}
+    pipe = connection.pipeline(transaction=False)
+    for job_id in job_ids:
+        pipe.exists(result_key(job_id))
+        pipe.hget(rq_job_key(job_id), "status")
+    replies = pipe.execute()
+    out: dict[str, dict[str, str]] = {}
+    for i, job_id in enumerate(job_ids):
+        has_result, status = replies[2 * i], replies[2 * i + 1]
+        status = status.decode() if status is not None else None
+        ended = dict(RESULT_READY) if has_result else rq_end(connection, job_id, status)
+        if ended is not None:
+            out[job_id] = ended
+    return out

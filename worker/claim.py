@@ -38,6 +38,7 @@ class Claim:
     canceled: bool
     started_at: float = field(default_factory=time.time)
     status_was: str = "queued"
+    plain: bool = False  # enqueued by a plain RQ producer, not pagedq's (no pq_ fields)
 
     @property
     def member(self) -> str:

@@ -62,6 +62,15 @@ class WorkerConfig:
             min=0,
         ),
     )
+    rq_results: str = field(
+        default="plain",
+        metadata=_doc(
+            "which jobs also get RQ's result stream entry (what RQ's Job.return_value() reads; "
+            "about 4.7 KB of Redis memory each): plain, only jobs a plain RQ producer enqueued; "
+            "all, every job",
+            choices=("plain", "all"),
+        ),
+    )
     lease_ttl: int = field(
         default=60,
         metadata=_doc(

@@ -214,28 +214,35 @@ class ControlLoop:
             with self.loop.paused():
                 deadline = time.monotonic() + ADMISSION_BURST_S
                 first = True
-                while (first or time.monotonic() < deadline) and self.loop.can_admit():
+                while first or time.monotonic() < deadline:
+                    room = self.loop.admission_room()
+                    if not room:
+                        break
                     first = False
-                    call, execution, started_at = self.adapter.dequeue_call()
+                    call, started_at = self.adapter.dequeue_call(room)
                     ok, reply = self.link.attempt(lambda c=call: self.link.scripts.call(c))
-                    claim = self.adapter.claim(reply, execution, started_at) if ok else None
-                    if claim is None:
+                    claims = self.adapter.claims(reply, started_at) if ok else []
+                    if not claims:
                         self._on_empty_queue(ok)
                         return
                     self._queue_empty = False
                     self._idle_poll_s = IDLE_POLL_S[0]
                     if self._test_sleep:
                         time.sleep(self._test_sleep)
-                    try:
-                        self._start(claim)
-                    except Exception as exc:  # noqa: BLE001 - one bad job must not stop the loop
-                        log.exception("job could not start", job_id=claim.job_id)
-                        if self.in_flight.pop(claim.job_id, None) is not None:
-                            self.loop.abort(claim.job_id)
-                        self.ender.fail_claim(claim, f"invalid job: {type(exc).__name__}: {exc}")
+                    for claim in claims:
+                        self._start_safely(claim)
         finally:
             self.loop.wait_for_admission = not self._queue_empty and not self._stopping
             self.loop.admitted()
+
+    def _start_safely(self, claim: Claim) -> None:
+        try:
+            self._start(claim)
+        except Exception as exc:  # noqa: BLE001 - one bad job must not stop the loop
+            log.exception("job could not start", job_id=claim.job_id)
+            if self.in_flight.pop(claim.job_id, None) is not None:
+                self.loop.abort(claim.job_id)
+            self.ender.fail_claim(claim, f"invalid job: {type(exc).__name__}: {exc}")
 
     def _on_empty_queue(self, reachable: bool) -> None:
         self._queue_empty = True
@@ -338,7 +345,7 @@ class ControlLoop:
                 del self.in_flight[item.job_id]
                 ends.append(self.ender.finish(item, output))
         calls: list = [self.adapter.stream_call(entries)] if entries else []
-        calls += [ending.call for ending in ends]
+        calls += self.adapter.merge_ends([ending.call for ending in ends])
         self.link.run(calls, lambda replies: self._on_step_written(replies, bool(entries), ends))
 
     def _on_step_written(self, replies: list[Any], has_entries: bool, ends: list[Ending]) -> None:
@@ -346,7 +353,7 @@ class ControlLoop:
             for job_id in replies[0]:
                 self._drop(job_id.decode(), "lease lost: stream entry refused")
             replies = replies[1:]
-        for ending, reply in zip(ends, replies, strict=True):
+        for ending, reply in zip(ends, replies[0] if ends else [], strict=True):
             self.ender.ended(ending, reply)
 
     def _observe_tokens(self, item: InFlight, output: Any, t: float) -> None:

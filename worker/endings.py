@@ -101,6 +101,12 @@ def token_texts(logprobs: list[dict[int, float]] | None, decode: Any) -> dict[in
     return dict(zip(ids, decode([[t] for t in ids]), strict=True))
 
 
+def _final(item: InFlight, entry: dict[str, str]) -> dict[str, str]:
+    """The stream's final entry for a job that streams; nothing for one that does not (its
+    result key is what its reader polls: no stream is made for it)."""
+    return entry if item.stream.enabled else {}
+
+
 class JobEnder:
     """Builds and runs the endings of this worker's jobs, and records each one that happened."""
 
@@ -168,7 +174,7 @@ class JobEnder:
             "usage": result.usage.model_dump(),
             "result_key": result_key(item.job_id),
         }
-        final = {"event": "done", "finish_reason": str(result.finish_reason)}
+        final = _final(item, {"event": "done", "finish_reason": str(result.finish_reason)})
         call = self._ending(
             item.claim,
             result,
@@ -181,7 +187,7 @@ class JobEnder:
     def fail(self, item: InFlight, message: str) -> None:
         """End a job as failed for good (the error is in the job, not the worker)."""
         result = self._result(item, item.last_output, "failed", error=message)
-        call = self._ending(item.claim, result, {"event": "error", "error": message})
+        call = self._ending(item.claim, result, _final(item, {"event": "error", "error": message}))
         self.run(Ending(item.job_id, "failed", call, result, item.last_output, item.enqueued_at))
 
     def fail_claim(self, claim: Claim, message: str) -> None:
@@ -202,7 +208,8 @@ class JobEnder:
     def cancel(self, item: InFlight) -> None:
         """End a job as canceled (RQ's canceled registry, error=canceled)."""
         result = self._result(item, item.last_output, "canceled", error="canceled")
-        call = self._ending(item.claim, result, {"event": "error", "error": "canceled"})
+        final = _final(item, {"event": "error", "error": "canceled"})
+        call = self._ending(item.claim, result, final)
         self.run(Ending(item.job_id, "canceled", call, result, item.last_output, item.enqueued_at))
 
     def requeue(self, items: list[InFlight], *, count_crash: bool, reason: str) -> None:
@@ -224,7 +231,7 @@ class JobEnder:
 
     def run(self, ending: Ending) -> None:
         """Run one ending's script now (or when Redis is back), then record it."""
-        self.link.run([ending.call], lambda replies: self.ended(ending, replies[0]))
+        self.link.run([ending.call], lambda replies: self.ended(ending, replies[0][0]))
 
     def ended(self, ending: Ending, reply: Any) -> None:
         """The ending script ran: count, observe and log the end unless the lease was lost."""

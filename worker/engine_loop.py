@@ -164,11 +164,17 @@ class EngineLoop:
 
     def can_admit(self) -> bool:
         """True when the engine can take one more request now, counting queued adds."""
-        if self.num_pending_adds >= MAX_PENDING_ADDS:
-            return False
+        return self.admission_room() > 0
+
+    def admission_room(self) -> int:
+        """How many more requests the engine can take now (0 to MAX_PENDING_ADDS), counting
+        queued adds: what one dequeue may claim."""
+        room = MAX_PENDING_ADDS - self.num_pending_adds
         with self.paused():
             self._apply_commands()
-            return bool(self.engine.can_admit())
+            while room > 0 and not self.engine.can_admit(num_requests=room):
+                room //= 2
+        return max(room, 0)
 
     def _apply_commands(self) -> None:
         while True:

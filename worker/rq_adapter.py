@@ -44,6 +44,7 @@ from worker.rq_scripts import (
     DEFAULT_MAX_WAIT_SECONDS,
     DEQUEUE,
     END,
+    ENDING_FIELDS,
     HEARTBEAT,
     REAP,
     REGISTER,
@@ -53,6 +54,10 @@ from worker.rq_scripts import (
 
 # How many stale queue entries one dequeue call may skip before it gives up for this round.
 MAX_POPS_PER_DEQUEUE = 32
+# Which jobs get an entry in RQ's result stream (what RQ's `Job.return_value()` reads; about
+# 4.7 KB of Redis memory each, a stream's smallest size): "plain", only jobs a plain RQ
+# producer enqueued (pagedq's own clients read the result key); "all", every job.
+RQ_RESULTS_CHOICES = ("plain", "all")
 # How many expired leases one reaper call handles per queue (the rest on the next call).
 REAP_LIMIT = 100
 
@@ -106,7 +111,10 @@ class RQAdapter:
         max_crashes: int,
         aging_seconds: float = DEFAULT_AGING_SECONDS,
         max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS,
+        rq_results: str = "plain",
     ) -> None:
+        if rq_results not in RQ_RESULTS_CHOICES:
+            raise ValueError(f"rq_results: {rq_results!r}; allowed: {list(RQ_RESULTS_CHOICES)}")
         self.connection = connection
         self.name = name
         self.queues = queues
@@ -116,6 +124,7 @@ class RQAdapter:
         self.max_crashes = max_crashes
         self.aging_seconds = aging_seconds
         self.max_wait_seconds = max_wait_seconds
+        self.rq_results = rq_results
         self.key = rq_worker_key(name)
         self._execution_seq = 0
         self._execution_prefix = os.urandom(6).hex()
@@ -215,11 +224,10 @@ class RQAdapter:
 
     # --- dequeue ------------------------------------------------------------------------------
 
-    def dequeue_call(self) -> tuple[ScriptCall, str, float]:
-        """The script popping the first runnable job and marking it started, with the execution
-        id (fencing token) and start time it gives the job; see `claim`."""
+    def dequeue_call(self, max_jobs: int = 1) -> tuple[ScriptCall, float]:
+        """The script popping up to `max_jobs` runnable jobs and marking them started, with the
+        time it starts them at; `claims` reads its reply."""
         self._execution_seq += 1
-        execution = f"{self._execution_prefix}{self._execution_seq:x}"
         t = time.time()
         call = _call(
             DEQUEUE,
@@ -227,34 +235,41 @@ class RQAdapter:
                 "now": t,
                 "lease_ttl": self.lease_ttl,
                 "worker_name": self.name,
-                "execution": execution,
+                # Each job's execution id (fencing token) is this, then its number in the call.
+                "execution": f"{self._execution_prefix}{self._execution_seq:x}-",
                 "started_at": rq_date(t),
+                "max_jobs": max(1, max_jobs),
                 "max_pops": MAX_POPS_PER_DEQUEUE,
                 "aging_s": self.aging_seconds,
                 "max_wait_s": self.max_wait_seconds,
             },
             rest_keys=[rq_queue_key(q) for q in self.queues],
         )
-        return call, execution, t
+        return call, t
 
     @staticmethod
-    def claim(reply: Any, execution: str, started_at: float) -> Claim | None:
-        """The Claim of a dequeue reply (None: the queues were empty)."""
-        if not reply:
-            return None
-        queue, job_id, attempt, data, enqueued_at, timeout, canceled, status = reply
-        return Claim(
-            job_id=job_id.decode(),
-            queue=queue.decode(),
-            execution=execution,
-            attempt=int(attempt),
-            data=data,
-            enqueued_at=enqueued_at.decode(errors="replace"),
-            timeout=timeout.decode(errors="replace"),
-            canceled=bool(canceled),
-            started_at=started_at,
-            status_was=status.decode(errors="replace"),
-        )
+    def claims(reply: Any, started_at: float) -> list[Claim]:
+        """The Claims of a dequeue reply (empty: the queues were empty)."""
+        out = []
+        for row in reply or []:
+            queue, job_id, execution, attempt, data, enqueued_at, timeout, canceled = row[:8]
+            status, plain = row[8:10]
+            out.append(
+                Claim(
+                    job_id=job_id.decode(),
+                    queue=queue.decode(),
+                    execution=execution.decode(),
+                    attempt=int(attempt),
+                    data=data,
+                    enqueued_at=enqueued_at.decode(errors="replace"),
+                    timeout=timeout.decode(errors="replace"),
+                    canceled=bool(canceled),
+                    started_at=started_at,
+                    status_was=status.decode(errors="replace"),
+                    plain=bool(plain),
+                )
+            )
+        return out
 
     # --- ending jobs (fenced) -----------------------------------------------------------------
 
@@ -270,20 +285,30 @@ class RQAdapter:
         error: str | None = None,
         stream_ttl_set: bool = False,
     ) -> ScriptCall:
-        """The fenced script that ends a held job as finished, failed or canceled.
+        """The fenced script that ends a held job as finished, failed or canceled; calls of
+        one moment merge into one (`merge_ends`).
 
-        `usage` is the result's (prompt_tokens, completion_tokens). RQ's result entry gets
-        `rq_return_value` (a small summary; finished) or `error` (failed); the full result JSON
-        goes to the result key only. `stream_ttl_set`: this
-        run's entries already gave the stream its TTL. Reply 1 = ended, 0 = lease lost.
+        `usage` is the result's (prompt_tokens, completion_tokens). `final_entry` is the
+        stream's done/error entry, {} for a job that does not stream. RQ's result entry, for
+        the jobs that get one (`rq_results`), holds `rq_return_value` (a small summary;
+        finished) or `error` (failed); the full result JSON goes to the result key only.
+        `stream_ttl_set`: this run's entries already gave the stream its TTL. Reply: [1] =
+        ended, [0] = lease lost.
         """
-        args, rest = self._ending(
-            claim, status, result_json, usage, final_entry, rq_return_value, error
-        )
-        if stream_ttl_set:
-            args["stream_ttl"] = 0
-        job = {"job_id": claim.job_id, "queue": claim.queue, "execution": claim.execution}
-        return _call(END, {"worker": self.key}, job | args, rest=rest)
+        rest = self._ending(
+            claim, status, result_json, usage, final_entry, rq_return_value, error,
+            stream_ttl_set,
+        )  # fmt: skip
+        return _call(END, {"worker": self.key}, {"maxlen": STREAM_MAXLEN}, rest=rest)
+
+    @staticmethod
+    def merge_ends(calls: list[ScriptCall]) -> list[ScriptCall]:
+        """`end_call`s as one call (its reply lists theirs in order); [] for none."""
+        if len(calls) <= 1:
+            return list(calls)
+        head = calls[0]
+        args = [*head.args, *(a for c in calls[1:] for a in c.args[1:])]
+        return [ScriptCall(END, head.keys, args)]
 
     def requeue_call(
         self, claim: Claim, *, count_crash: bool, result_json: str, reason: str
@@ -295,10 +320,9 @@ class RQAdapter:
         0 = lease lost.
         """
         final = {"event": "error", "error": reason}
-        args, rest = self._ending(claim, "failed", result_json, (0, 0), final, None, reason)
-        job = {"job_id": claim.job_id, "queue": claim.queue, "execution": claim.execution}
+        rest = self._ending(claim, "failed", result_json, (0, 0), final, None, reason, False)
         crash = {"count_crash": int(count_crash), "max_crashes": self.max_crashes}
-        return _call(REQUEUE, {"worker": self.key}, job | crash | args, rest=rest)
+        return _call(REQUEUE, {"worker": self.key}, crash | {"maxlen": STREAM_MAXLEN}, rest=rest)
 
     def _ending(
         self,
@@ -309,14 +333,17 @@ class RQAdapter:
         final_entry: dict[str, str],
         rq_return_value: dict[str, Any] | None,
         error: str | None,
-    ) -> tuple[dict[str, Any], list[Any]]:
+        stream_ttl_set: bool,
+    ) -> list[Any]:
         t = time.time()
         rq_fields: dict[str, Any] = {}
-        if status == "finished":
-            value = b64encode(json.dumps(rq_return_value or {}).encode()).decode()
-            rq_fields = {"type": RQ_RESULT_SUCCESSFUL, "return_value": value}
-        elif status == "failed":
-            rq_fields = {"type": RQ_RESULT_FAILED, "exc_string": rq_exc_string(error or "failed")}
+        if claim.plain or self.rq_results == "all":
+            if status == "finished":
+                value = b64encode(json.dumps(rq_return_value or {}).encode()).decode()
+                rq_fields = {"type": RQ_RESULT_SUCCESSFUL, "return_value": value}
+            elif status == "failed":
+                exc = rq_exc_string(error or "failed")
+                rq_fields = {"type": RQ_RESULT_FAILED, "exc_string": exc}
         if rq_fields:
             rq_fields |= {
                 "worker_name": self.name,
@@ -324,7 +351,10 @@ class RQAdapter:
                 "execution_started_at": claim.started_at,
                 "execution_ended_at": t,
             }
-        args = {
+        fields = {
+            "job_id": claim.job_id,
+            "queue": claim.queue,
+            "execution": claim.execution,
             "status": status,
             "ended_at": rq_date(t),
             "score": t + self.result_ttl,
@@ -332,12 +362,12 @@ class RQAdapter:
             "result": result_json,
             "prompt_tokens": usage[0],
             "completion_tokens": usage[1],
-            "stream_ttl": self.stream_ttl,
-            "maxlen": STREAM_MAXLEN,
+            "stream_ttl": 0 if stream_ttl_set else self.stream_ttl,
             "n_rq": len(rq_fields) * 2,
             "n_final": len(final_entry) * 2,
         }
-        return args, [*_pairs(rq_fields), *_pairs(final_entry)]
+        assert tuple(fields) == ENDING_FIELDS
+        return [*fields.values(), *_pairs(rq_fields), *_pairs(final_entry)]
 
     def stream_call(self, entries: list[tuple[Claim, dict[str, str], bool]]) -> ScriptCall:
         """One fenced script appending a step's entries: (claim, fields, set_ttl) per job.

@@ -21,10 +21,18 @@ then tenant fairness. Per base queue (producer/contract/routing.py):
    lands in an empty sub-queue (its tenant had been idle), the producer lifts ``F[tenant]`` to
    ``V``: an idle tenant shares from now on, it does not catch up on past service.
 3. When the job ends, ``pq_charge`` replaces its estimated cost by the tokens it really used.
+
+Redis's work grows with jobs, not with workers or tokens: one DEQUEUE takes every job the
+worker can admit now (each sub-queue's state read once, each list popped once), one END ends
+every job a step finished (registry moves, worker counters and tenant charges written once per
+call), and one HEARTBEAT renews every lease with one ZMSCORE and one ZADD per queue. A job
+alone costs the job hash read and written at its start, and at its end the hash read, written
+and given its TTL, and its result set: docs/OPERATIONS.md counts the rest.
 """
 
 from __future__ import annotations
 
+from producer.contract.keys import EVENTS_MAXLEN
 from producer.contract.lua import LuaScript
 from producer.contract.routing import DEFAULT_JOB_COST
 
@@ -33,83 +41,190 @@ from producer.contract.routing import DEFAULT_JOB_COST
 DEFAULT_AGING_SECONDS = 60.0
 DEFAULT_MAX_WAIT_SECONDS = 600.0
 
+UTIL_LUA = """
+-- Appends values to the list t[k], creating it.
+local function push(t, k, ...)
+    local l = t[k]
+    if not l then l = {}; t[k] = l end
+    for _, x in ipairs({...}) do l[#l + 1] = x end
+end
+
+local function slice(t, first, count)
+    local out = {}
+    for i = first, first + count - 1 do out[#out + 1] = t[i] end
+    return out
+end
+"""
+
 PICK_LUA = f"""
--- pq_pick(bases, aging_s, max_wait_s): pop the next job id across the sub-queues of `bases`.
--- Returns {{queue name, job id, base, tenant, cost}} or nil when every sub-queue is empty.
-local function pq_pick(bases, aging_s, max_wait_s)
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-  local best = nil
-  for _, base in ipairs(bases) do
-    local index = K.subqueues .. base
-    -- One account per tenant for the whole queue: a model's queue shares its root's accounts.
-    local root = string.match(base, '^[^@]*')
-    local fair = K.fair .. root
-    local v = tonumber(redis.call('HGET', fair, 'v')) or 0
-    local entries = redis.call('HGETALL', index)
-    -- The base queue itself is always a candidate: plain RQ producers push there unindexed.
-    local listed = false
-    for i = 1, #entries, 2 do if entries[i] == base then listed = true end end
-    if not listed then
-      entries[#entries + 1] = base
-      entries[#entries + 1] = '{{"priority":0,"tenant":""}}'
+-- The job hash fields a head is judged and started by.
+local HEAD = {{F.enqueued, F.cost, 'status', 'data', 'enqueued_at', 'timeout', F.attempts}}
+
+-- A picker over the sub-queues of `bases`: each sub-queue's index entry, its first `peek` ids
+-- and each root's virtual time are read once; pq_pick then picks job after job exactly as
+-- one call per job would, and pq_commit pops what was taken and writes the accounts.
+local function pq_picker(bases, peek, max_stale)
+    local t = redis.call('TIME')
+    local P = {{now = tonumber(t[1]) + tonumber(t[2]) / 1000000, subs = {{}}, fair = {{}},
+               weights = {{}}, peek = peek, stale = 0, max_stale = max_stale}}
+    for _, base in ipairs(bases) do
+        local index = K.subqueues .. base
+        -- One account per tenant for the whole queue: a model's queue shares its root's.
+        local root = string.match(base, '^[^@]*')
+        local fkey = K.fair .. root
+        if not P.fair[fkey] then
+            P.fair[fkey] = {{key = fkey, v = tonumber(redis.call('HGET', fkey, 'v')) or 0,
+                            F = {{}}, dirty = {{}}}}
+        end
+        local entries = redis.call('HGETALL', index)
+        -- The base queue itself is always a candidate: plain RQ producers push there unindexed.
+        local listed = false
+        for i = 1, #entries, 2 do if entries[i] == base then listed = true end end
+        if not listed then
+            entries[#entries + 1] = base
+            entries[#entries + 1] = '{{"priority":0,"tenant":""}}'
+        end
+        for i = 1, #entries, 2 do
+            local name = entries[i]
+            local ok, meta = pcall(cjson.decode, entries[i + 1])
+            local qkey = RQ.queue .. name
+            local ids = redis.call('LRANGE', qkey, 0, peek - 1)
+            if #ids == 0 then
+                if name ~= base then redis.call('HDEL', index, name) end
+            elseif ok and type(meta) == 'table' then
+                P.subs[#P.subs + 1] = {{name = name, qkey = qkey, base = base, root = root,
+                    fair = P.fair[fkey], prio = tonumber(meta.priority) or 0,
+                    tenant = tostring(meta.tenant or ''), ids = ids, pos = 1,
+                    done = #ids < peek}}
+            end
+        end
     end
-    for i = 1, #entries, 2 do
-      local name = entries[i]
-      local ok, meta = pcall(cjson.decode, entries[i + 1])
-      local qkey = RQ.queue .. name
-      local head = redis.call('LINDEX', qkey, 0)
-      if not head or not ok or type(meta) ~= 'table' then
-        if not head and name ~= base then redis.call('HDEL', index, name) end
-      else
-        local fields = redis.call('HMGET', RQ.job .. head, F.enqueued, F.cost)
-        local enq = tonumber(fields[1]) or now
-        local cost = tonumber(fields[2]) or {DEFAULT_JOB_COST}
-        local waited = math.max(0, now - enq)
-        local prio = tonumber(meta.priority) or 0
-        if aging_s > 0 then prio = prio - math.floor(waited / aging_s) end
-        local tenant = tostring(meta.tenant or '')
+    return P
+end
+
+-- The runnable head of a sub-queue (its job hash fields read once), skipping stale entries
+-- (job gone, canceled, or already run: popped with the rest); nil when none is left.
+local function pq_head(P, sub)
+    while not sub.head do
+        if sub.pos > #sub.ids then
+            if sub.done then return nil end
+            local more = redis.call('LRANGE', sub.qkey, #sub.ids, #sub.ids + P.peek - 1)
+            sub.done = #more < P.peek
+            if #more == 0 then return nil end
+            for _, id in ipairs(more) do sub.ids[#sub.ids + 1] = id end
+        end
+        local id = sub.ids[sub.pos]
+        local f = redis.call('HMGET', RQ.job .. id, unpack(HEAD))
+        -- A hash without status but with data is started too, so that it fails with a reason.
+        if f[3] == 'queued' or (not f[3] and f[4]) then
+            sub.head = {{id = id, f = f}}
+        else
+            sub.pos = sub.pos + 1
+            P.stale = P.stale + 1
+            if P.stale > P.max_stale then return nil end
+        end
+    end
+    return sub.head
+end
+
+local function pq_weight(P, root, tenant)
+    local k = root .. '/' .. tenant
+    if P.weights[k] == nil then
         local w = tonumber(redis.call('HGET', K.fair_weights .. root, tenant)) or 1
         if w <= 0 then w = 1 end
-        -- A tenant's start tag is its last finish; producers lift it to V when the tenant's
-        -- sub-queue was empty (it had been idle). A tenant never seen starts at V.
-        local start = tonumber(redis.call('HGET', fair, 'F:' .. tenant)) or v
-        local finish = start + cost / w
-        local key = v + (finish - v) * (1 - 0.3 * math.min(1, waited / max_wait_s))
-        if best == nil or prio < best.prio or (prio == best.prio and (key < best.key
-            or (key == best.key and enq < best.enq))) then
-          best = {{prio = prio, key = key, enq = enq, name = name, qkey = qkey, fair = fair,
-                  base = base, tenant = tenant, start = start, finish = finish, cost = cost}}
-        end
-      end
+        P.weights[k] = w
     end
-  end
-  if best == nil then return nil end
-  local id = redis.call('LPOP', best.qkey)
-  local v = tonumber(redis.call('HGET', best.fair, 'v')) or 0
-  redis.call('HSET', best.fair, 'v', tostring(math.max(v, best.start)), 'F:' .. best.tenant,
-             tostring(best.finish))
-  return {{best.name, id, best.base, best.tenant, tostring(best.cost)}}
+    return P.weights[k]
+end
+
+-- A tenant's start tag is its last finish; producers lift it to V when the tenant's sub-queue
+-- was empty (it had been idle). A tenant never seen starts at V.
+local function pq_start(fair, tenant)
+    if fair.F[tenant] == nil then
+        fair.F[tenant] = tonumber(redis.call('HGET', fair.key, 'F:' .. tenant)) or false
+    end
+    return fair.F[tenant] or fair.v
+end
+
+-- The next job across the picker's sub-queues: {{queue, id, base, tenant, cost, f}}, or nil.
+local function pq_pick(P, aging_s, max_wait_s)
+    local best = nil
+    for _, sub in ipairs(P.subs) do
+        local h = pq_head(P, sub)
+        if h then
+            local enq = tonumber(h.f[1]) or P.now
+            local cost = tonumber(h.f[2]) or {DEFAULT_JOB_COST}
+            local waited = math.max(0, P.now - enq)
+            local prio = sub.prio
+            if aging_s > 0 then prio = prio - math.floor(waited / aging_s) end
+            local v = sub.fair.v
+            local start = pq_start(sub.fair, sub.tenant)
+            local finish = start + cost / pq_weight(P, sub.root, sub.tenant)
+            local key = v + (finish - v) * (1 - 0.3 * math.min(1, waited / max_wait_s))
+            if best == nil or prio < best.prio or (prio == best.prio and (key < best.key
+                or (key == best.key and enq < best.enq))) then
+                best = {{prio = prio, key = key, enq = enq, sub = sub, start = start,
+                        finish = finish, cost = cost}}
+            end
+        end
+    end
+    if best == nil then return nil end
+    local sub = best.sub
+    local h = sub.head
+    sub.head = nil
+    sub.pos = sub.pos + 1
+    sub.fair.v = math.max(sub.fair.v, best.start)
+    sub.fair.F[sub.tenant] = best.finish
+    sub.fair.dirty[sub.tenant] = true
+    return {{queue = sub.name, id = h.id, base = sub.base, tenant = sub.tenant,
+            cost = best.cost, f = h.f}}
+end
+
+-- Pops what the picks consumed (taken and stale entries) and writes the accounts they moved.
+local function pq_commit(P)
+    for _, sub in ipairs(P.subs) do
+        if sub.pos > 1 then redis.call('LPOP', sub.qkey, sub.pos - 1) end
+    end
+    for _, fair in pairs(P.fair) do
+        local args = {{}}
+        for tenant in pairs(fair.dirty) do
+            args[#args + 1] = 'F:' .. tenant
+            args[#args + 1] = tostring(fair.F[tenant])
+        end
+        if #args > 0 then redis.call('HSET', fair.key, 'v', tostring(fair.v), unpack(args)) end
+    end
 end
 """
 
 CHARGE_LUA = """
--- pq_charge(base, tenant, estimated, used): replace a job's estimated cost by the tokens it used.
-local function pq_charge(base, tenant, estimated, used)
-  local root = string.match(base, '^[^@]*')
-  local fair = K.fair .. root
-  local w = tonumber(redis.call('HGET', K.fair_weights .. root, tenant)) or 1
-  if w <= 0 then w = 1 end
-  local finish = tonumber(redis.call('HGET', fair, 'F:' .. tenant))
-  if finish then
-    redis.call('HSET', fair, 'F:' .. tenant, tostring(finish + (used - estimated) / w))
-  end
-  if used > 0 then redis.call('HINCRBY', K.tenant_tokens .. root, tenant, used) end
+-- pq_charge(root, tenant, delta, used): replace the estimated cost of a tenant's jobs by the
+-- tokens they used (`delta` = used - estimated, summed over the jobs of one call).
+local function pq_charge(root, tenant, delta, used)
+    local fair = K.fair .. root
+    local w = tonumber(redis.call('HGET', K.fair_weights .. root, tenant)) or 1
+    if w <= 0 then w = 1 end
+    local finish = tonumber(redis.call('HGET', fair, 'F:' .. tenant))
+    if finish and delta ~= 0 then
+        redis.call('HSET', fair, 'F:' .. tenant, tostring(finish + delta / w))
+    end
+    if used > 0 then redis.call('HINCRBY', K.tenant_tokens .. root, tenant, used) end
 end
 """
 
-# `held` is the fence, `end_job` the one way a job ends.
-END_LUA = """
+# `job_state` and `held_by` are the fence, `end_job` the one way a job ends, `flush` what a
+# call's endings write together.
+END_LUA = f"""
+local function job_state(jkey)
+    local f = redis.call('HMGET', jkey, 'status', F.execution, F.base, F.tenant, F.cost,
+        F.batch, F.notify)
+    return {{status = f[1], execution = f[2], base = f[3], tenant = f[4], cost = f[5],
+            batch = f[6], notify = f[7]}}
+end
+
+local function held_by(s, execution)
+    return s.status == 'started' and s.execution == execution
+end
+
 local function held(jkey, execution)
     local f = redis.call('HMGET', jkey, 'status', F.execution)
     return f[1] == 'started' and f[2] == execution
@@ -123,17 +238,9 @@ local function reindex(jkey, queue)
     end
 end
 
-local function slice(t, first, count)
-    local out = {}
-    for i = first, first + count - 1 do out[#out + 1] = t[i] end
-    return out
-end
-
 -- Counts a gateway batch line's end in its batch's counts hash, only while that hash exists:
 -- finished / failed / canceled, and the tokens of a finished one.
-local function count_in_batch(jkey, status, prompt_tokens, completion_tokens)
-    local batch = redis.call('HGET', jkey, F.batch)
-    if not batch then return end
+local function count_in_batch(batch, status, prompt_tokens, completion_tokens)
     local ckey = K.batch_counts .. batch
     if redis.call('EXISTS', ckey) == 0 then return end
     redis.call('HINCRBY', ckey, status, 1)
@@ -143,41 +250,74 @@ local function count_in_batch(jkey, status, prompt_tokens, completion_tokens)
     end
 end
 
--- Ends a started job: RQ status, registries, RQ result entry, pagedq result key, final entry,
--- the tenant's charge (the tokens it used), its batch's counts, and the ending worker's RQ
--- counters (worker_key '' for the reaper: the worker is dead).
-local function end_job(job_id, queue, member, status, ended_at, score, ttl, result_json,
-                       prompt_tokens, completion_tokens, rq_fields, final_fields, stream_ttl,
-                       maxlen, worker_key)
+local function new_acc()
+    return {{zrem = {{}}, zadd = {{}}, counters = {{}}, charges = {{}}}}
+end
+
+-- Ends a started job whose hash fields `s` were read: RQ status and TTL, RQ's result entry
+-- (when given: jobs of plain RQ producers), pagedq's result key, the final stream entry (when
+-- given: jobs that stream), its batch's counts and its producer's event. Registry moves, the
+-- ending worker's counters and the tenant's charge go to `acc`, written by `flush`.
+local function end_job(acc, s, job_id, queue, member, status, ended_at, score, ttl,
+                       result_json, prompt_tokens, completion_tokens, rq_fields,
+                       final_fields, stream_ttl, maxlen)
     local used = prompt_tokens + completion_tokens
     local jkey = RQ.job .. job_id
-    local counter = ({finished = 'successful_job_count', failed = 'failed_job_count'})[status]
-    if worker_key ~= '' and counter then redis.call('HINCRBY', worker_key, counter, 1) end
-    redis.call('ZREM', RQ.wip .. queue, member)
+    local counter = ({{finished = 'successful_job_count', failed = 'failed_job_count'}})[status]
+    if counter then acc.counters[counter] = (acc.counters[counter] or 0) + 1 end
+    push(acc.zrem, RQ.wip .. queue, member)
     redis.call('HSET', jkey, 'status', status, 'ended_at', ended_at)
     redis.call('EXPIRE', jkey, ttl)
-    redis.call('ZADD', RQ[status] .. queue, score, job_id)
+    push(acc.zadd, RQ[status] .. queue, score, job_id)
     if #rq_fields > 0 then
         local rkey = RQ.results .. job_id
         redis.call('XADD', rkey, 'MAXLEN', '10', '*', unpack(rq_fields))
         redis.call('EXPIRE', rkey, ttl)
     end
-    local f = redis.call('HMGET', jkey, F.base, F.tenant, F.cost)
-    if f[1] then pq_charge(f[1], f[2] or '', tonumber(f[3]) or used, used) end
-    count_in_batch(jkey, status, prompt_tokens, completion_tokens)
+    if s.base then
+        local root, tenant = string.match(s.base, '^[^@]*'), s.tenant or ''
+        local k = root .. '/' .. tenant
+        local c = acc.charges[k]
+        if not c then
+            c = {{root = root, tenant = tenant, delta = 0, used = 0}}
+            acc.charges[k] = c
+        end
+        c.delta = c.delta + used - (tonumber(s.cost) or used)
+        c.used = c.used + used
+    end
+    if s.batch then count_in_batch(s.batch, status, prompt_tokens, completion_tokens) end
     redis.call('SET', K.result .. job_id, result_json, 'EX', ttl)
-    local skey = K.stream .. job_id
-    redis.call('XADD', skey, 'MAXLEN', '~', maxlen, '*', unpack(final_fields))
-    -- stream_ttl '0': the stream's TTL was set with its first entry of this run.
-    if stream_ttl ~= '0' then redis.call('EXPIRE', skey, stream_ttl) end
+    if #final_fields > 0 then
+        local skey = K.stream .. job_id
+        redis.call('XADD', skey, 'MAXLEN', '~', maxlen, '*', unpack(final_fields))
+        -- stream_ttl '0': the stream's TTL was set with its first entry of this run.
+        if stream_ttl ~= '0' then redis.call('EXPIRE', skey, stream_ttl) end
+    end
+    if s.notify then
+        redis.call('XADD', K.events .. s.notify, 'NOMKSTREAM', 'MAXLEN', '~', {EVENTS_MAXLEN},
+            '*', 'job_id', job_id, 'status', status)
+    end
+end
+
+-- worker_key '' for the reaper: the worker is dead, no counters.
+local function flush(acc, worker_key)
+    for key, members in pairs(acc.zrem) do redis.call('ZREM', key, unpack(members)) end
+    for key, args in pairs(acc.zadd) do redis.call('ZADD', key, unpack(args)) end
+    if worker_key ~= '' then
+        for field, n in pairs(acc.counters) do redis.call('HINCRBY', worker_key, field, n) end
+    end
+    for _, c in pairs(acc.charges) do pq_charge(c.root, c.tenant, c.delta, c.used) end
 end
 """
 
-# What ends a job, after the job's own (job_id, queue, execution): END's and REQUEUE's tail.
-# `result` is the GenerationResult JSON, and `prompt_tokens`, `completion_tokens` its usage (what
-# the tenant is charged and the batch counts), so the script never parses the result; the rest
-# of ARGV holds `n_rq` field/values of RQ's result entry, then `n_final` of the final entry.
-ENDING_ARGS = (
+# One job's ending in END's and REQUEUE's ARGV: these fields, then `n_rq` field/values of RQ's
+# result entry, then `n_final` of the final stream entry. `result` is the GenerationResult
+# JSON, `prompt_tokens`, `completion_tokens` its usage (what the tenant is charged and the batch
+# counts), so the script never parses the result.
+ENDING_FIELDS = (
+    "job_id",
+    "queue",
+    "execution",
     "status",
     "ended_at",
     "score",
@@ -186,23 +326,38 @@ ENDING_ARGS = (
     "prompt_tokens",
     "completion_tokens",
     "stream_ttl",
-    "maxlen",
     "n_rq",
     "n_final",
 )
-_END_JOB_CALL = """
-    end_job(a_job_id, a_queue, a_job_id .. ':' .. a_execution, STATUS, a_ended_at, a_score,
-        a_ttl, a_result, tonumber(a_prompt_tokens), tonumber(a_completion_tokens),
-        slice(ARGV, REST, tonumber(a_n_rq)),
-        slice(ARGV, REST + tonumber(a_n_rq), tonumber(a_n_final)), a_stream_ttl, a_maxlen,
-        k_worker)
+_OFFSETS = ", ".join(f"{name} = {i}" for i, name in enumerate(ENDING_FIELDS))
+ENDING_LUA = f"""
+local E = {{{_OFFSETS}}}
+local E_LEN = {len(ENDING_FIELDS)}
+
+-- The ending at ARGV[i]: its fields, and the index of the next one.
+local function ending_at(i)
+    local n_rq, n_final = tonumber(ARGV[i + E.n_rq]), tonumber(ARGV[i + E.n_final])
+    local e = {{}}
+    for name, off in pairs(E) do e[name] = ARGV[i + off] end
+    e.rq_fields = slice(ARGV, i + E_LEN, n_rq)
+    e.final_fields = slice(ARGV, i + E_LEN + n_rq, n_final)
+    return e, i + E_LEN + n_rq + n_final
+end
+
+local function end_with(acc, s, e, status, maxlen)
+    end_job(acc, s, e.job_id, e.queue, e.job_id .. ':' .. e.execution, status, e.ended_at,
+        e.score, e.ttl, e.result, tonumber(e.prompt_tokens), tonumber(e.completion_tokens),
+        e.rq_fields, e.final_fields, e.stream_ttl, maxlen)
+end
 """
+_ENDING_LIBS = (UTIL_LUA, CHARGE_LUA, END_LUA, ENDING_LUA)
 
 # KEYS after the named ones: the base queue keys the worker serves (its model's, the generic).
-# Picks the next job across the sub-queues of those bases, pops it and marks it started under a
-# lease, in one step: a worker killed at any instant leaves the job either queued or visible in
-# the started registry. Returns {queue, job_id, attempt, data, enqueued_at, timeout, canceled,
-# prior status} or false.
+# Picks up to `max_jobs` jobs across the sub-queues of those bases, pops them and marks each
+# started under a lease (execution id `execution` .. its number in hex), in one step: a worker
+# killed at any instant leaves each job either queued or visible in the started registry.
+# Returns per job {queue, job_id, execution, attempt, data, enqueued_at, timeout, canceled,
+# prior status, plain (1: enqueued by a plain RQ producer)}; empty when nothing is queued.
 DEQUEUE = LuaScript(
     "dequeue",
     args=(
@@ -211,79 +366,99 @@ DEQUEUE = LuaScript(
         "worker_name",
         "execution",
         "started_at",
+        "max_jobs",
         "max_pops",
         "aging_s",
         "max_wait_s",
     ),
-    libraries=(PICK_LUA,),
+    libraries=(UTIL_LUA, PICK_LUA),
     body="""
 local bases = {}
 for i = KEYS_REST, #KEYS do bases[#bases + 1] = string.sub(KEYS[i], string.len(RQ.queue) + 1) end
-for _ = 1, tonumber(a_max_pops) do
-    local picked = pq_pick(bases, tonumber(a_aging_s), tonumber(a_max_wait_s))
+local max_jobs = tonumber(a_max_jobs)
+local P = pq_picker(bases, max_jobs, tonumber(a_max_pops))
+-- Leases are on the workers' clock, as the heartbeat and the reaper keep them.
+local deadline = tonumber(a_now) + tonumber(a_lease_ttl)
+local taken, wip, cancels = {}, {}, {}
+for n = 1, max_jobs do
+    local picked = pq_pick(P, tonumber(a_aging_s), tonumber(a_max_wait_s))
     if not picked then break end
-    local queue, job_id = picked[1], picked[2]
-    local jkey = RQ.job .. job_id
-    local f = redis.call('HMGET', jkey, 'status', 'data', 'enqueued_at', 'timeout', F.attempts)
-    -- A hash without status but with data is started too, so that it fails with a reason.
-    if f[1] == 'queued' or (not f[1] and f[2]) then
-        local attempt = (tonumber(f[5]) or 0) + 1
-        redis.call('HSET', jkey, 'status', 'started', 'started_at', a_started_at,
-            'last_heartbeat', a_started_at, 'worker_name', a_worker_name,
-            F.execution, a_execution, F.attempts, attempt, F.base, picked[3],
-            F.tenant, picked[4], F.cost, picked[5])
-        redis.call('ZADD', RQ.wip .. queue, tonumber(a_now) + tonumber(a_lease_ttl),
-            job_id .. ':' .. a_execution)
-        local canceled = redis.call('EXISTS', K.cancel .. job_id)
-        return {queue, job_id, attempt, f[2] or '', f[3] or '', f[4] or '', canceled,
-            f[1] or ''}
-    end
-    -- Anything else is a stale entry (job gone, canceled, or already run): dropped.
+    local f, id = picked.f, picked.id
+    local execution = a_execution .. string.format('%x', n)
+    local attempt = (tonumber(f[7]) or 0) + 1
+    redis.call('HSET', RQ.job .. id, 'status', 'started', 'started_at', a_started_at,
+        'last_heartbeat', a_started_at, 'worker_name', a_worker_name, F.execution, execution,
+        F.attempts, attempt, F.base, picked.base, F.tenant, picked.tenant, F.cost,
+        tostring(picked.cost))
+    push(wip, RQ.wip .. picked.queue, deadline, id .. ':' .. execution)
+    cancels[#cancels + 1] = K.cancel .. id
+    taken[#taken + 1] = {picked.queue, id, execution, attempt, f[4] or '', f[5] or '',
+        f[6] or '', 0, f[3] or '', f[1] and 0 or 1}
 end
-return false
+pq_commit(P)
+for key, args in pairs(wip) do redis.call('ZADD', key, unpack(args)) end
+if #cancels > 0 then
+    local c = redis.call('MGET', unpack(cancels))
+    for j = 1, #c do if c[j] then taken[j][8] = 1 end end
+end
+return taken
 """,
 )
 
-# Ends a held job as finished, failed or canceled. Returns 1 when ended, 0 when this
-# execution no longer holds it (nothing written).
+# ARGV after the named ones: endings (ENDING_FIELDS and their entries), one per job.
+# Ends each held job as finished, failed or canceled. Returns per job 1 when ended, 0 when
+# this execution no longer holds it (nothing written for it).
 END = LuaScript(
     "end",
     keys=("worker",),
-    args=("job_id", "queue", "execution", *ENDING_ARGS),
-    libraries=(CHARGE_LUA, END_LUA),
+    args=("maxlen",),
+    libraries=_ENDING_LIBS,
     body="""
-if not held(RQ.job .. a_job_id, a_execution) then return 0 end
-local STATUS = a_status
-"""
-    + _END_JOB_CALL
-    + "return 1\n",
+local acc, replies = new_acc(), {}
+local i = REST
+while i <= #ARGV do
+    local e, next_i = ending_at(i)
+    local s = job_state(RQ.job .. e.job_id)
+    if held_by(s, e.execution) then
+        end_with(acc, s, e, e.status, a_maxlen)
+        replies[#replies + 1] = 1
+    else
+        replies[#replies + 1] = 0
+    end
+    i = next_i
+end
+flush(acc, k_worker)
+return replies
+""",
 )
 
-# Puts a held job back at the front of its queue (a graceful stop, or an engine crash that
-# counts against the job); ENDING_ARGS describe the failure written when the crash count
-# reaches max_crashes. Returns 1 requeued, 2 failed (too many crashes), 0 not held.
+# ARGV after the named ones: one ending (the failure written when the crash count reaches
+# max_crashes). Puts a held job back at the front of its queue (a graceful stop, or an engine
+# crash that counts against the job). Returns 1 requeued, 2 failed (too many crashes), 0 not
+# held.
 REQUEUE = LuaScript(
     "requeue",
     keys=("worker",),
-    args=("job_id", "queue", "execution", "count_crash", "max_crashes", *ENDING_ARGS),
-    libraries=(CHARGE_LUA, END_LUA),
+    args=("count_crash", "max_crashes", "maxlen"),
+    libraries=_ENDING_LIBS,
     body="""
-local jkey = RQ.job .. a_job_id
-if not held(jkey, a_execution) then return 0 end
+local e = ending_at(REST)
+local jkey = RQ.job .. e.job_id
+local s = job_state(jkey)
+if not held_by(s, e.execution) then return 0 end
 if a_count_crash == '1' then
     local crashes = redis.call('HINCRBY', jkey, F.crashes, 1)
     if crashes >= tonumber(a_max_crashes) then
-        local STATUS = 'failed'
-"""
-    + _END_JOB_CALL
-    + """
+        local acc = new_acc()
+        end_with(acc, s, e, 'failed', a_maxlen)
+        flush(acc, k_worker)
         return 2
     end
 end
-redis.call('ZREM', RQ.wip .. a_queue, a_job_id .. ':' .. a_execution)
+redis.call('ZREM', RQ.wip .. e.queue, e.job_id .. ':' .. e.execution)
 redis.call('HSET', jkey, 'status', 'queued')
-redis.call('LPUSH', RQ.queue .. a_queue, a_job_id)
-reindex(jkey, a_queue)
+redis.call('LPUSH', RQ.queue .. e.queue, e.job_id)
+reindex(jkey, e.queue)
 return 1
 """,
 )
@@ -294,7 +469,7 @@ return 1
 STREAM = LuaScript(
     "stream",
     args=("maxlen", "stream_ttl"),
-    libraries=(CHARGE_LUA, END_LUA),
+    libraries=(UTIL_LUA, CHARGE_LUA, END_LUA),
     body="""
 local lost = {}
 local i = REST
@@ -314,18 +489,29 @@ return lost
 )
 
 # ARGV after the named ones: (queue, member) pairs of every held execution.
-# Renews every lease (ZADD XX CH: 0 means the entry is gone, the lease was lost) and the
-# worker's registration. Returns the members whose lease was lost.
+# Renews every lease still in its started registry (one ZMSCORE and one ZADD XX per queue) and
+# the worker's registration. Returns the members whose lease was lost (the entry is gone).
 HEARTBEAT = LuaScript(
     "heartbeat",
     keys=("worker",),
     args=("lease_deadline", "worker_ttl", "now", "last_heartbeat", "state"),
+    libraries=(UTIL_LUA,),
     body="""
-local lost = {}
-for i = REST, #ARGV, 2 do
-    if redis.call('ZADD', RQ.wip .. ARGV[i], 'XX', 'CH', a_lease_deadline, ARGV[i + 1]) == 0 then
-        lost[#lost + 1] = ARGV[i + 1]
+local lost, by_queue = {}, {}
+for i = REST, #ARGV, 2 do push(by_queue, ARGV[i], ARGV[i + 1]) end
+for queue, members in pairs(by_queue) do
+    local wip = RQ.wip .. queue
+    local scores = redis.call('ZMSCORE', wip, unpack(members))
+    local renew = {}
+    for j, member in ipairs(members) do
+        if scores[j] then
+            renew[#renew + 1] = a_lease_deadline
+            renew[#renew + 1] = member
+        else
+            lost[#lost + 1] = member
+        end
     end
+    if #renew > 0 then redis.call('ZADD', wip, 'XX', unpack(renew)) end
 end
 redis.call('HSET', k_worker, 'last_heartbeat', a_last_heartbeat, 'pagedq_heartbeat', a_now,
     'state', a_state)
@@ -355,10 +541,11 @@ REAP = LuaScript(
         "maxlen",
         "limit",
     ),
-    libraries=(CHARGE_LUA, END_LUA),
+    libraries=(UTIL_LUA, CHARGE_LUA, END_LUA),
     body="""
 local now, max_crashes = tonumber(a_now), tonumber(a_max_crashes)
 local requeued, failed = {}, {}
+local acc = new_acc()
 for k = KEYS_REST, #KEYS do
     local wip = KEYS[k]
     local queue = string.sub(wip, string.len(RQ.wip) + 1)
@@ -374,17 +561,20 @@ for k = KEYS_REST, #KEYS do
                 mine = redis.call('HGET', jkey, 'worker_name') == a_holder
             end
         end
+        local ended = false
         if sep and mine then
-            if held(jkey, execution) then
+            local s = job_state(jkey)
+            if held_by(s, execution) then
                 local crashes = redis.call('HINCRBY', jkey, F.crashes, 1)
                 if crashes >= max_crashes then
                     local result = cjson.encode({job_id = job_id, status = 'failed',
                         error = a_reason})
-                    end_job(job_id, queue, member, 'failed', a_ended_at,
+                    end_job(acc, s, job_id, queue, member, 'failed', a_ended_at,
                         now + tonumber(a_failure_ttl), a_failure_ttl, result, 0, 0,
                         {'type', RESULT.failed, 'worker_name', '', 'exc_string', a_exc_string},
-                        {'event', 'error', 'error', a_reason}, a_stream_ttl, a_maxlen, '')
+                        {'event', 'error', 'error', a_reason}, a_stream_ttl, a_maxlen)
                     failed[#failed + 1] = job_id
+                    ended = true
                 else
                     redis.call('HSET', jkey, 'status', 'queued')
                     redis.call('LPUSH', RQ.queue .. queue, job_id)
@@ -393,12 +583,14 @@ for k = KEYS_REST, #KEYS do
                 end
             end
         end
-        if mine then redis.call('ZREM', wip, member) end
+        -- An ended job's entry leaves with the call's other registry moves.
+        if mine and not ended then redis.call('ZREM', wip, member) end
     end
     for _, registry in ipairs({'finished', 'failed', 'canceled'}) do
         redis.call('ZREMRANGEBYSCORE', RQ[registry] .. queue, '-inf', now)
     end
 end
+flush(acc, '')
 return {requeued, failed}
 """,
 )

@@ -109,6 +109,7 @@ def run_worker(config: WorkerConfig) -> int:
         stream_ttl=config.stream_ttl,
         max_crashes=config.max_crashes,
         aging_seconds=config.engine.priority_aging_seconds or 0,
+        rq_results=config.rq_results,
     )
     claim_name(adapter)
     t0 = time.monotonic()

@@ -15,6 +15,8 @@ DEFAULT_RESULT_TTL = 7 * 24 * 3600
 DEFAULT_STREAM_TTL = 24 * 3600
 DEFAULT_CANCEL_TTL = 24 * 3600
 STREAM_MAXLEN = 10_000
+# Entries an events stream keeps (about 40 bytes each): far more than a producer's window.
+EVENTS_MAXLEN = 100_000
 
 GENERATE_FUNC = "pagedq.generate"
 """The only function name a pagedq job may carry; the worker refuses any other."""
@@ -30,6 +32,9 @@ PAGEDQ = {
     "fair": "pagedq:fair:",  # + root queue: fair-queueing accounts `v` and `F:{tenant}`
     "fair_weights": "pagedq:fair-weights:",  # + root queue: tenant -> weight
     "tenant_tokens": "pagedq:tenant-tokens:",  # + root queue: tenant -> tokens used
+    # + a producer's notify id: a stream of (job_id, status), one entry per ended job that
+    # named it; only while its producer keeps it (NOMKSTREAM: workers never create it)
+    "events": "pagedq:events:",
     # The gateway's files and batches (gateway/):
     "file": "pagedq:file:",  # + file id: hash of a file's fields
     "file_data": "pagedq:file-data:",  # + file id: list of an uploaded file's chunks
@@ -71,6 +76,7 @@ JOB_FIELDS = {
     "meta": "pq_meta",  # its sub-queue's index entry (JSON)
     "tenant": "pq_tenant",  # the tenant charged when it ends
     "batch": "pq_batch",  # the gateway batch whose counts its end goes to
+    "notify": "pq_notify",  # the events stream (PAGEDQ["events"] + it) its end is told to
 }
 
 
@@ -82,6 +88,11 @@ def result_key(job_id: str) -> str:
 def stream_key(job_id: str) -> str:
     """Key of the Redis stream carrying a job's token deltas and its final done/error entry."""
     return PAGEDQ["stream"] + job_id
+
+
+def events_key(notify: str) -> str:
+    """Key of a producer's events stream: one (job_id, status) entry per ended job naming it."""
+    return PAGEDQ["events"] + notify
 
 
 def cancel_key(job_id: str) -> str:

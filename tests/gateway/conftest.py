@@ -52,6 +52,9 @@ def stack(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
             QUEUE,
             "gateway-tests",
             log_dir,
+            # RQ's result stream on every job: one entry per run, the witness of "ran once".
+            "--rq-results",
+            "all",
             model=tiny_llama_dir,
             kv_cache_memory="16MiB",
             # 2 cores are shared with pytest and the gateways: one OpenMP thread.

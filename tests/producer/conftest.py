@@ -74,6 +74,9 @@ def served(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
             SERVED_QUEUE,
             WORKER_NAME,
             log_dir,
+            # RQ's result stream on every job: one entry per run, what `executions` counts.
+            "--rq-results",
+            "all",
             model=model,
             kv_cache_memory="16MiB",
             # 2 cores are shared with pytest: one OpenMP thread avoids oversubscription.

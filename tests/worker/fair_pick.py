@@ -6,24 +6,32 @@ from typing import Any
 
 from producer.contract.keys import weights_key
 from producer.contract.lua import LuaScript
-from worker.rq_scripts import CHARGE_LUA, PICK_LUA
+from producer.contract.keys import root_queue
+from worker.rq_scripts import CHARGE_LUA, PICK_LUA, UTIL_LUA
 
-# ARGV after the named ones: the base queues.
+# ARGV after the named ones: the base queues. Pops one job, as a dequeue of one does.
 PICK = LuaScript(
     "pick",
     args=("aging_s", "max_wait_s"),
-    libraries=(PICK_LUA,),
+    libraries=(UTIL_LUA, PICK_LUA),
     body="""
 local bases = {}
 for i = REST, #ARGV do bases[#bases + 1] = ARGV[i] end
-return pq_pick(bases, tonumber(a_aging_s), tonumber(a_max_wait_s))
+local P = pq_picker(bases, 1, 32)
+local picked = pq_pick(P, tonumber(a_aging_s), tonumber(a_max_wait_s))
+pq_commit(P)
+if not picked then return nil end
+return {picked.queue, picked.id, picked.base, picked.tenant, tostring(picked.cost)}
 """,
 )
 CHARGE = LuaScript(
     "charge",
-    args=("base", "tenant", "estimated", "used"),
+    args=("root", "tenant", "estimated", "used"),
     libraries=(CHARGE_LUA,),
-    body="return pq_charge(a_base, a_tenant, tonumber(a_estimated), tonumber(a_used))\n",
+    body="""
+local used = tonumber(a_used)
+return pq_charge(a_root, a_tenant, used - tonumber(a_estimated), used)
+""",
 )
 
 
@@ -61,6 +69,11 @@ class FairQueue:
     def charge(self, base: str, tenant: str, estimated_cost: int, tokens: int) -> None:
         """Replace a job's estimated cost by the tokens it used, in its tenant's account."""
         _, args = CHARGE.keys_and_args(
-            args={"base": base, "tenant": tenant, "estimated": estimated_cost, "used": tokens}
+            args={
+                "root": root_queue(base),
+                "tenant": tenant,
+                "estimated": estimated_cost,
+                "used": tokens,
+            }
         )
         self._charge(args=args)

@@ -22,7 +22,11 @@ BASE = "pq-test"
 def push(r, job_id, priority=0, tenant=None, cost=10, waited=0.0):
     """Queue a bare job id as a producer would, enqueued `waited` seconds ago."""
     name = subqueue_name(BASE, priority, tenant)
-    fields = {JOB_FIELDS["enqueued"]: time.time() - waited, JOB_FIELDS["cost"]: cost}
+    fields = {
+        "status": "queued",
+        JOB_FIELDS["enqueued"]: time.time() - waited,
+        JOB_FIELDS["cost"]: cost,
+    }
     r.hset(rq_job_key(job_id), mapping=fields)
     r.rpush(rq_queue_key(name), job_id)
     r.hset(subqueue_index_key(BASE), name, subqueue_meta(priority, tenant))
@@ -117,7 +121,7 @@ def test_empty_and_malformed_subqueues_are_skipped(redis_client):
 def test_model_queue_and_generic_queue_compete_fairly(redis_client):
     push(redis_client, "generic", priority=3)
     name = subqueue_name(BASE + "@m", 1)
-    fields = {JOB_FIELDS["enqueued"]: time.time(), JOB_FIELDS["cost"]: 10}
+    fields = {"status": "queued", JOB_FIELDS["enqueued"]: time.time(), JOB_FIELDS["cost"]: 10}
     redis_client.hset(rq_job_key("specific"), mapping=fields)
     redis_client.rpush(rq_queue_key(name), "specific")
     redis_client.hset(subqueue_index_key(BASE + "@m"), name, subqueue_meta(1, None))

@@ -41,8 +41,8 @@ def test_fenced_scripts_run_again_after_a_restart_emptied_the_script_cache(serve
     adapter = RQAdapter(connection, "w", ["q"], lease_ttl=5, result_ttl=5, stream_ttl=5,
                         max_crashes=2)  # fmt: skip
     link = RedisLink(connection)
-    call, execution, started_at = adapter.dequeue_call()
-    claim = adapter.claim(link.scripts.call(call), execution, started_at)
+    call, started_at = adapter.dequeue_call()
+    [claim] = adapter.claims(link.scripts.call(call), started_at)
     server.restart()  # AOF keeps the job; the script cache is empty now
     result = f'{{"job_id": "{claim.job_id}", "status": "finished"}}'
     link.run([adapter.end_call(claim, "finished", result, (0, 0), {"event": "done"})])

@@ -84,14 +84,16 @@ def workers(server, hooks, tmp_path_factory, tiny_llama_dir):
     }
     acl_url = server.url.replace("redis://", f"redis://pagedq:{PASSWORD}@")
     hook = {**env, "PAGEDQ_TEST_SLEEP_AFTER_DEQUEUE": "600"}
+    # RQ's result stream on every job: one entry per end, the witness of "ended once".
+    every = ("--rq-results", "all")
     started = {
         "R": WorkerProcess(acl_url, QUEUE, "rel-r", log_dir, "--metrics-port", str(METRICS_PORT),
-                           env=env, lease_ttl=2),
-        "K1": WorkerProcess(server.url, QUEUE, "rel-k1", log_dir, env=hook, lease_ttl=2,
+                           *every, env=env, lease_ttl=2),
+        "K1": WorkerProcess(server.url, QUEUE, "rel-k1", log_dir, *every, env=hook, lease_ttl=2,
                             model=tiny_llama_dir),
-        "K2": WorkerProcess(server.url, QUEUE, "rel-k2", log_dir, env=hook, lease_ttl=2,
+        "K2": WorkerProcess(server.url, QUEUE, "rel-k2", log_dir, *every, env=hook, lease_ttl=2,
                             model=tiny_llama_dir),
-        "M": WorkerProcess(server.url, QUEUE, "rel-m", log_dir, env=env, lease_ttl=2,
+        "M": WorkerProcess(server.url, QUEUE, "rel-m", log_dir, *every, env=env, lease_ttl=2,
                            model=tiny_llama_dir),
     }  # fmt: skip
     try:
@@ -216,7 +218,8 @@ def test_a_frozen_worker_resumed_after_its_lease_ends_nothing_twice(workers, cli
     # M (a tiny model, fast) would take every job itself: it waits until R holds some.
     with m.paused():
         job_ids = client.submit_many(
-            {"prompt": f"Count slowly {i}", "ignore_eos": True, "max_tokens": 16} for i in range(8)
+            {"prompt": f"Count slowly {i}", "ignore_eos": True, "max_tokens": 16, "stream": True}
+            for i in range(8)
         )
         _wait(r_holds_some, what="R to hold jobs")
     with r.paused():

@@ -58,8 +58,12 @@ class Driver:
         return bool(self.scripts.call(self.adapter.register_call()))
 
     def dequeue(self) -> Claim | None:
-        call, execution, started_at = self.adapter.dequeue_call()
-        return self.adapter.claim(self.scripts.call(call), execution, started_at)
+        claims = self.dequeue_many(1)
+        return claims[0] if claims else None
+
+    def dequeue_many(self, max_jobs: int) -> list[Claim]:
+        call, started_at = self.adapter.dequeue_call(max_jobs)
+        return self.adapter.claims(self.scripts.call(call), started_at)
 
     def reap(self) -> tuple[list[str], list[str]]:
         requeued, failed = self.scripts.call(self.adapter.reap_call())
@@ -80,7 +84,14 @@ class Driver:
         )
 
 
-def _adapter(redis_client, *, lease_ttl: int = 30, max_crashes: int = 2, name: str = "w1"):
+def _adapter(
+    redis_client,
+    *,
+    lease_ttl: int = 30,
+    max_crashes: int = 2,
+    name: str = "w1",
+    rq_results: str = "all",
+):
     return Driver(
         RQAdapter(
             redis_client,
@@ -90,6 +101,7 @@ def _adapter(redis_client, *, lease_ttl: int = 30, max_crashes: int = 2, name: s
             result_ttl=600,
             stream_ttl=600,
             max_crashes=max_crashes,
+            rq_results=rq_results,
         )
     )
 
@@ -133,7 +145,7 @@ def test_finish_writes_rq_state_the_result_key_and_the_final_entry_in_one_script
     done = {"event": "done"}
     end = adapter.end_call(claim, "finished", _result("finished", job_id), done, summary)
 
-    assert adapter.scripts.call(end) == 1
+    assert adapter.scripts.call(end) == [1]
     job = _fetch(redis_client, job_id)
     assert job.get_status() == "finished" and job.ended_at is not None
     latest = job.latest_result()
@@ -145,7 +157,7 @@ def test_finish_writes_rq_state_the_result_key_and_the_final_entry_in_one_script
     entries = redis_client.xrange(f"pagedq:stream:{job_id}")
     assert [e[1] for e in entries] == [{b"event": b"done"}]
     # Fenced: the same execution cannot end the job twice.
-    assert adapter.scripts.call(end) == 0
+    assert adapter.scripts.call(end) == [0]
     assert len(job.results()) == 1 and redis_client.xlen(f"pagedq:stream:{job_id}") == 1
 
 
@@ -159,7 +171,7 @@ def test_fail_and_cancel_land_in_rqs_failed_and_canceled_registries(redis_client
     cancel_final = {"event": "error", "error": "canceled"}
     cancel = adapter.end_call(claims[gone], "canceled", _result("canceled", gone), cancel_final)
 
-    assert adapter.scripts.run([fail, cancel]) == [1, 1]
+    assert adapter.scripts.run([fail, cancel]) == [[1], [1]]
     assert _fetch(redis_client, bad).latest_result().exc_string == "x"
     assert _fetch(redis_client, gone).get_status() == "canceled"
     assert _registries(redis_client) == {
@@ -177,7 +189,7 @@ def test_expired_leases_are_requeued_then_failed_after_max_crashes(redis_client)
     assert _fetch(redis_client, job_id).get_status() == "queued"
     # The dead worker wakes up: its execution no longer holds the job, so nothing is written.
     late = dead.end_call(first, "finished", _result("finished", job_id), {"event": "done"}, {})
-    assert dead.scripts.call(late) == 0
+    assert dead.scripts.call(late) == [0]
     assert redis_client.exists(f"pagedq:result:{job_id}") == 0
 
     second = reaper.dequeue()
@@ -345,3 +357,117 @@ def test_job_data_is_read_compressed_or_not_and_a_zip_bomb_is_refused():
     bomb = zlib.compress(b"[" + b" " * (64 * 1024 * 1024) + b"]")
     with pytest.raises(ValueError, match="inflates to more than max_payload_bytes=1048576"):
         load_job_data(Claim("j", QUEUE, "e", 1, bomb, "", "", False).data, 2**20)
+
+
+def test_one_dequeue_takes_many_jobs_in_the_order_single_dequeues_take_them(redis_client):
+    """A batch dequeue is the same fair pick, job after job: priorities, tenants, order."""
+
+    def fill(r):
+        client = Client(connection=r, queue=QUEUE)
+        for i in range(6):
+            client.submit(prompt=f"a{i}", tenant="a", max_tokens=8)
+            client.submit(prompt=f"b{i}", tenant="b", max_tokens=32)
+        client.submit(prompt="urgent", priority=-1)
+        client.submit(prompt="later", priority=1)
+
+    fill(redis_client)
+    one_by_one = [_adapter(redis_client).dequeue() for _ in range(14)]
+    assert _adapter(redis_client).dequeue() is None
+    redis_client.flushdb()
+    fill(redis_client)
+    batched = _adapter(redis_client).dequeue_many(5)
+    batched += _adapter(redis_client).dequeue_many(20)
+
+    def prompts(claims):
+        return [load_job_data(c.data, 2**20)[2][0]["prompt"] for c in claims]
+
+    assert len(batched) == 14 and prompts(batched) == prompts(one_by_one)
+    assert prompts(batched)[0] == "urgent" and prompts(batched)[-1] == "later"
+    assert len({c.execution for c in batched}) == 14
+    started = [m for k in redis_client.keys("rq:wip:*") for m in redis_client.zrange(k, 0, -1)]
+    assert sorted(started) == sorted(c.member.encode() for c in batched)
+    assert not [k for k in redis_client.keys("rq:queue:*") if redis_client.llen(k)]
+
+
+def test_a_batch_dequeue_skips_stale_entries_and_reports_cancel_keys(redis_client):
+    client = Client(connection=redis_client, queue=QUEUE)
+    ids = [client.submit(prompt=f"p{i}") for i in range(4)]
+    redis_client.delete(f"rq:job:{ids[1]}")  # gone: a stale queue entry
+    redis_client.set(f"pagedq:cancel:{ids[2]}", "1")
+    claims = _adapter(redis_client).dequeue_many(8)
+
+    assert [c.job_id for c in claims] == [ids[0], ids[2], ids[3]]
+    assert [c.canceled for c in claims] == [False, True, False]
+    assert redis_client.llen(f"rq:queue:{QUEUE}") == 0
+
+
+def test_merged_endings_end_each_job_once_and_count_the_worker_and_tenants_once(redis_client):
+    client = Client(connection=redis_client, queue=QUEUE)
+    ids = [client.submit(prompt=f"p{i}", tenant="t", max_tokens=4) for i in range(3)]
+    adapter = _adapter(redis_client)
+    adapter.scripts.call(adapter.register_call())
+    claims = adapter.dequeue_many(3)
+    usage = {"usage": {"prompt_tokens": 5, "completion_tokens": 2}}
+    calls = [
+        adapter.end_call(c, "finished", _result("finished", c.job_id, **usage), {})
+        for c in claims
+    ]
+    [merged] = adapter.merge_ends(calls)
+
+    assert adapter.scripts.call(merged) == [1, 1, 1]
+    assert adapter.scripts.call(merged) == [0, 0, 0]  # fenced, every one of them
+    assert sorted(_registries(redis_client, claims[0].queue)["finished"]) == sorted(ids)
+    assert redis_client.hget("rq:worker:w1", "successful_job_count") == b"3"
+    assert redis_client.hget(f"pagedq:tenant-tokens:{QUEUE}", "t") == b"21"
+    # A job that does not stream gets no stream at all, and a pagedq job no RQ result stream
+    # unless the worker says `all` (this adapter does).
+    assert not any(redis_client.exists(f"pagedq:stream:{j}") for j in ids)
+    assert all(redis_client.exists(f"rq:results:{j}") for j in ids)
+
+
+def test_rq_result_entries_go_only_to_plain_rq_jobs_by_default(redis_client):
+    from rq import Queue
+
+    pagedq_id = Client(connection=redis_client, queue=QUEUE).submit(prompt="hi")
+    plain = Queue(QUEUE, connection=redis_client, serializer=JSONSerializer).enqueue(
+        "pagedq.generate", {"prompt": "hi"}
+    )
+    adapter = _adapter(redis_client, rq_results="plain")
+    claims = {c.job_id: c for c in adapter.dequeue_many(2)}
+    assert claims[plain.id].plain and not claims[pagedq_id].plain
+    for job_id, claim in claims.items():
+        result = _result("finished", job_id)
+        assert adapter.scripts.call(adapter.end_call(claim, "finished", result, {}, {})) == [1]
+
+    assert _fetch(redis_client, plain.id).latest_result().type == Result.Type.SUCCESSFUL
+    assert _fetch(redis_client, pagedq_id).get_status() == "finished"
+    assert not redis_client.exists(f"rq:results:{pagedq_id}")
+    with pytest.raises(ValueError, match="rq_results: 'some'; allowed: \\['plain', 'all'\\]"):
+        RQAdapter(redis_client, "w", [QUEUE], lease_ttl=1, result_ttl=1, stream_ttl=1,
+                  max_crashes=1, rq_results="some")  # fmt: skip
+
+
+def test_an_ending_tells_its_producers_events_stream_only_while_it_exists(redis_client):
+    from producer.events import EventFollower
+
+    client = Client(connection=redis_client, queue=QUEUE)
+    follower = EventFollower(redis_client, notify="run1")
+    follower.open()
+    [job_id] = client.enqueue([_as_request({"prompt": "hi"})], notify="run1")
+    [orphan] = client.enqueue([_as_request({"prompt": "ho"})], notify="gone")
+    follower.add(job_id)
+    adapter = _adapter(redis_client)
+    for claim in adapter.dequeue_many(2):
+        result = _result("finished", claim.job_id)
+        adapter.scripts.call(adapter.end_call(claim, "finished", result, {}, {}))
+
+    assert follower.read(1.0) == [(job_id, {"event": "done", "status": "result"})]
+    assert len(follower) == 0
+    assert not redis_client.exists("pagedq:events:gone") and orphan
+    assert 0 < redis_client.ttl("pagedq:events:run1") <= 3600
+
+
+def _as_request(body: dict):
+    from producer.contract.schema import GenerationRequest
+
+    return GenerationRequest.model_validate(body)

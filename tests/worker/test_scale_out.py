@@ -20,8 +20,9 @@ SLOTS = ("--max-num-seqs", "6")
 
 @pytest.fixture(scope="module")
 def workers(worker_factory):
-    a = worker_factory(QUEUE, "w-a", *SLOTS)
-    b = worker_factory(QUEUE, "w-b", *SLOTS)
+    # RQ's result stream on every job: one entry per end, the witness of "ended once".
+    a = worker_factory(QUEUE, "w-a", *SLOTS, "--rq-results", "all")
+    b = worker_factory(QUEUE, "w-b", *SLOTS, "--rq-results", "all")
     a.wait_ready()
     b.wait_ready()
     return a, b

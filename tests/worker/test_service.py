@@ -84,12 +84,19 @@ def test_greedy_jobs_return_exactly_the_offline_tokens(service, client, offline_
         assert result.text == offline.outputs[0].text
         assert result.worker == NAME
         assert result.usage.completion_tokens == len(result.token_ids)
-    # RQ's own view agrees: the return value is the result, and the job is finished.
+    # RQ's own view agrees: the job is finished. A pagedq job's result lives in
+    # pagedq:result:{id} only; RQ's result stream (4.7 KB a job) is kept for plain RQ jobs.
     job = Job.fetch(job_ids[0], connection=client.redis, serializer=JSONSerializer)
-    assert job.get_status() == "finished"
-    # RQ's result entry is a summary; the full result lives in pagedq:result:{id} only.
-    summary = job.latest_result().return_value
-    assert summary["result_key"] == f"pagedq:result:{job_ids[0]}"
+    assert job.get_status() == "finished" and job.latest_result() is None
+    plain = Queue(QUEUE, connection=client.redis, serializer=JSONSerializer).enqueue(
+        "pagedq.generate", {"prompt": PROMPTS[0], "temperature": 0.0, "max_tokens": 12}
+    )
+    plain_result = client.result(plain.id, timeout=240)
+    assert plain_result.token_ids == results[0].token_ids
+    # RQ's result entry is a summary pointing at the result key.
+    summary = Job.fetch(plain.id, connection=client.redis, serializer=JSONSerializer)
+    summary = summary.latest_result().return_value
+    assert summary["result_key"] == f"pagedq:result:{plain.id}"
     assert summary["usage"]["completion_tokens"] == len(results[0].token_ids)
 
 
