@@ -4,6 +4,7 @@ Starts a private redis-server on a free port and a real `python -m worker` proce
 short jobs with the producer `Client`, waits for every result, and reports:
 
 - INFO commandstats before/after (every command Redis executed, script-internal ones too),
+- the memory the jobs left in Redis, by kind of key (MEMORY USAGE),
 - MONITOR's split of the same commands: sent by the producer, sent by the worker, and run
   inside each Lua script. Stream entries (the per-step token script) are counted separately.
 
@@ -77,6 +78,17 @@ class Monitor:
         self._monitor.__exit__(*exc)
 
 
+def memory_by_kind(connection: redis.Redis) -> Counter:
+    """Bytes Redis holds per kind of key (MEMORY USAGE), keys named by their prefix."""
+    sizes: Counter = Counter()
+    for key in connection.scan_iter(count=1000):
+        name = key.decode(errors="replace")
+        parts = name.split(":")
+        kind = ":".join(parts[:2]) if len(parts) > 2 else name
+        sizes[kind] += connection.memory_usage(key, samples=0) or 0
+    return sizes
+
+
 def split(lines, producer_addrs: set[str], script_names: dict[str, str]):
     """Counters: producer, worker (client-sent), stream (token script and its internals), lua."""
     producer, worker, stream, lua = Counter(), Counter(), Counter(), Counter()
@@ -134,6 +146,8 @@ def main() -> None:
                     f"{c['addr']}" for c in admin.client_list() if c.get("name") == PRODUCER_NAME
                 }
             after = commandstats(admin)
+            memory = memory_by_kind(admin)
+            used = admin.info("memory")["used_memory"]
         finally:
             w.stop()
     n = args.jobs
@@ -160,6 +174,12 @@ def main() -> None:
     show("INFO commandstats, everything Redis executed", stats)
     print(f"\nproducer + worker commands sent per finished job: {p_total + w_total:.2f}")
     print(f"... plus the commands run inside their scripts: {p_total + w_total + lua_total:.2f}")
+    print(
+        f"\nRedis memory left per finished job (MEMORY USAGE by key kind): "
+        f"{sum(memory.values()) / n:.0f} B (used_memory {used / 1e6:.1f} MB in all)"
+    )
+    for kind, size in memory.most_common(12):
+        print(f"  {kind:<28}{size / n:8.0f} B")
 
 
 if __name__ == "__main__":

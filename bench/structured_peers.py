@@ -94,7 +94,9 @@ def run_engine(work: dict, make_params, chat, output_of) -> dict:
             refused[kind] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     kept = [r for r in requests if r["schema"] not in refused]
     t0 = time.perf_counter()
-    outs = chat([r["messages"] for r in kept], [make_params(r, table[r["schema"]], None) for r in kept])
+    outs = chat(
+        [r["messages"] for r in kept], [make_params(r, table[r["schema"]], None) for r in kept]
+    )
     t_c = time.perf_counter() - t0
     texts, reasons, lengths = zip(*(output_of(o) for o in outs)) if outs else ((), (), ())
     plain = [make_params(r, None, n) for r, n in zip(kept, lengths)]

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from producer.contract.keys import weights_key
+from producer.contract.keys import root_queue, weights_key
 from producer.contract.lua import LuaScript
-from producer.contract.keys import root_queue
 from worker.rq_scripts import CHARGE_LUA, PICK_LUA, UTIL_LUA
 
 # ARGV after the named ones: the base queues. Pops one job, as a dequeue of one does.

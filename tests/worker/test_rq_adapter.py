@@ -409,8 +409,7 @@ def test_merged_endings_end_each_job_once_and_count_the_worker_and_tenants_once(
     claims = adapter.dequeue_many(3)
     usage = {"usage": {"prompt_tokens": 5, "completion_tokens": 2}}
     calls = [
-        adapter.end_call(c, "finished", _result("finished", c.job_id, **usage), {})
-        for c in claims
+        adapter.end_call(c, "finished", _result("finished", c.job_id, **usage), {}) for c in claims
     ]
     [merged] = adapter.merge_ends(calls)
 
