@@ -87,9 +87,11 @@ class TlsRedis:
                "--tls-key-file", str(self.certs.server[1]),
                "--tls-ca-cert-file", str(self.certs.ca),
                "--tls-auth-clients", auth_clients]  # fmt: skip
-        self.process = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
+        self.log_path = Path(self._dir.name) / "redis.log"
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self._wait_ready()
 
     def url(self, ca: Path | None = None, **params: str) -> str:
@@ -105,7 +107,10 @@ class TlsRedis:
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with code {self.process.returncode}")
+                raise RuntimeError(
+                    f"redis-server exited with code {self.process.returncode} (built without "
+                    f"TLS?):\n{self.log_path.read_text(errors='replace')[-2000:]}"
+                )
             client = redis.Redis.from_url(self.url(**self.client_cert_params()))
             try:
                 client.ping()

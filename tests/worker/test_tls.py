@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -21,6 +22,9 @@ from producer.client import Client
 from worker.redis_server import free_port
 
 QUEUE = "q-tls"
+
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl CLI")
 
 
 @pytest.fixture(scope="module")
