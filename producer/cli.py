@@ -30,6 +30,7 @@ from producer.contract.schema import GenerationRequest
 from producer.errors import JobCanceledError, JobFailedError, JobNotFoundError, RedisFullError
 from producer.retry import redact_url
 from producer.status import format_status, queue_status
+from producer.tls_failure import tls_failure
 
 WORKER_COMMANDS = ("worker", "demo")
 # Exit codes: 1 = a job or line failed / an id is unknown / Redis unreachable; 2 = bad usage
@@ -57,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     except (RedisConnectionError, RedisTimeoutError) as exc:  # auth errors included
-        print(f"pagedq: cannot reach Redis at {redact_url(args.redis_url)}: {exc}", file=sys.stderr)
+        print(f"pagedq: {_unreachable(args.redis_url, exc)}", file=sys.stderr)
         return EXIT_FAILED
     except RedisFullError as exc:
         print(f"pagedq: {exc}", file=sys.stderr)
@@ -65,6 +66,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RedisError as exc:  # e.g. something else than Redis listens there
         print(f"pagedq: Redis at {redact_url(args.redis_url)} failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _unreachable(url: str, exc: Exception) -> str:
+    """Why Redis could not be used: a refused certificate says so, anything else is
+    'cannot reach'."""
+    tls = tls_failure(exc)
+    if tls is not None:
+        return tls.message(redact_url(url))
+    return f"cannot reach Redis at {redact_url(url)}: {exc}"
 
 
 def _stdout_closed() -> int:

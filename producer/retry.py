@@ -11,6 +11,8 @@ from urllib.parse import urlsplit, urlunsplit
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from producer.tls_failure import tls_failure
+
 T = TypeVar("T")
 
 log = logging.getLogger("pagedq.producer")
@@ -28,11 +30,14 @@ class RedisUnavailableError(RedisConnectionError):
 
 
 def redact_url(url: str) -> str:
-    """The Redis URL with its password replaced by ***, fit for logs and error messages."""
+    """The Redis URL with its password (and any `*password*` query parameter, e.g. the TLS
+    key's `ssl_password`) replaced by ***, fit for logs and error messages."""
     try:
         parts = urlsplit(url)
+        if parts.query:
+            parts = parts._replace(query=_redact_query(parts.query))
         if parts.password is None:
-            return url
+            return urlunsplit(parts)
         user = parts.username or ""
         host = parts.hostname or ""
         if ":" in host:
@@ -41,6 +46,13 @@ def redact_url(url: str) -> str:
         return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
     except ValueError:
         return "<unparsable URL>"
+
+
+def _redact_query(query: str) -> str:
+    pairs = [p.partition("=") for p in query.split("&")]
+    return "&".join(
+        f"{k}{eq}***" if eq and "password" in k.lower() else f"{k}{eq}{v}" for k, eq, v in pairs
+    )
 
 
 def backoff_delays(first_s: float = FIRST_DELAY_S, max_s: float = MAX_DELAY_S):
@@ -70,6 +82,8 @@ def call_with_retry(
         try:
             result = fn()
         except REDIS_DOWN as exc:
+            if tls_failure(exc) is not None:
+                raise  # a refused certificate is a setting to fix, not an outage to wait out
             now = time.monotonic()
             down_since = now if down_since is None else down_since
             attempt += 1

@@ -39,7 +39,7 @@ def connect(url: str) -> redis.Redis:
         url,
         retry=Retry(NoBackoff(), 0),
         socket_connect_timeout=5,
-        socket_timeout=30,
+        socket_timeout=10,
         health_check_interval=15,
     )
 

@@ -1,9 +1,9 @@
 """Start one worker process: connect, load the engine once, serve the queue.
 
-Start-up problems (a malformed Redis URL, wrong credentials, an unreachable Redis, a Redis that
-may evict keys, a busy metrics port, a worker name in use) end the process with one log line
-and a non-zero exit code, never a traceback; Redis URLs are logged with their password
-redacted.
+Start-up problems (a malformed Redis URL, wrong credentials, a refused TLS certificate, an
+unreachable Redis, a Redis that may evict keys, a busy metrics port, a worker name in use) end
+the process with one log line and a non-zero exit code, never a traceback; Redis URLs are
+logged with their password redacted.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import structlog
 
 from producer.contract.routing import model_queue
 from producer.retry import redact_url
+from producer.tls_failure import tls_failure
 from worker.config import WorkerConfig
 from worker.endpoints import MetricsPortInUse, WorkerHealth
 from worker.logs import log_engine_ready
@@ -76,6 +77,10 @@ def run_worker(config: WorkerConfig) -> int:
         log.error("Redis refused the connection", redis_url=url, error=str(exc))
         return EXIT_ERROR
     except (redis.ConnectionError, redis.TimeoutError) as exc:
+        tls = tls_failure(exc)
+        if tls is not None:  # a certificate to fix, not an outage: no waiting it out
+            log.error(tls.message(url))
+            return EXIT_ERROR
         log.error("cannot reach Redis", redis_url=url, error=str(exc))
         return EXIT_ERROR
     risk = eviction_risk(connection)

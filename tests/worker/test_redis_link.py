@@ -55,6 +55,10 @@ def test_fenced_scripts_run_again_after_a_restart_emptied_the_script_cache(serve
         ("redis://user:pw@host:6379/0", "redis://user:***@host:6379/0"),
         ("rediss://:pw@host/1", "rediss://:***@host/1"),
         ("redis://host:6379/0", "redis://host:6379/0"),
+        (
+            "rediss://:pw@h/0?ssl_ca_certs=/ca.pem&ssl_password=k",
+            "rediss://:***@h/0?ssl_ca_certs=/ca.pem&ssl_password=***",
+        ),
     ],
 )
 def test_urls_are_logged_without_their_password(url, shown):
