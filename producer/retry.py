@@ -28,19 +28,17 @@ class RedisUnavailableError(RedisConnectionError):
 
 
 def redact_url(url: str) -> str:
-    """The Redis URL with its password replaced by ***, fit for logs and error messages."""
+    """The Redis URL with its password replaced by ***, fit for logs and error messages (any
+    form: one host, a unix socket, or a sentinel URL's list of hosts)."""
     try:
         parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        port = f":{parts.port}" if parts.port else ""
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
     except ValueError:
         return "<unparsable URL>"
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    if not (at and colon):
+        return url
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
 
 
 def backoff_delays(first_s: float = FIRST_DELAY_S, max_s: float = MAX_DELAY_S):
