@@ -67,6 +67,8 @@ def call_with_retry(
     while True:
         try:
             result = fn()
+        except RedisUnavailableError:
+            raise  # a nested wait already gave up: waiting again here would double the limit
         except REDIS_DOWN as exc:
             now = time.monotonic()
             down_since = now if down_since is None else down_since
