@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -58,11 +59,13 @@ class SentinelCluster:
 
     `url` is the redis+sentinel:// URL of the service. `kill_primary()` SIGKILLs whichever
     server is primary now; `wait_failover(old)` waits until every Sentinel names a new one.
+    `freeze_replication()` before the kill makes the primary's last writes die with it.
     """
 
     def __init__(self, down_after_ms: int = 1000, failover_timeout_ms: int = 5000) -> None:
         self.servers: dict[int, PrivateRedis] = {}
         self.sentinels: list[PrivateRedis] = []
+        self._frozen: list[PrivateRedis] = []
         try:
             primary = self._add(PrivateRedis(args=FAST_SYNC))
             replica = self._add(PrivateRedis(args=replica_args(primary.port)))
@@ -104,10 +107,23 @@ class SentinelCluster:
         """The other running servers (replicas of `port` once the Sentinels are done)."""
         return [s for p, s in self.servers.items() if p != port and s.process.poll() is None]
 
+    def freeze_replication(self) -> None:
+        """SIGSTOP the replicas and cut their links: what the primary writes from now on reaches
+        none of them, as with a replica lagging when the primary dies. `kill_primary()` resumes
+        them; keep it under the Sentinels' down-after-milliseconds, or none can be promoted."""
+        port = self.primary_port()
+        self._frozen = self.replicas_of(port)
+        for replica in self._frozen:
+            replica.process.send_signal(signal.SIGSTOP)
+        self.servers[port].client().client_kill_filter(_type="replica")
+
     def kill_primary(self) -> int:
         """SIGKILL the primary (a crash: what it did not replicate is lost); its port."""
         port = self.primary_port()
         self.servers[port].kill()
+        for replica in self._frozen:
+            replica.process.send_signal(signal.SIGCONT)
+        self._frozen = []
         return port
 
     def wait_failover(self, old_port: int, timeout: float = 30.0) -> int:

@@ -91,9 +91,13 @@ def _jobs(n: int, tag: str) -> list[dict]:
     ]
 
 
+@pytest.mark.parametrize("unreplicated", [False, True], ids=["kill", "kill-losing-writes"])
 def test_two_workers_ride_out_a_failover_and_every_job_ends_exactly_once(
-    cluster, tiny_llama_dir, tmp_path
+    cluster, tiny_llama_dir, tmp_path, unreplicated
 ):
+    """With `unreplicated`, the replica misses the primary's last 0.4 s: ends written then are
+    lost (their jobs run again once their leases run out), and so are starts (their jobs are
+    queued again on the new primary, and the first runs' ends are fenced off)."""
     workers = [
         WorkerProcess(cluster.url, QUEUE, f"w-sentinel-{i}", tmp_path, model=tiny_llama_dir,
                       lease_ttl=LEASE_TTL, env=THROTTLE)
@@ -108,14 +112,19 @@ def test_two_workers_ride_out_a_failover_and_every_job_ends_exactly_once(
         primary = cluster.primary.client()
         finished = f"rq:finished:{QUEUE}"
         wait_until(lambda: primary.zcard(finished) >= 30, 120, "30 jobs to finish")
+        if unreplicated:
+            cluster.freeze_replication()
+            time.sleep(0.4)
         finished_at_kill = primary.zcard(finished)
         old = cluster.kill_primary()
         assert finished_at_kill < JOBS - 20, "the jobs ran too fast: the kill came after them"
         new = cluster.wait_failover(old)
+        admin = cluster.servers[new].client()
+        if unreplicated:
+            assert admin.zcard(finished) < finished_at_kill  # those ends died with the primary
 
         results = [client.result(j, timeout=120) for j in job_ids]
         assert [r.status for r in results] == ["finished"] * JOBS, [r.error for r in results]
-        admin = cluster.servers[new].client()
         assert admin.zcard(finished) == JOBS
         assert set(admin.zrange(finished, 0, -1)) == {j.encode() for j in job_ids}
         # One RQ result entry per job: no job ended twice (a replayed END is fenced).
