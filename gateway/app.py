@@ -37,8 +37,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
             config.redis_url,
             config.queue,
             result_ttl=config.result_ttl,
-            # An HTTP request gets a 503 (Retry-After) during an outage or failover at once,
-            # not after a wait; the batch runner retries its enqueues on its own.
+            # During an outage or failover an HTTP request gets a 503 (Retry-After) instead of
+            # waiting it out; the batch runner retries its enqueues on its own.
             outage_timeout=0,
             min_replicas_ack=config.min_replicas_ack,
             replica_ack_timeout_ms=config.replica_ack_timeout_ms,
