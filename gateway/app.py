@@ -33,7 +33,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = Client(config.redis_url, config.queue, result_ttl=config.result_ttl)
+        client = Client(
+            config.redis_url,
+            config.queue,
+            result_ttl=config.result_ttl,
+            # During an outage or failover an HTTP request gets a 503 (Retry-After) instead of
+            # waiting it out; the batch runner retries its enqueues on its own.
+            outage_timeout=0,
+            min_replicas_ack=config.min_replicas_ack,
+            replica_ack_timeout_ms=config.replica_ack_timeout_ms,
+        )
         file_store = FileStore(client.redis, config.file_ttl, config.file_chunk_bytes)
         batch_store = BatchStore(client.redis, file_store, config.file_ttl, config.queue)
         hub = StreamHub(config.redis_url)

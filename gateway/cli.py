@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 
 from gateway.config import DEFAULT_BATCH_PRIORITY, GatewayConfig, Tenant, load_api_keys
+from producer.cli import add_replica_ack_flags
+from producer.connection import check_url
 from producer.contract.keys import DEFAULT_QUEUE, DEFAULT_REDIS_URL
 from producer.retry import redact_url
 
@@ -21,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--redis-url",
         default=os.environ.get("PAGEDQ_REDIS_URL", DEFAULT_REDIS_URL),
-        help="the Redis holding the queue ($PAGEDQ_REDIS_URL when set)",
+        help="the Redis holding the queue ($PAGEDQ_REDIS_URL when set): redis://, rediss://, "
+        "unix:// or redis+sentinel://host:port[,host:port...]/service[/db]",
     )
     p.add_argument("--queue", default=DEFAULT_QUEUE, help="RQ queue name")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs keys)")
@@ -63,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1 << 20,
         help="files are stored, and batches enqueued, in chunks of whole lines of this size",
     )
+    add_replica_ack_flags(p)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
@@ -101,7 +105,10 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         batch_priority=args.batch_priority,
         batch_lease_s=args.batch_lease_seconds,
         file_chunk_bytes=args.file_chunk_bytes,
+        min_replicas_ack=args.min_replicas_ack,
+        replica_ack_timeout_ms=args.replica_ack_timeout_ms,
     )
+    check_url(config.redis_url)
     if not args.allow_unauthenticated:
         config.check()
     return config

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from producer.client import DEFAULT_REPLICA_ACK_TIMEOUT_MS
 from producer.contract.keys import DEFAULT_QUEUE, DEFAULT_RESULT_TTL
 from producer.contract.routing import TENANT_RE
 
@@ -51,6 +52,9 @@ class GatewayConfig:
     batch_lease_s: float = 15.0
     # Uploads are stored (and batches enqueued) in chunks of whole lines of about this size.
     file_chunk_bytes: int = 1 << 20
+    # Enqueues wait for this many replicas to acknowledge them (Redis WAIT); 0: no wait.
+    min_replicas_ack: int = 0
+    replica_ack_timeout_ms: int = DEFAULT_REPLICA_ACK_TIMEOUT_MS
 
     def check(self) -> None:
         """Refuse a non-loopback address without keys: anyone could use the queue then."""

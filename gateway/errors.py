@@ -11,6 +11,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from producer.errors import ReplicaAckError
+
 log = logging.getLogger("pagedq.gateway")
 
 TYPES = {
@@ -91,6 +93,20 @@ def install(app: FastAPI) -> None:
         log.warning("Redis unreachable: %s", type(exc).__name__)
         response = error_response(
             APIError(503, "the queue's Redis is unreachable; retry later", code="redis_unavailable")
+        )
+        response.headers["Retry-After"] = "5"
+        return response
+
+    @app.exception_handler(ReplicaAckError)
+    async def _replicas_behind(_: Request, exc: ReplicaAckError) -> JSONResponse:
+        log.warning("enqueue not acknowledged by enough replicas: %s", exc)
+        response = error_response(
+            APIError(
+                503,
+                f"the queue's Redis replicas did not acknowledge the request in time "
+                f"({exc.acked} of {exc.wanted} within {exc.timeout_ms} ms); retry later",
+                code="replica_ack_timeout",
+            )
         )
         response.headers["Retry-After"] = "5"
         return response

@@ -13,10 +13,10 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from rq.job import Job
 
+from producer.connection import async_redis_client
 from producer.contract.keys import result_key, stream_key
 from producer.results import decode_entry, is_final
 
@@ -43,11 +43,10 @@ class StreamHub:
 
     def __init__(self, redis_url: str) -> None:
         # Many requests at once wait for a pooled connection rather than fail.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            redis_url, max_connections=POOL_SIZE, timeout=POOL_WAIT_S
+        self.redis = async_redis_client(
+            redis_url, blocking=True, max_connections=POOL_SIZE, timeout=POOL_WAIT_S
         )
-        self.redis = aioredis.Redis(connection_pool=pool)
-        self._reader = aioredis.Redis.from_url(redis_url, single_connection_client=True)
+        self._reader = async_redis_client(redis_url, single_connection_client=True)
         self._follows: dict[str, list[Follow]] = {}
         self._reader_id: int | None = None
         self._changed = asyncio.Event()

@@ -18,7 +18,8 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.bulk import BadInputFileError, StaleOutputError, run_bulk
-from producer.client import Client
+from producer.client import DEFAULT_REPLICA_ACK_TIMEOUT_MS, Client
+from producer.connection import RedisURLError
 from producer.contract.keys import (
     DEFAULT_QUEUE,
     DEFAULT_REDIS_URL,
@@ -27,7 +28,13 @@ from producer.contract.keys import (
 )
 from producer.contract.routing import TENANT_RE
 from producer.contract.schema import GenerationRequest
-from producer.errors import JobCanceledError, JobFailedError, JobNotFoundError, RedisFullError
+from producer.errors import (
+    JobCanceledError,
+    JobFailedError,
+    JobNotFoundError,
+    RedisFullError,
+    ReplicaAckError,
+)
 from producer.retry import redact_url
 from producer.status import format_status, queue_status
 from producer.tls_failure import tls_failure
@@ -57,10 +64,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         return _stdout_closed()
+    except RedisURLError as exc:
+        print(f"pagedq: --redis-url {redact_url(args.redis_url)}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except (RedisConnectionError, RedisTimeoutError) as exc:  # auth errors included
         print(f"pagedq: {_unreachable(args.redis_url, exc)}", file=sys.stderr)
         return EXIT_FAILED
-    except RedisFullError as exc:
+    except (RedisFullError, ReplicaAckError) as exc:
         print(f"pagedq: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except RedisError as exc:  # e.g. something else than Redis listens there
@@ -91,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--redis-url",
         default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL),
-        help=f"Redis URL (env {REDIS_URL_ENV}; default: %(default)s)",
+        help=f"Redis URL: redis://, rediss://, unix:// or "
+        f"redis+sentinel://host:port[,host:port...]/service[/db] (env {REDIS_URL_ENV}; "
+        "default: %(default)s)",
     )
     common.add_argument(
         "--queue",
@@ -140,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds results stay in Redis (default: %(default)s = 7 days)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
+    add_replica_ack_flags(p)
     p.set_defaults(func=_submit)
 
     p = sub.add_parser("status", parents=[common], help="queue depth, job counts, workers")
@@ -181,6 +194,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_replica_ack_flags(parser: argparse.ArgumentParser) -> None:
+    """--min-replicas-ack and --replica-ack-timeout-ms (pagedq submit, pagedq serve)."""
+    parser.add_argument(
+        "--min-replicas-ack",
+        type=_int_at_least(0),
+        default=0,
+        metavar="N",
+        help="after each enqueue, wait until N replicas have the jobs (Redis WAIT); fewer "
+        "within the timeout is an error, the jobs staying queued on the primary (default: 0, "
+        "no wait)",
+    )
+    parser.add_argument(
+        "--replica-ack-timeout-ms",
+        type=_int_at_least(1),
+        default=DEFAULT_REPLICA_ACK_TIMEOUT_MS,
+        metavar="MS",
+        help="milliseconds an enqueue waits for --min-replicas-ack replicas "
+        f"(default: {DEFAULT_REPLICA_ACK_TIMEOUT_MS})",
+    )
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
 def _connect(args: argparse.Namespace, **options) -> Client:
     """A Client whose Redis answered a PING (raises RedisConnectionError within seconds)."""
     client = Client(args.redis_url, args.queue, **options)
@@ -207,7 +254,13 @@ def _submit(args: argparse.Namespace) -> int:
                 f"pagedq submit: --response-format {args.response_format}: {exc}", file=sys.stderr
             )
             return EXIT_USAGE
-    client = _connect(args, result_ttl=args.result_ttl, retries=args.retries)
+    client = _connect(
+        args,
+        result_ttl=args.result_ttl,
+        retries=args.retries,
+        min_replicas_ack=args.min_replicas_ack,
+        replica_ack_timeout_ms=args.replica_ack_timeout_ms,
+    )
     try:
         s = run_bulk(
             client,

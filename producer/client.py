@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
-from typing import Any
+from typing import Any, TypeVar
 
 from redis import Redis, WatchError
-from redis.exceptions import OutOfMemoryError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, OutOfMemoryError, ReadOnlyError
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from producer.connection import redis_client
 from producer.contract.keys import (
     CANCEL_CHANNEL,
     DEFAULT_CANCEL_TTL,
@@ -29,9 +31,17 @@ from producer.contract.keys import (
 )
 from producer.contract.lua import LuaScript
 from producer.contract.schema import GenerationRequest, GenerationResult
-from producer.enqueue import RERUN_STATUSES, build_job, clear_job, ended_status, enqueue_jobs
-from producer.errors import RedisFullError
+from producer.enqueue import (
+    RERUN_STATUSES,
+    QueuedJob,
+    build_job,
+    clear_job,
+    ended_status,
+    enqueue_jobs,
+)
+from producer.errors import RedisFullError, ReplicaAckError
 from producer.follow import StreamFollower
+from producer.replica_ack import ReplicaAckedRedis
 from producer.results import (
     final_result,
     is_final,
@@ -42,7 +52,9 @@ from producer.results import (
 )
 from producer.retry import DEFAULT_OUTAGE_S, call_with_retry
 
+T = TypeVar("T")
 DEFAULT_JOB_TIMEOUT = 3600
+DEFAULT_REPLICA_ACK_TIMEOUT_MS = 1000
 # A refused or unroutable Redis is reported within seconds, not after the OS's ~2 min.
 CONNECT_TIMEOUT_S = 3.0
 # The first check of a job that does not stream (its result key), in `result`.
@@ -84,10 +96,13 @@ RESTART = StreamRestart("")
 class Client:
     """Submits jobs to a pagedq queue (RQ 3, JSON serializer) and reads results and streams.
 
+    `redis_url` is any form `producer.connection` takes, redis+sentinel:// included.
     `retries` is RQ's retry count for a job whose execution fails (e.g. its worker died);
     `result_ttl` keeps the RQ job and its result that many seconds after it ends.
-    `result()` and `stream()` wait out a Redis outage of up to `outage_timeout` seconds
-    (None: forever), retrying with backoff and logging each attempt, instead of raising.
+    Enqueues, `result()` and `stream()` wait out a Redis outage or failover of up to
+    `outage_timeout` seconds (None: forever), retrying with backoff and logging each attempt,
+    instead of raising. With `min_replicas_ack` N > 0, each enqueue round trip ends with
+    Redis WAIT N `replica_ack_timeout_ms`, and fewer acknowledgements raise ReplicaAckError.
     """
 
     def __init__(
@@ -100,10 +115,17 @@ class Client:
         check_interval: float = 2.0,
         connection: Redis | None = None,
         outage_timeout: float | None = DEFAULT_OUTAGE_S,
+        min_replicas_ack: int = 0,
+        replica_ack_timeout_ms: int = DEFAULT_REPLICA_ACK_TIMEOUT_MS,
     ) -> None:
+        _check_replica_ack(min_replicas_ack, replica_ack_timeout_ms)
         if connection is None:
-            connection = Redis.from_url(redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S)
+            connection = redis_client(redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S)
         self.redis = connection
+        # Enqueues go through a client whose pipelines end with WAIT (producer/replica_ack.py).
+        self._writer: Redis = connection
+        if min_replicas_ack:
+            self._writer = ReplicaAckedRedis(connection, min_replicas_ack, replica_ack_timeout_ms)
         self.outage_timeout = outage_timeout
         self.queue = Queue(queue, connection=self.redis, serializer=JSONSerializer)
         self.result_ttl = result_ttl
@@ -169,14 +191,44 @@ class Client:
             for r in requests
         ]
         try:
-            created = enqueue_jobs(self.redis, self.queue, queued, batch_id, notify)
+            created = self._write(
+                lambda: enqueue_jobs(self._writer, self.queue, queued, batch_id, notify),
+                f"enqueueing {len(queued)} job(s)",
+            )
             for job, was_created in zip(queued, created, strict=True):
-                if not was_created and ended_status(self.redis, job.id) in RERUN_STATUSES | {None}:
-                    clear_job(self.redis, job.id)
-                    enqueue_jobs(self.redis, self.queue, [job], batch_id, notify)
+                if not was_created:
+                    self._write(
+                        lambda j=job: self._rerun_if_ended(j, batch_id, notify), f"job {job.id}"
+                    )
         except OutOfMemoryError as exc:
             raise RedisFullError(exc) from exc
+        except ReplicaAckError as exc:
+            ids = [job.id for job in queued]
+            raise ReplicaAckError(exc.acked, exc.wanted, exc.timeout_ms, ids) from None
         return [job.id for job in queued]
+
+    def _rerun_if_ended(self, job: QueuedJob, batch_id: str | None, notify: str | None) -> None:
+        """Enqueue an existing job afresh if it failed, was canceled or is gone."""
+        if ended_status(self.redis, job.id) in RERUN_STATUSES | {None}:
+            clear_job(self.redis, job.id)
+            enqueue_jobs(self._writer, self.queue, [job], batch_id, notify)
+
+    def _write(self, fn: Callable[[], T], what: str) -> T:
+        """An idempotent write, retried like reads across an outage or a failover."""
+
+        def attempt() -> T:
+            try:
+                return fn()
+            except NoScriptError:
+                # A new primary's script cache is empty: the pipeline loads the script again.
+                return fn()
+            except ReadOnlyError as exc:
+                # A demoted primary behind a plain URL: reconnect (a sentinel URL's pool
+                # already turns this into a ConnectionError and asks the Sentinels again).
+                self.redis.connection_pool.disconnect(inuse_connections=False)
+                raise RedisConnectionError(f"Redis is read-only (a replica now?): {exc}") from exc
+
+        return call_with_retry(attempt, what, max_wait_s=self.outage_timeout)
 
     def result(self, job_id: str, timeout: float | None = None) -> GenerationResult:
         """Block until the job ends and return its result (no polling: XREAD on its stream).
@@ -320,6 +372,14 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_replica_ack(replicas: int, timeout_ms: int) -> None:
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+        raise ValueError(f"min_replicas_ack must be an integer >= 0, got {replicas!r}")
+    if not isinstance(timeout_ms, int) or isinstance(timeout_ms, bool) or timeout_ms < 1:
+        # WAIT's 0 means wait forever: an enqueue must not hang on a missing replica.
+        raise ValueError(f"replica_ack_timeout_ms must be an integer >= 1, got {timeout_ms!r}")
 
 
 def _as_request(request: RequestLike) -> GenerationRequest:

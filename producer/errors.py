@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from redis.exceptions import OutOfMemoryError
+from collections.abc import Sequence
+
+from redis.exceptions import OutOfMemoryError, RedisError
 
 
 class InvalidRequestError(ValueError):
@@ -52,4 +54,25 @@ class RedisFullError(OutOfMemoryError):
             "before the refusal may be queued; submitting again is safe for requests with a "
             "custom_id (the same id is the same job). Free memory in Redis (results expire with "
             "their TTL) or raise its maxmemory, then submit again."
+        )
+
+
+class ReplicaAckError(RedisError):
+    """Fewer replicas than asked acknowledged an enqueue within the timeout (Redis WAIT).
+
+    The jobs ARE queued on the primary; they are lost only if it dies before replicating them.
+    `job_ids` are the jobs of the refused call (empty when not known)."""
+
+    def __init__(
+        self, acked: int, wanted: int, timeout_ms: int, job_ids: Sequence[str] = ()
+    ) -> None:
+        self.acked, self.wanted, self.timeout_ms = acked, wanted, timeout_ms
+        self.job_ids = list(job_ids)
+        jobs = f"{len(self.job_ids)} job(s)" if self.job_ids else "the jobs"
+        super().__init__(
+            f"only {acked} of {wanted} replica(s) acknowledged the enqueue within {timeout_ms} "
+            f"ms (--min-replicas-ack {wanted}): {jobs} ARE queued on the primary, but would be "
+            "lost if it died before replicating them. Submitting the same requests again is "
+            "safe for those with a custom_id (the same id is the same job); check the "
+            "replicas (INFO replication) or lower --min-replicas-ack."
         )

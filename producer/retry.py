@@ -31,21 +31,19 @@ class RedisUnavailableError(RedisConnectionError):
 
 def redact_url(url: str) -> str:
     """The Redis URL with its password (and any `*password*` query parameter, e.g. the TLS
-    key's `ssl_password`) replaced by ***, fit for logs and error messages."""
+    key's `ssl_password`) replaced by ***, fit for logs and error messages (any form: one host,
+    a unix socket, or a sentinel URL's list of hosts)."""
     try:
         parts = urlsplit(url)
         if parts.query:
             parts = parts._replace(query=_redact_query(parts.query))
-        if parts.password is None:
-            return urlunsplit(parts)
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        port = f":{parts.port}" if parts.port else ""
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
     except ValueError:
         return "<unparsable URL>"
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    if not (at and colon):
+        return urlunsplit(parts) if parts.query else url
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
 
 
 def _redact_query(query: str) -> str:
@@ -81,6 +79,8 @@ def call_with_retry(
     while True:
         try:
             result = fn()
+        except RedisUnavailableError:
+            raise  # a nested wait already gave up: waiting again here would double the limit
         except REDIS_DOWN as exc:
             if tls_failure(exc) is not None:
                 raise  # a refused certificate is a setting to fix, not an outage to wait out

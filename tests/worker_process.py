@@ -12,8 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import redis
-
+from producer.connection import redis_client
 from producer.contract.keys import worker_key
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,7 +60,7 @@ class WorkerProcess:
             self.process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=child_env
             )
-        self._redis = redis.Redis.from_url(redis_url)
+        self._redis = redis_client(redis_url)
 
     def wait_ready(self, timeout: float = WORKER_READY_TIMEOUT) -> None:
         """Wait for the first heartbeat (the model is loaded and the loop runs)."""

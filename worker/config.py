@@ -35,7 +35,9 @@ class WorkerConfig:
         default=DEFAULT_REDIS_URL,
         metadata=_doc(
             f"the Redis holding the queue, ${REDIS_URL_ENV} when set; rediss:// for TLS, "
-            "redis://user:password@host for ACL users (passwords are never logged)",
+            "redis://user:password@host for ACL users (passwords are never logged), "
+            "redis+sentinel://host:port[,host:port...]/service[/db] to follow a Sentinel-managed "
+            "primary",
             env=REDIS_URL_ENV,
         ),
     )

@@ -15,6 +15,7 @@ import structlog
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from producer.connection import redis_client
 from producer.contract.lua import LuaScript
 
 log = structlog.get_logger("pagedq.worker")
@@ -34,8 +35,12 @@ MAX_BACKOFF_S = 30.0
 
 
 def connect(url: str) -> redis.Redis:
-    """A client for the control loop: no hidden retries (the loop has its own backoff)."""
-    return redis.Redis.from_url(
+    """A client for the control loop: no hidden retries (the loop has its own backoff).
+
+    Any URL form of producer/connection.py; with redis+sentinel:// each reconnection asks the
+    Sentinels for the current primary (MasterNotFoundError, a ConnectionError, while none is
+    known), so a failover is one more outage in UNAVAILABLE."""
+    return redis_client(
         url,
         retry=Retry(NoBackoff(), 0),
         socket_connect_timeout=5,

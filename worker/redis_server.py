@@ -8,6 +8,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -44,14 +45,28 @@ class PrivateRedis:
 
     Without persistence, unless `appendonly` (AOF, fsync on every write, so a SIGKILL loses
     nothing). ``kill()`` and ``start()`` (or ``restart()``) bring it down like a crash and back
-    on the same URL, for tests of what survives a Redis restart.
+    on the same URL, for tests of what survives a Redis restart. `args` are more server
+    options (e.g. ``["--replicaof", "127.0.0.1", "6379"]``; changeable before a restart);
+    `config` is the text of a config file the server starts from, in its directory (a
+    Sentinel's: it rewrites that file).
     """
 
-    def __init__(self, port: int | None = None, appendonly: bool = False) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        appendonly: bool = False,
+        args: Sequence[str] = (),
+        config: str | None = None,
+    ) -> None:
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.appendonly = appendonly
+        self.args = list(args)
         self._dir = tempfile.TemporaryDirectory(prefix="pagedq-redis-")
+        self._config = None
+        if config is not None:
+            self._config = Path(self._dir.name) / "redis.conf"
+            self._config.write_text(config)
         self.process: subprocess.Popen | None = None
         self.start()
 
@@ -59,12 +74,14 @@ class PrivateRedis:
         """Start the server if it is not running and wait until it answers PING."""
         if self.process is not None and self.process.poll() is None:
             return
-        cmd = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
+        cmd = [find_redis_server(), *([str(self._config)] if self._config else []),
+               "--port", str(self.port), "--bind", "127.0.0.1",
                "--save", "", "--dir", self._dir.name]  # fmt: skip
         if self.appendonly:
             cmd += ["--appendonly", "yes", "--appendfsync", "always"]
         else:
             cmd += ["--appendonly", "no"]
+        cmd += self.args
         # A new session: Ctrl-C in the terminal must not kill it before cleanup.
         self.process = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True

@@ -49,6 +49,13 @@ def test_it_gives_up_after_max_wait_s():
     assert len(calls) == 1  # the first delay (0.5 s) already exceeds the budget
 
 
+def test_a_nested_wait_that_gave_up_is_not_waited_out_again():
+    fn, calls = flaky(100, RedisUnavailableError("Redis unreachable for 600 s while x"))
+    with pytest.raises(RedisUnavailableError, match="600 s"):
+        call_with_retry(fn, "outer", sleep=lambda s: None)
+    assert len(calls) == 1
+
+
 def test_other_errors_are_not_retried():
     fn, calls = flaky(1, ValueError("bug"))
     with pytest.raises(ValueError):
