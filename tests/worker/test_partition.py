@@ -60,10 +60,10 @@ def setup(tiny_llama_dir, tmp_path):
         proxy = TcpProxy(server.port)
         common = {"model": tiny_llama_dir, "kv_cache_memory": "16MiB",
                   "env": {"OMP_NUM_THREADS": "1"}}  # fmt: skip
-        behind = WorkerProcess(proxy.url, QUEUE, "w-behind", tmp_path, "--log-format", "json",
-                               **common)  # fmt: skip
-        direct = WorkerProcess(server.url, QUEUE, "w-direct", tmp_path, "--log-format", "json",
-                               **common)  # fmt: skip
+        # RQ's result stream on every job: one entry per end, the witness of "ended once".
+        flags = ("--log-format", "json", "--rq-results", "all")
+        behind = WorkerProcess(proxy.url, QUEUE, "w-behind", tmp_path, *flags, **common)
+        direct = WorkerProcess(server.url, QUEUE, "w-direct", tmp_path, *flags, **common)
         try:
             behind.wait_ready(timeout=120)
             direct.wait_ready(timeout=120)

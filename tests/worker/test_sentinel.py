@@ -22,7 +22,8 @@ JOBS = 200
 # so a lease runs out only when the write that made it was lost with the old primary.
 LEASE_TTL = 10
 # Each admission sleeps this long: the 200 jobs take seconds, and the kill lands among them.
-THROTTLE = {"PAGEDQ_TEST_SLEEP_AFTER_DEQUEUE": "0.02", "OMP_NUM_THREADS": "1"}
+# A pause after each dequeue call (each takes up to 8 jobs): the run lasts past the kill.
+THROTTLE = {"PAGEDQ_TEST_SLEEP_AFTER_DEQUEUE": "0.15", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture
@@ -48,8 +49,8 @@ def test_a_failover_is_an_outage_to_the_worker_link_and_the_scripts_load_again(c
     adapter = RQAdapter(connection, "w-link", [QUEUE], lease_ttl=30, result_ttl=60,
                         stream_ttl=60, max_crashes=2)  # fmt: skip
     link = RedisLink(connection)
-    call, execution, started_at = adapter.dequeue_call()
-    claim = adapter.claim(link.scripts.call(call), execution, started_at)
+    call, started_at = adapter.dequeue_call()
+    [claim] = adapter.claims(link.scripts.call(call), started_at)
     assert claim.job_id == job_id
     (replica,) = cluster.replicas_of(cluster.primary_port())
     started = lambda: replica.client().hget(rq_job_key(job_id), "status") == b"started"
@@ -99,8 +100,9 @@ def test_two_workers_ride_out_a_failover_and_every_job_ends_exactly_once(
     lost (their jobs run again once their leases run out), and so are starts (their jobs are
     queued again on the new primary, and the first runs' ends are fenced off)."""
     workers = [
-        WorkerProcess(cluster.url, QUEUE, f"w-sentinel-{i}", tmp_path, model=tiny_llama_dir,
-                      lease_ttl=LEASE_TTL, env=THROTTLE)
+        # RQ's result stream on every job: one entry per end, the witness of "ended once".
+        WorkerProcess(cluster.url, QUEUE, f"w-sentinel-{i}", tmp_path, "--rq-results", "all",
+                      model=tiny_llama_dir, lease_ttl=LEASE_TTL, env=THROTTLE)
         for i in range(2)
     ]  # fmt: skip
     pids = [w.process.pid for w in workers]
