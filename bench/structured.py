@@ -2,6 +2,11 @@
 
     python bench/structured.py                     # 32 chat prompts, 5 JSON schemas, 3 rounds
     python bench/structured.py --num-requests 64 --rounds 5
+    python bench/structured.py --peers-dir DIR     # then the same against vLLM's CPU build
+
+With vLLM's CPU build in ``--peers-dir`` or ``$PEERS_DIR`` (``../shared/peers/setup_vllm.sh``),
+it then runs bench/structured_peers.py: both engines on the same chats and schemas in one run,
+each constrained and unconstrained, every output validated with jsonschema.
 
 Each round runs the constrained batch (a JSON schema per request, half greedy, half sampled),
 the same batch with fast-forward off (every token a decode step: the cost of the masks alone),
@@ -15,7 +20,9 @@ user gets, and skipping their decode steps is the point of forcing them.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -113,6 +120,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--peers-dir", help="vLLM's venv folder (setup_vllm.sh; or $PEERS_DIR)")
     args = ap.parse_args()
 
     from dataclasses import replace
@@ -184,6 +192,19 @@ def main() -> None:
         f"grammar compiles: {stats.num_grammar_compiles} in {stats.grammar_compile_seconds:.3f} s, "
         f"cache hits {stats.grammar_cache_hits}"
     )
+    peers = args.peers_dir or os.environ.get("PEERS_DIR")
+    if peers and (Path(peers) / "venv-vllm" / "bin" / "python").exists():
+        del llm  # free the cores' memory for the two children
+        print("\nagainst vLLM's CPU build (bench/structured_peers.py):", flush=True)
+        here = Path(__file__).resolve().parent
+        subprocess.run(
+            [sys.executable, str(here / "structured_peers.py"), "--peers-dir", peers,
+             "--model", args.model, "--dtype", args.dtype,
+             "--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens)],
+            check=False,
+        )  # fmt: skip
+    else:
+        print("\nvLLM skipped: no <peers dir>/venv-vllm (--peers-dir or PEERS_DIR)")
 
 
 if __name__ == "__main__":
