@@ -15,6 +15,7 @@ to the end (MB and %), its slope per 1,000 jobs, and what Redis holds per job by
 
     .venv/bin/python bench/soak.py                     # 10,000 jobs, model smollm2
     .venv/bin/python bench/soak.py --jobs 2000 --model /path/to/model
+    .venv/bin/python bench/soak.py --jobs 4000 --env ONEDNN_PRIMITIVE_CACHE_CAPACITY=16
 """
 
 from __future__ import annotations
@@ -75,7 +76,15 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=64, help="jobs per enqueue call")
     p.add_argument("--kv-cache-memory", default="64MiB")
     p.add_argument("--lease-ttl", type=int, default=60)
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for the worker (e.g. ONEDNN_PRIMITIVE_CACHE_CAPACITY=16)",
+    )
     args = p.parse_args()
+    env = dict(item.split("=", 1) for item in args.env)
 
     with PrivateRedis() as server, tempfile.TemporaryDirectory() as logs:
         t_load = time.monotonic()
@@ -87,6 +96,7 @@ def main() -> None:
             model=args.model,
             kv_cache_memory=args.kv_cache_memory,
             lease_ttl=args.lease_ttl,
+            env=env or None,
         )
         try:
             w.wait_ready()
