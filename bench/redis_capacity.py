@@ -1,0 +1,1242 @@
+"""How many workers one Redis primary holds: Redis's own CPU per job, per token and per worker.
+
+Runs the real Lua scripts, built exactly as a worker and a producer build them (`RQAdapter`,
+`RedisLink`, `JobEnder`, `StreamState`, `Leases`, `StatusPublisher` on the worker side;
+`Client.enqueue` -> `enqueue_jobs`, `EventFollower`, `final_result`, and the gateway's
+`Enqueuer` and `StreamHub` on the producer side), against one private redis-server, with N
+simulated workers and no model: the engine is a clock that gives every running job one token
+per step. What is measured is Redis's own CPU (INFO cpu: used_cpu_sys + used_cpu_user of the
+server process), so the speed of the Python drivers is not the figure; they only have to keep
+Redis busy enough to read.
+
+    .venv/bin/python bench/redis_capacity.py        # the defaults below, about 100 s on 2 cores
+    .venv/bin/python bench/redis_capacity.py --workers 16 --slots 48 --steps-per-s 40 \\
+        --tokens 200 --jobs 6000 --target-jobs-per-s 10 --target-tokens 200
+
+Each simulated worker (worker/control_loop.py's loop with the engine replaced by a clock):
+registers (REGISTER); while it has room takes up to 8 jobs per DEQUEUE call (MAX_PENDING_ADDS),
+up to `--slots` in flight; steps `--steps-per-s` times a second while it holds jobs; per step
+appends the token entries of the jobs that stream (one STREAM call, entries coalesced to at
+most one per job per 50 ms by the worker's own StreamState) and ends every job that reached its
+tokens in one merged END call (both in one MULTI/EXEC when there are both, as RedisLink does);
+checks the cancel keys of its jobs every second (MGET); heartbeats every lease_ttl/3 and reaps
+every lease_ttl/2 (Leases); publishes its status key at most every 0.5 s (StatusPublisher);
+polls an empty queue every 0.1 s with jobs in flight, backing off from 0.01 to 0.25 s when idle.
+Jobs have between tokens/2 and 3*tokens/2 tokens (mean `--tokens`), so endings are spread.
+
+Producers: bulk jobs are enqueued and read as `pagedq submit` does (BulkRun: chunks of 256
+through `Client.enqueue` with a notify id, an EXISTS per job, ends read from one events stream
+with EventFollower, each result read with one GET); streaming jobs as the gateway serves
+streaming requests (`--window` clients each sending one request after the other; the gateway's
+Enqueuer coalesces requests that arrive together into one `Client.enqueue`; its StreamHub
+follows every stream with one XREAD and checks the followed jobs every 2 s; the result is read
+with one GET at the end). The producers keep `--window` jobs outstanding (default 2 x workers x
+slots), so the queue never runs dry inside the measured window.
+
+Runs, each on a fresh redis-server:
+
+1. fixed costs: the server alone; `--workers` idle workers; the same workers busy, each
+   holding `--slots` jobs that do not end within the window (bulk); one heartbeat and one reap
+   forced on every worker (they come every 20 s and 30 s with the default 60 s lease, rarer
+   than the window); the same busy workers with every job streaming (per stream entry).
+2. one steady run per profile (`--profiles`, default bulk = no job streams, interactive = every
+   job streams; `mix:F` = a fraction F of jobs streams): `--jobs` jobs, measured between the
+   first 2 x slots x workers ended jobs and the point where the producers stop refilling.
+
+From these it prints Redis CPU per finished job and per generated token, commands per job
+(INFO commandstats: everything Redis executed, script internals included; and the commands
+the clients sent), the memory left per job, and how many busy workers of a given speed
+(`--target-jobs-per-s`, `--target-tokens`, `--target-steps-per-s`) one Redis core holds at
+`--cpu-budget` of that core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import heapq
+import multiprocessing as mp
+import queue as queue_mod
+import random
+import shutil
+import string
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
+
+from redis_ops import memory_by_kind  # noqa: E402
+
+from gateway.enqueuer import Enqueuer  # noqa: E402
+from gateway.stream_hub import StreamHub  # noqa: E402
+from producer.client import COUNT_CANCELED, Client  # noqa: E402
+from producer.connection import redis_client  # noqa: E402
+from producer.contract.codec import load_job_data  # noqa: E402
+from producer.contract.keys import (  # noqa: E402
+    DEFAULT_RESULT_TTL,
+    DEFAULT_STREAM_TTL,
+    result_key,
+)
+from producer.contract.schema import GenerationRequest  # noqa: E402
+from producer.enqueue import ENQUEUE_IF_ABSENT  # noqa: E402
+from producer.events import EventFollower  # noqa: E402
+from producer.results import final_result, is_final  # noqa: E402
+from worker.endings import JobEnder  # noqa: E402
+from worker.engine_loop import MAX_PENDING_ADDS  # noqa: E402
+from worker.inflight import InFlight, StreamState  # noqa: E402
+from worker.leases import Leases  # noqa: E402
+from worker.redis_link import RedisLink  # noqa: E402
+from worker.redis_server import PrivateRedis  # noqa: E402
+from worker.rq_adapter import RQAdapter  # noqa: E402
+from worker.rq_scripts import SCRIPTS  # noqa: E402
+from worker.status import StatusPublisher  # noqa: E402
+
+QUEUE = "cap"
+MODEL = "sim"
+# The worker's defaults (worker/config.py: WorkerConfig, worker/limits.py: JobLimits), and its
+# control loop's timings (worker/control_loop.py); importing those modules would load torch.
+LEASE_TTL = 60
+STREAM_INTERVAL_S = 0.05
+MAX_CRASHES = 2
+JOB_TIMEOUT_S = 3600.0
+MAX_PAYLOAD_BYTES = 1 << 20
+CANCEL_POLL_S = 1.0
+EMPTY_QUEUE_BACKOFF_S = 0.1
+IDLE_POLL_S = (0.01, 0.25)
+ADMISSION_BURST_S = 0.05
+# Bulk producers enqueue in BulkRun's chunks (producer/bulk.py).
+BULK_CHUNK = 256
+# The gateway waits this long for a result key after a done entry (gateway/completions.py).
+RESULT_GRACE_S = 2.0
+# A held job's max_tokens: it does not end within a fixed-cost window.
+HOLD_TOKENS = 1_000_000
+VOCAB = 49_152
+WORDS = [
+    " " + "".join(random.Random(i).choices(string.ascii_lowercase, k=2 + i % 6))
+    for i in range(2000)
+]
+
+SCRIPT_NAMES = {
+    hashlib.sha1(s.source.encode()).hexdigest(): s.name
+    for s in (*SCRIPTS, ENQUEUE_IF_ABSENT, COUNT_CANCELED)
+}
+ADMIN_COMMANDS = {"info", "config|resetstat", "memory|usage", "scan", "ping", "client|setinfo"}
+
+
+# --- counting what clients send ----------------------------------------------------------------
+
+
+def _name(args: tuple) -> str:
+    name = args[0].decode() if isinstance(args[0], bytes) else str(args[0])
+    name = name.upper()
+    if name == "EVALSHA" and len(args) > 1:
+        sha = args[1].decode() if isinstance(args[1], bytes) else str(args[1])
+        return f"EVALSHA({SCRIPT_NAMES.get(sha, '?')})"
+    return name
+
+
+class CountingConnection(redis.Connection):
+    """redis-py's connection, counting every command it sends (pipelines and MULTI/EXEC too)."""
+
+    counts: Counter = Counter()
+
+    def send_command(self, *args: Any, **kwargs: Any) -> None:
+        CountingConnection.counts[_name(args)] += 1
+        super().send_command(*args, **kwargs)
+
+    def pack_commands(self, commands: Any) -> Any:
+        commands = list(commands)
+        for args in commands:
+            CountingConnection.counts[_name(args)] += 1
+        return super().pack_commands(commands)
+
+
+def count_async_commands() -> None:
+    """Count what redis-py's asyncio connections send too (the gateway's StreamHub and its
+    pool): patched in a driver process only."""
+    from redis.asyncio.connection import AbstractConnection
+
+    send, pack = AbstractConnection.send_command, AbstractConnection.pack_commands
+
+    async def send_command(self: Any, *args: Any, **kwargs: Any) -> None:
+        CountingConnection.counts[_name(args)] += 1
+        await send(self, *args, **kwargs)
+
+    def pack_commands(self: Any, commands: Any) -> Any:
+        commands = list(commands)
+        for args in commands:
+            CountingConnection.counts[_name(args)] += 1
+        return pack(self, commands)
+
+    AbstractConnection.send_command = send_command
+    AbstractConnection.pack_commands = pack_commands
+
+
+def worker_connection(url: str) -> redis.Redis:
+    """worker.redis_link.connect(url), counting the commands it sends."""
+    return redis_client(
+        url,
+        retry=Retry(NoBackoff(), 0),
+        socket_connect_timeout=5,
+        socket_timeout=10,
+        health_check_interval=15,
+        connection_class=CountingConnection,
+    )
+
+
+# --- state shared by the coordinator and its driver processes -----------------------------------
+
+
+class Shared:
+    """Flags and counters the coordinator and the driver processes share."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.stop = ctx.Value("i", 0, lock=False)
+        # 1 inside the measured window, 2 after it: each process snapshots its sent commands.
+        self.mark = ctx.Value("i", 0, lock=False)
+        # Bumped by the coordinator: 1 = every worker heartbeats now, 2 = every worker reaps now.
+        self.poke = ctx.Value("i", 0, lock=False)
+        self.poke_seq = ctx.Value("i", 0, lock=False)
+        # Set by the coordinator: online producers stop reading (their jobs keep streaming).
+        self.readers_off = ctx.Value("i", 0, lock=False)
+        self.ended = ctx.Value("q", 0)
+        self.tokens = ctx.Value("q", 0)
+        self.entries = ctx.Value("q", 0)
+        self.steps = ctx.Value("q", 0)
+        self.held = ctx.Value("q", 0)
+        self.lost = ctx.Value("q", 0)
+        self.read = ctx.Value("q", 0)
+        self.sent = ctx.Queue()
+
+
+def _add(value: Any, n: int) -> None:
+    if n:
+        with value.get_lock():
+            value.value += n
+
+
+class MarkWatcher:
+    """Snapshots this process's sent-command counts when the coordinator moves the mark."""
+
+    def __init__(self, shared: Shared, role: str) -> None:
+        self.shared, self.role = shared, role
+        self.snaps: dict[int, Counter] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last = 0
+        while not self._done.wait(0.005):
+            mark = self.shared.mark.value
+            if mark != last:
+                self.snaps[mark] = Counter(CountingConnection.counts)
+                last = mark
+
+    def finish(self) -> None:
+        self._done.set()
+        self._thread.join()
+        self.shared.sent.put((self.role, self.snaps.get(1), self.snaps.get(2)))
+
+
+# --- a simulated worker -------------------------------------------------------------------------
+
+
+@dataclass
+class Sim:
+    """What the simulated fleet looks like."""
+
+    workers: int
+    slots: int
+    steps_per_s: float
+    tokens: int
+    prompt_chars: int
+    drivers: int
+    lease_ttl: int
+    window: int
+
+
+class SimWorker:
+    """One worker's Redis traffic, built by the worker's own classes; the engine is a clock."""
+
+    def __init__(self, url: str, name: str, sim: Sim, shared: Shared, rng: random.Random) -> None:
+        self.sim, self.shared, self.rng = sim, shared, rng
+        self.conn = worker_connection(url)
+        self.adapter = RQAdapter(
+            self.conn,
+            name,
+            [QUEUE],
+            lease_ttl=sim.lease_ttl,
+            result_ttl=DEFAULT_RESULT_TTL,
+            stream_ttl=DEFAULT_STREAM_TTL,
+            max_crashes=MAX_CRASHES,
+        )
+        self.link = RedisLink(self.conn)
+        self.ender = JobEnder(self.adapter, self.link, MODEL, metrics=None)
+        self.leases = Leases(sim.lease_ttl)
+        config = {"model": MODEL, "queue": QUEUE, "queues": [QUEUE], "max_num_seqs": sim.slots}
+        self.status = StatusPublisher(self.conn, name, config, self._stats, lambda: self.in_flight)
+        self.in_flight: dict[str, InFlight] = {}
+        self.gen: dict[str, tuple[SimpleNamespace, int, list[int]]] = {}
+        self.step_s = 1.0 / sim.steps_per_s
+        self.next_step_at = 0.0
+        self.num_steps = self.num_tokens = self.num_started = 0
+        self._queue_empty = False
+        self._next_dequeue_at = 0.0
+        self._idle_poll_s = IDLE_POLL_S[0]
+        self._next_cancel_poll_at = 0.0
+
+    def _stats(self) -> SimpleNamespace:
+        n = len(self.in_flight)
+        blocks = self.sim.slots * 16
+        return SimpleNamespace(
+            num_running=n,
+            num_waiting=0,
+            kv_cache_usage=n / self.sim.slots,
+            num_blocks=blocks,
+            num_free_blocks=blocks - n * 16,
+            num_preemptions=0,
+            prefix_cache_hit_rate=0.0,
+            num_steps=self.num_steps,
+            num_generated_tokens=self.num_tokens,
+            num_scheduled_requests=self.num_started,
+        )
+
+    def register(self) -> None:
+        if not self.link.scripts.call(self.adapter.register_call()):
+            raise RuntimeError(f"worker name {self.adapter.name} taken")
+
+    def stop(self) -> None:
+        """As a worker that stops cleanly: status key and RQ registration removed."""
+        self.status.clear()
+        self.adapter.unregister()
+
+    def turn(self) -> float:
+        """One turn of the control loop; returns the monotonic time of the next one."""
+        t = time.monotonic()
+        if self.in_flight and t >= self.next_step_at:
+            self._step()
+            self.next_step_at = max(self.next_step_at + self.step_s, t)
+        busy_before = bool(self.in_flight)
+        self._admit()
+        if self.in_flight and not busy_before:
+            self.next_step_at = time.monotonic()
+        self._handle_cancels()
+        self._maintain()
+        self.status.maybe_publish()
+        if self.in_flight:
+            return self.next_step_at
+        if self._queue_empty:
+            return self._next_dequeue_at
+        return time.monotonic()
+
+    # admission: worker/control_loop.py ControlLoop._admit, with room = free slots, at most
+    # MAX_PENDING_ADDS (8) a call, as EngineLoop.admission_room gives.
+    def _admit(self) -> None:
+        if time.monotonic() < self._next_dequeue_at:
+            return
+        deadline = time.monotonic() + ADMISSION_BURST_S
+        first = True
+        while first or time.monotonic() < deadline:
+            room = min(MAX_PENDING_ADDS, self.sim.slots - len(self.in_flight))
+            if room <= 0:
+                break
+            first = False
+            call, started_at = self.adapter.dequeue_call(room)
+            ok, reply = self.link.attempt(lambda c=call: self.link.scripts.call(c))
+            claims = self.adapter.claims(reply, started_at) if ok else []
+            if not claims:
+                self._queue_empty = True
+                if self.in_flight:
+                    backoff = EMPTY_QUEUE_BACKOFF_S
+                else:
+                    backoff = self._idle_poll_s
+                    self._idle_poll_s = min(IDLE_POLL_S[1], self._idle_poll_s * 2)
+                self._next_dequeue_at = time.monotonic() + backoff
+                return
+            self._queue_empty = False
+            self._idle_poll_s = IDLE_POLL_S[0]
+            for claim in claims:
+                self._start(claim)
+            _add(self.shared.held, len(claims))
+
+    def _start(self, claim: Any) -> None:
+        _, _, args, _ = load_job_data(claim.data, MAX_PAYLOAD_BYTES)
+        payload = args[0]
+        stream = bool(payload.get("stream"))
+        self.in_flight[claim.job_id] = InFlight(
+            claim=claim,
+            request=None,
+            stream=StreamState.for_attempt(claim.attempt, stream, STREAM_INTERVAL_S),
+            enqueued_at=claim.enqueued_time(),
+            started_at=claim.started_at,
+            deadline=time.monotonic() + claim.timeout_s(JOB_TIMEOUT_S),
+        )
+        completion = SimpleNamespace(
+            index=0, text="", token_ids=[], finish_reason=None, logprobs=None
+        )
+        prompt_ids = [0] * max(1, len(payload.get("prompt", "")) // 4)
+        self.gen[claim.job_id] = (completion, int(payload["max_tokens"]), prompt_ids)
+        self.num_started += 1
+
+    # one engine step: worker/control_loop.py ControlLoop._on_step
+    def _step(self) -> None:
+        now = time.time()
+        entries: list = []
+        ends = []
+        rng = self.rng
+        for job_id, item in list(self.in_flight.items()):
+            completion, target, prompt_ids = self.gen[job_id]
+            completion.token_ids.append(rng.randrange(VOCAB))
+            completion.text += rng.choice(WORDS)
+            finished = len(completion.token_ids) >= target
+            if finished:
+                completion.finish_reason = "length"
+            for fields in item.stream.take(completion, now, finished):
+                entries.append((item.claim, fields, not item.stream.ttl_set))
+                item.stream.ttl_set = True
+            if item.first_token_at is None:
+                item.first_token_at = now
+            item.last_token_at = now
+            if finished:
+                del self.in_flight[job_id]
+                del self.gen[job_id]
+                output = SimpleNamespace(
+                    outputs=[completion], prompt_token_ids=prompt_ids, finished=True
+                )
+                ends.append(self.ender.finish(item, output))
+        self.num_steps += 1
+        self.num_tokens += len(self.in_flight) + len(ends)
+        calls: list = [self.adapter.stream_call(entries)] if entries else []
+        calls += self.adapter.merge_ends([ending.call for ending in ends])
+        n_entries = len(entries)
+        self.link.run(calls, lambda replies: self._written(replies, n_entries, ends))
+        _add(self.shared.steps, 1)
+
+    def _written(self, replies: list, n_entries: int, ends: list) -> None:
+        lost = 0
+        if n_entries:
+            lost += len(replies[0])
+            replies = replies[1:]
+            _add(self.shared.entries, n_entries)
+        ended = tokens = 0
+        for ending, reply in zip(ends, replies[0] if ends else [], strict=True):
+            if reply:
+                ended += 1
+                tokens += ending.result.usage.completion_tokens
+            else:
+                lost += 1
+        _add(self.shared.ended, ended)
+        _add(self.shared.tokens, tokens)
+        _add(self.shared.held, -len(ends))
+        _add(self.shared.lost, lost)
+
+    def _handle_cancels(self) -> None:
+        t = time.monotonic()
+        if self.in_flight and t >= self._next_cancel_poll_at:
+            self._next_cancel_poll_at = t + CANCEL_POLL_S
+            call = self.adapter.cancel_check(list(self.in_flight))
+            self.link.attempt(lambda: self.link.scripts.call(call))
+
+    def _maintain(self) -> None:
+        if self.leases.heartbeat_due():
+            claims = [i.claim for i in self.in_flight.values()]
+            call = self.adapter.heartbeat_call(claims, "busy" if claims else "idle")
+            ok, lost = self.link.attempt(lambda: self.link.scripts.call(call))
+            _add(self.shared.lost, len(lost or []))
+        if self.leases.reap_due():
+            self.link.attempt(lambda: self.link.scripts.call(self.adapter.reap_call()))
+
+
+def drive_workers(url: str, names: list[str], sim: Sim, shared: Shared, seed: int) -> None:
+    """A driver process: its simulated workers' turns, in time order, on one thread."""
+    watcher = MarkWatcher(shared, "worker")
+    rng = random.Random(seed)
+    workers = [SimWorker(url, n, sim, shared, random.Random(rng.random())) for n in names]
+    for w in workers:
+        w.register()
+    heap = [(time.monotonic() + rng.random() * 0.02, i) for i in range(len(workers))]
+    heapq.heapify(heap)
+    poke_seq = 0
+    while not shared.stop.value:
+        if shared.poke_seq.value != poke_seq:
+            poke_seq = shared.poke_seq.value
+            for w in workers:
+                if shared.poke.value == 1:
+                    w.leases.next_heartbeat_at = 0.0
+                else:
+                    w.leases.next_reap_at = 0.0
+            heap = [(0.0, i) for i in range(len(workers))]
+        t, i = heap[0]
+        delay = t - time.monotonic()
+        if delay > 0:
+            time.sleep(min(delay, 0.02))
+            continue
+        heapq.heapreplace(heap, (workers[i].turn(), i))
+    watcher.finish()
+    for w in workers:
+        w.stop()
+
+
+# --- producers ----------------------------------------------------------------------------------
+
+
+def _prompt(rng: random.Random, chars: int) -> str:
+    words: list[str] = []
+    n = 0
+    while n < chars:
+        w = rng.choice(WORDS)
+        words.append(w)
+        n += len(w)
+    return "".join(words).strip()
+
+
+def _payload(rng: random.Random, sim: Sim, max_tokens: int | None, stream: bool) -> dict:
+    lo, hi = max(1, sim.tokens // 2), sim.tokens + sim.tokens // 2
+    return {
+        "prompt": _prompt(rng, sim.prompt_chars),
+        "max_tokens": max_tokens or rng.randint(lo, max(lo, hi)),
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def produce_bulk(
+    url: str, n_jobs: int, window: int, sim: Sim, shared: Shared, seed: int, max_tokens: Any
+) -> None:
+    """A bulk producer process, as `pagedq submit` (producer/bulk.py BulkRun): chunks of 256
+    through `Client.enqueue` with its notify id, an EXISTS per job, ends from the events
+    stream (EventFollower), then each result read (`final_result`: one GET)."""
+    watcher = MarkWatcher(shared, "producer")
+    rng = random.Random(seed)
+    writer = redis.Redis.from_url(url, connection_class=CountingConnection)
+    reader = redis.Redis.from_url(url, connection_class=CountingConnection)
+    client = Client(connection=writer, queue=QUEUE, outage_timeout=60)
+    batch_id = f"capacity-{seed}"
+    follower = EventFollower(reader, notify=batch_id)
+    follower.open()
+    new_ids: queue_mod.SimpleQueue[str] = queue_mod.SimpleQueue()
+    done = [0]
+
+    def enqueue_loop() -> None:
+        submitted = 0
+        while submitted < n_jobs and not shared.stop.value:
+            room = min(window - (submitted - done[0]), BULK_CHUNK, n_jobs - submitted)
+            if room <= 0:
+                time.sleep(0.002)
+                continue
+            requests = []
+            for i in range(submitted, submitted + room):
+                payload = _payload(rng, sim, max_tokens, False) | {"custom_id": f"line-{i}"}
+                requests.append(GenerationRequest.parse(payload))
+            job_ids = client.enqueue(requests, id_namespace=batch_id, notify=follower.notify)
+            pipe = writer.pipeline(transaction=False)
+            for job_id in job_ids:
+                pipe.exists(result_key(job_id))
+            pipe.execute()
+            for job_id in job_ids:
+                new_ids.put(job_id)
+            submitted += room
+
+    thread = threading.Thread(target=enqueue_loop, daemon=True)
+    thread.start()
+    while done[0] < n_jobs and not shared.stop.value:
+        while True:
+            try:
+                follower.add(new_ids.get_nowait())
+            except queue_mod.Empty:
+                break
+        if not len(follower):
+            time.sleep(0.005)
+            continue
+        for job_id, entry in follower.read(0.1):
+            if is_final(entry):
+                final_result(reader, job_id, entry)
+                done[0] += 1
+                _add(shared.read, 1)
+    thread.join()
+    watcher.finish()
+
+
+def produce_online(
+    url: str, n_jobs: int, window: int, sim: Sim, shared: Shared, seed: int, max_tokens: Any
+) -> None:
+    """An online producer process, as the gateway serves streaming requests
+    (gateway/completions.py): `window` clients, each sending one request after the other;
+    each request enqueued through the gateway's Enqueuer (requests arriving together share
+    one `Client.enqueue`), its stream followed through the gateway's StreamHub (one XREAD
+    over every followed stream, the followed jobs checked every 2 s), then its result GET."""
+    count_async_commands()
+    watcher = MarkWatcher(shared, "producer")
+    asyncio.run(_online(url, n_jobs, window, sim, shared, seed, max_tokens, watcher))
+
+
+async def _online(
+    url: str,
+    n_jobs: int,
+    window: int,
+    sim: Sim,
+    shared: Shared,
+    seed: int,
+    max_tokens: Any,
+    watcher: MarkWatcher,
+) -> None:
+    rng = random.Random(seed)
+    conn = redis.Redis.from_url(url, connection_class=CountingConnection)
+    enqueuer = Enqueuer(Client(connection=conn, queue=QUEUE, outage_timeout=60))
+    hub = StreamHub(url)
+    await hub.start()
+    left = [n_jobs]
+
+    async def request() -> None:
+        job_id = await enqueuer.submit(
+            GenerationRequest.parse(_payload(rng, sim, max_tokens, True))
+        )
+        follow = hub.follow(job_id)
+        try:
+            while not is_final(await follow.entries.get()):
+                pass
+            deadline = time.monotonic() + RESULT_GRACE_S
+            while await hub.redis.get(result_key(job_id)) is None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no result for {job_id}")
+                await asyncio.sleep(0.05)
+        finally:
+            hub.unfollow(follow)
+        _add(shared.read, 1)
+
+    async def client() -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            await request()
+
+    clients = [asyncio.create_task(client()) for _ in range(min(window, n_jobs))]
+    while not all(c.done() for c in clients) and not shared.stop.value:
+        if shared.readers_off.value:
+            break
+        await asyncio.sleep(0.05)
+    for c in clients:
+        c.cancel()
+    try:
+        await asyncio.wait_for(asyncio.gather(*clients, return_exceptions=True), 10)
+        await asyncio.wait_for(hub.close(), 10)
+    except TimeoutError:
+        _log("online producer: the stream hub did not close within 10 s")
+    while not shared.stop.value:
+        await asyncio.sleep(0.05)
+    watcher.finish()
+
+
+# --- the coordinator ----------------------------------------------------------------------------
+
+
+@dataclass
+class Snap:
+    """Redis's CPU and command counts, and the drivers' counters, at one moment."""
+
+    t: float
+    cpu: float
+    sys: float
+    used_memory: int
+    cmds: dict[str, tuple[int, int]]
+    ended: int
+    tokens: int
+    entries: int
+    steps: int
+
+    def __sub__(self, other: Snap) -> Delta:
+        cmds = {
+            k: (c - other.cmds.get(k, (0, 0))[0], u - other.cmds.get(k, (0, 0))[1])
+            for k, (c, u) in self.cmds.items()
+            if k not in ADMIN_COMMANDS
+        }
+        return Delta(
+            self.t - other.t,
+            (self.cpu - other.cpu) * 1e6,
+            (self.sys - other.sys) * 1e6,
+            self.used_memory - other.used_memory,
+            {k: v for k, v in cmds.items() if v[0]},
+            self.ended - other.ended,
+            self.tokens - other.tokens,
+            self.entries - other.entries,
+            self.steps - other.steps,
+        )
+
+
+@dataclass
+class Delta:
+    """What happened between two snaps; cpu_us is Redis's CPU in microseconds."""
+
+    dt: float
+    cpu_us: float
+    sys_us: float
+    used_memory: int
+    cmds: dict[str, tuple[int, int]]
+    ended: int
+    tokens: int
+    entries: int
+    steps: int
+
+    @property
+    def rate(self) -> float:
+        """Redis CPU, microseconds per second."""
+        return self.cpu_us / self.dt
+
+
+@dataclass
+class Run:
+    """One private redis-server with its driver processes."""
+
+    sim: Sim
+    ctx: Any
+    server: PrivateRedis = field(init=False)
+    admin: redis.Redis = field(init=False)
+    shared: Shared = field(init=False)
+    procs: list = field(default_factory=list)
+    sent: dict[str, Counter] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.server = PrivateRedis()
+        self.admin = self.server.client()
+        self.shared = Shared(self.ctx)
+
+    def _spawn(self, target: Any, *args: Any) -> None:
+        p = self.ctx.Process(target=target, args=args, daemon=True)
+        p.start()
+        self.procs.append(p)
+
+    def start_workers(self, prefix: str = "cap-w") -> None:
+        names = [f"{prefix}{i}" for i in range(self.sim.workers)]
+        n = max(1, min(self.sim.drivers, len(names)))
+        for d in range(n):
+            self._spawn(drive_workers, self.server.url, names[d::n], self.sim, self.shared, d)
+
+    def start_producer(
+        self, kind: str, n_jobs: int, window: int, seed: int, max_tokens: int | None = None
+    ) -> None:
+        target = produce_bulk if kind == "bulk" else produce_online
+        self._spawn(
+            target, self.server.url, n_jobs, window, self.sim, self.shared, seed, max_tokens
+        )
+
+    def snap(self) -> Snap:
+        cpu = self.admin.info("cpu")
+        used_memory = self.admin.info("memory")["used_memory"]
+        stats = self.admin.info("commandstats")
+        s = self.shared
+        return Snap(
+            time.monotonic(),
+            cpu["used_cpu_sys"] + cpu["used_cpu_user"],
+            cpu["used_cpu_sys"],
+            used_memory,
+            {k.removeprefix("cmdstat_"): (v["calls"], v["usec"]) for k, v in stats.items()},
+            s.ended.value,
+            s.tokens.value,
+            s.entries.value,
+            s.steps.value,
+        )
+
+    def wait(self, cond: Any, what: str, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: not reached within {timeout} s")
+            for p in self.procs:
+                if p.exitcode not in (None, 0):
+                    raise RuntimeError(f"a driver process exited with {p.exitcode} ({what})")
+            time.sleep(0.01)
+
+    def poke(self, what: int) -> None:
+        self.shared.poke.value = what
+        self.shared.poke_seq.value += 1
+
+    def stop(self) -> None:
+        self.shared.stop.value = 1
+        for _ in self.procs:
+            try:
+                role, before, after = self.shared.sent.get(timeout=30)
+            except queue_mod.Empty:
+                alive = [p.pid for p in self.procs if p.is_alive()]
+                _log(f"a driver process did not report its commands (alive: {alive})")
+                break
+            if before is not None and after is not None:
+                self.sent[role] = self.sent.get(role, Counter()) + (after - before)
+        for p in self.procs:
+            p.join(30)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():  # a run that failed half-way
+                p.terminate()
+                p.join(5)
+        self.server.close()
+
+
+def _log(*parts: Any) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Fixed:
+    """Redis CPU, microseconds per second, of what does not grow with jobs."""
+
+    baseline: float
+    idle_worker: float
+    busy_worker: float
+    heartbeat: float  # one heartbeat of a busy worker, microseconds
+    reap: float  # one reap call, microseconds
+    entry: float  # writing one stream entry, microseconds
+    entries_per_s: float
+    # Reading the streams, as the gateway's StreamHub does: per XREAD call per followed stream
+    # (its 2 s check of the followed jobs included), microseconds; and what was measured.
+    xread_key: float
+    xread_calls_per_s: float
+    followed: int
+
+
+def measure_fixed(sim: Sim, ctx: Any, hold_s: float) -> Fixed:
+    n = sim.workers
+    held = n * sim.slots
+    run = Run(sim, ctx)
+    try:
+        a = run.snap()
+        time.sleep(2.0)
+        baseline = (run.snap() - a).rate
+        _log(f"fixed: baseline {baseline:.0f} us/s")
+        run.start_workers()
+        time.sleep(2.5)
+        a = run.snap()
+        time.sleep(4.0)
+        idle = ((run.snap() - a).rate - baseline) / n
+        _log(f"fixed: idle worker {idle:.0f} us/s")
+        run.start_producer("bulk", held, held, seed=1, max_tokens=HOLD_TOKENS)
+        run.wait(lambda: run.shared.held.value >= held, "bulk jobs held")
+        time.sleep(1.5)
+        a = run.snap()
+        time.sleep(hold_s)
+        hold = run.snap() - a
+        busy = (hold.rate - baseline) / n
+        _log(f"fixed: busy worker {busy:.0f} us/s")
+        costs = []
+        for what in (1, 2):  # one heartbeat, then one reap, on every worker
+            a = run.snap()
+            run.poke(what)
+            time.sleep(1.0)
+            d = run.snap() - a
+            costs.append(max(0.0, d.cpu_us - hold.rate * d.dt) / n)
+        _log(f"fixed: heartbeat {costs[0]:.0f} us, reap {costs[1]:.0f} us per worker")
+        run.stop()
+    finally:
+        run.close()
+    run = Run(sim, ctx)
+    try:
+        run.start_workers()
+        run.start_producer("interactive", held, held, seed=2, max_tokens=HOLD_TOKENS)
+        run.wait(lambda: run.shared.held.value >= held, "streaming jobs held")
+        time.sleep(1.5)
+        a = run.snap()
+        time.sleep(hold_s)
+        read = run.snap() - a
+        run.shared.readers_off.value = 1  # the same jobs go on streaming, unread
+        time.sleep(1.5)
+        a = run.snap()
+        time.sleep(hold_s)
+        write = run.snap() - a
+        entries_per_s = write.entries / write.dt
+        entry = (write.rate - baseline - n * busy) / entries_per_s
+        xreads = read.cmds.get("xread", (0, 0))[0]
+        hub = read.cpu_us - read.dt * (baseline + n * busy) - read.entries * entry
+        xread_key = hub / (xreads * held) if xreads else 0.0
+        _log(
+            f"fixed: {entries_per_s:.0f} entries/s, {entry:.1f} us per entry written; "
+            f"{xreads / read.dt:.0f} XREAD/s over {held} streams, {xread_key:.2f} us per stream"
+        )
+        run.stop()
+    finally:
+        run.close()
+    return Fixed(
+        baseline, idle, busy, costs[0], costs[1], entry, entries_per_s, xread_key,
+        xreads / read.dt, held,
+    )  # fmt: skip
+
+
+@dataclass
+class Profile:
+    """One steady run's figures."""
+
+    name: str
+    stream_fraction: float
+    window: Delta
+    sent: dict[str, Counter]
+    memory_per_job: float
+    memory_kinds: Counter
+    used_memory_per_job: float
+    jobs: int
+    finished: int
+    lost: int
+    followed: int  # streams the online producer follows (its clients)
+
+
+def parse_profile(spec: str) -> tuple[str, float]:
+    if spec == "bulk":
+        return spec, 0.0
+    if spec == "interactive":
+        return spec, 1.0
+    if spec.startswith("mix:"):
+        return spec, float(spec[4:])
+    raise ValueError(f"profile {spec!r}: bulk, interactive or mix:FRACTION")
+
+
+def measure_profile(sim: Sim, ctx: Any, spec: str, jobs: int) -> Profile:
+    name, fraction = parse_profile(spec)
+    run = Run(sim, ctx)
+    try:
+        empty = run.admin.info("memory")["used_memory"]
+        n_stream = round(jobs * fraction)
+        kinds = [(k, n) for k, n in (("bulk", jobs - n_stream), ("interactive", n_stream)) if n]
+        windows = {kind: max(1, round(sim.window * n / jobs)) for kind, n in kinds}
+        for seed, (kind, n) in enumerate(kinds, 10):
+            run.start_producer(kind, n, windows[kind], seed=seed)
+        run.start_workers()
+        slots = sim.workers * sim.slots
+        # From one turnover of every slot to where the producers stop refilling.
+        start_at = slots
+        end_at = jobs - sim.window
+        if end_at < start_at + jobs // 5:
+            end_at = start_at + jobs // 5
+            _log(f"{name}: --jobs is small for the window: the measure may include the tail")
+        run.wait(lambda: run.shared.ended.value >= start_at, f"{start_at} jobs ended")
+        run.shared.mark.value = 1
+        a = run.snap()
+        _log(f"{name}: measuring from {a.ended} ended jobs")
+        run.wait(lambda: run.shared.ended.value >= end_at, f"{end_at} jobs ended")
+        b = run.snap()
+        run.shared.mark.value = 2
+        _log(f"{name}: measured until {b.ended} ended jobs, {b.t - a.t:.1f} s")
+        run.wait(lambda: run.shared.read.value >= jobs, "every result read")
+        time.sleep(0.3)
+        run.stop()
+        finished = run.admin.zcard(f"rq:finished:{QUEUE}")
+        memory = memory_by_kind(run.admin)
+        used = run.admin.info("memory")["used_memory"]
+        return Profile(
+            name, fraction, b - a, run.sent, sum(memory.values()) / jobs, memory,
+            (used - empty) / jobs, jobs, finished, run.shared.lost.value,
+            windows.get("interactive", 0),
+        )  # fmt: skip
+    finally:
+        run.close()
+
+
+# --- arithmetic and tables ----------------------------------------------------------------------
+
+
+def entries_per_job(tokens: int, steps_per_s: float) -> int:
+    """Token entries a job of `tokens` tokens writes at `steps_per_s`: the worker's own
+    StreamState over a clock (coalesced to one per 50 ms; the final done entry, written by
+    END, is not counted: it is part of the job's own cost)."""
+    state = StreamState.for_attempt(1, True, STREAM_INTERVAL_S)
+    c = SimpleNamespace(text="", token_ids=[])
+    n = 0
+    for k in range(tokens):
+        c.token_ids.append(k)
+        c.text += " x"
+        n += len(state.take(c, k / steps_per_s, k == tokens - 1))
+    return n
+
+
+@dataclass
+class PerJob:
+    """A profile's Redis CPU per job, split into what scales with workers, entries and jobs."""
+
+    all_in: float
+    fixed: float
+    entries: float
+    reading: float
+    job: float
+    per_token: float
+
+
+def split_costs(p: Profile, f: Fixed, sim: Sim) -> PerJob:
+    w = p.window
+    fixed = w.dt * (f.baseline + sim.workers * f.busy_worker)
+    fixed += w.dt * sim.workers * (f.heartbeat / (sim.lease_ttl / 3) + f.reap / (sim.lease_ttl / 2))
+    entries = w.entries * f.entry
+    reading = w.cmds.get("xread", (0, 0))[0] * p.followed * f.xread_key
+    return PerJob(
+        all_in=w.cpu_us / w.ended,
+        fixed=fixed / w.ended,
+        entries=entries / w.ended,
+        reading=reading / w.ended,
+        job=(w.cpu_us - fixed - entries - reading) / w.ended,
+        per_token=w.cpu_us / w.tokens,
+    )
+
+
+def print_tables(
+    sim: Sim,
+    f: Fixed,
+    profiles: list[Profile],
+    args: argparse.Namespace,
+    cal: tuple[float, float] | None,
+) -> None:
+    print(
+        f"\nsimulated fleet: {sim.workers} workers x {sim.slots} slots, {sim.steps_per_s:g} "
+        f"steps/s, jobs of {sim.tokens} tokens on average (uniform {max(1, sim.tokens // 2)}.."
+        f"{sim.tokens + sim.tokens // 2}), prompts of {sim.prompt_chars} chars, lease "
+        f"{sim.lease_ttl} s; {sim.drivers} worker driver processes; Redis CPU = INFO cpu "
+        "used_cpu_sys + used_cpu_user of the server"
+    )
+    print("\nFixed costs (Redis CPU)")
+    print("| what | Redis CPU |")
+    print("|---|---:|")
+    print(f"| the server alone (cron) | {f.baseline:.0f} us/s |")
+    print(f"| per idle worker (polling an empty queue) | {f.idle_worker:.0f} us/s |")
+    print(
+        f"| per busy worker holding {sim.slots} jobs (status key, cancel check; no ends) | "
+        f"{f.busy_worker:.0f} us/s |"
+    )
+    hb, rp = sim.lease_ttl / 3, sim.lease_ttl / 2
+    print(f"| one heartbeat of {sim.slots} leases (every {hb:g} s) | {f.heartbeat:.0f} us |")
+    print(f"| one reap call (every {rp:g} s) | {f.reap:.0f} us |")
+    print(f"| one stream entry written ({f.entries_per_s:.0f} entries/s) | {f.entry:.1f} us |")
+    print(
+        f"| the gateway's StreamHub: one XREAD, per stream it follows (measured: "
+        f"{f.xread_calls_per_s:.0f} XREAD/s over {f.followed} streams) | {f.xread_key:.2f} us |"
+    )
+
+    print("\nSteady profiles (measured window; per finished job)")
+    cols = [p.name for p in profiles]
+    print("| | " + " | ".join(cols) + " |")
+    print("|---|" + "---:|" * len(cols))
+    splits = [split_costs(p, f, sim) for p in profiles]
+
+    def row(label: str, values: list[str]) -> None:
+        print(f"| {label} | " + " | ".join(values) + " |")
+
+    row("jobs streaming", [f"{p.stream_fraction:.0%}" for p in profiles])
+    row("window: jobs ended", [f"{p.window.ended}" for p in profiles])
+    row("window: seconds", [f"{p.window.dt:.1f}" for p in profiles])
+    row(
+        "jobs/s per worker (achieved)",
+        [f"{p.window.ended / p.window.dt / sim.workers:.1f}" for p in profiles],
+    )
+    row(
+        "steps/s per worker (achieved)",
+        [f"{p.window.steps / p.window.dt / sim.workers:.1f}" for p in profiles],
+    )
+    row("tokens per job", [f"{p.window.tokens / p.window.ended:.1f}" for p in profiles])
+    row("stream entries per job", [f"{p.window.entries / p.window.ended:.1f}" for p in profiles])
+    row("Redis CPU, share of one core", [f"{p.window.rate / 1e6:.1%}" for p in profiles])
+    row("**Redis CPU per job, all in (us)**", [f"**{s.all_in:.0f}**" for s in splits])
+    row("... of which per-worker fixed costs (us)", [f"{s.fixed:.0f}" for s in splits])
+    row("... of which writing stream entries (us)", [f"{s.entries:.0f}" for s in splits])
+    row(
+        "... of which the stream hub's XREADs (us)",
+        [
+            f"{s.reading:.0f} ({p.window.cmds.get('xread', (0, 0))[0] / p.window.dt:.0f}/s over "
+            f"{p.followed} streams)"
+            if p.followed
+            else "-"
+            for p, s in zip(profiles, splits)
+        ],
+    )
+    row("... of which the job itself (us)", [f"{s.job:.0f}" for s in splits])
+    row(
+        "... in system calls (used_cpu_sys; the rest is user)",
+        [f"{p.window.sys_us / p.window.ended:.0f}" for p in profiles],
+    )
+    row("Redis CPU per generated token, all in (us)", [f"{s.per_token:.2f}" for s in splits])
+    row(
+        "commands executed per job (commandstats)",
+        [f"{sum(c for c, _ in p.window.cmds.values()) / p.window.ended:.1f}" for p in profiles],
+    )
+    for role in ("worker", "producer"):
+        row(
+            f"commands sent per job by the {role}s",
+            [f"{sum(p.sent.get(role, Counter()).values()) / p.window.ended:.2f}" for p in profiles],
+        )
+    row(
+        "memory left per job (MEMORY USAGE of all keys)",
+        [f"{p.memory_per_job:.0f} B" for p in profiles],
+    )
+    row(
+        "used_memory growth per job (whole run)",
+        [f"{p.used_memory_per_job:.0f} B" for p in profiles],
+    )
+    row(
+        "used_memory growth per job (measured window)",
+        [f"{p.window.used_memory / p.window.ended:.0f} B" for p in profiles],
+    )
+    row("jobs finished / lost leases", [f"{p.finished}/{p.jobs} / {p.lost}" for p in profiles])
+
+    for p in profiles:
+        n = p.window.ended
+        print(f"\n{p.name}: commands per job, by name (commandstats: calls, usec = wall time)")
+        for name, (calls, usec) in sorted(p.window.cmds.items(), key=lambda kv: -kv[1][0])[:14]:
+            print(f"  {name:<22}{calls / n:8.2f} {usec / n:9.1f} us")
+        print(f"{p.name}: commands sent per job, by client")
+        for role, counter in sorted(p.sent.items()):
+            for name, calls in counter.most_common(10):
+                print(f"  {role:<9}{name:<26}{calls / n:8.2f}")
+        print(f"{p.name}: memory left per job, by key kind")
+        for kind, size in p.memory_kinds.most_common(8):
+            print(f"  {kind:<28}{size / p.jobs:8.0f} B")
+
+    budget = args.cpu_budget * 1e6
+    print(
+        f"\nCapacity of one Redis core at {args.cpu_budget:.0%}, measured: busy workers of the "
+        "simulated speed (Redis CPU of the steady window less the server's own, per worker)"
+    )
+    print(
+        "| profile | jobs/s per worker | Redis CPU per worker | workers per core | jobs/s "
+        "| tokens/s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for p in profiles:
+        w = p.window
+        jps = w.ended / w.dt / sim.workers
+        us = (w.rate - f.baseline) / sim.workers
+        n = budget / us
+        tps = w.tokens / w.ended
+        print(
+            f"| {p.name} | {jps:.1f} | {us:,.0f} us/s | {n:,.0f} | {n * jps:,.0f} | "
+            f"{n * jps * tps:,.0f} |"
+        )
+
+    j, t, s = args.target_jobs_per_s, args.target_tokens, args.target_steps_per_s
+    e = entries_per_job(t, s)
+    per_worker_fixed = (
+        f.busy_worker + f.heartbeat / (sim.lease_ttl / 3) + f.reap / (sim.lease_ttl / 2)
+    )
+    bulk = next((sp for p, sp in zip(profiles, splits) if p.stream_fraction == 0), None)
+    inter = next((sp for p, sp in zip(profiles, splits) if p.stream_fraction == 1), None)
+    print(
+        f"\nCapacity of one Redis core at {args.cpu_budget:.0%}, modeled: busy workers each "
+        f"finishing {j:g} jobs/s of {t} tokens ({j * t:g} tokens/s) at {s:g} steps/s ({e} token "
+        "entries per streaming job), from the fixed costs, the job's own cost and the entries' "
+        "(stream readers not included: see below)"
+    )
+    print("| profile | Redis CPU per worker | workers per core | jobs/s | tokens/s |")
+    print("|---|---:|---:|---:|---:|")
+    rows = []
+    if bulk:
+        rows.append(("bulk", per_worker_fixed + j * bulk.job))
+    if inter:
+        rows.append(("interactive", per_worker_fixed + j * (inter.job + e * f.entry)))
+    if bulk and inter:
+        for share in (0.1, 0.3):
+            mixed = (1 - share) * bulk.job + share * (inter.job + e * f.entry)
+            rows.append((f"{share:.0%} of jobs stream", per_worker_fixed + j * mixed))
+    for label, us in rows:
+        n = budget / us
+        print(f"| {label} | {us:,.0f} us/s | {n:,.0f} | {n * j:,.0f} | {n * j * t:,.0f} |")
+    if rows:
+        print(
+            f"(per worker: {per_worker_fixed:.0f} us/s fixed + jobs/s x the job's own cost; "
+            f"the stream entries at {f.entry:.1f} us each; idle workers cost "
+            f"{f.idle_worker:.0f} us/s each.) Readers of streams come on top: each XREAD of a "
+            f"gateway's StreamHub costs {f.xread_key:.2f} us per stream it follows, so a gateway "
+            f"following F streams and reading C times a second costs F x C x {f.xread_key:.2f} "
+            "us/s."
+        )
+    if cal is not None:
+        us_set, ops = cal
+        print(
+            f"\nCalibration: this redis-server spends {us_set:.1f} us of CPU per SET round trip "
+            f"at saturation ({ops:,.0f} SET/s on one core; redis-benchmark -t set -c 50 -P 1); "
+            "Redis CPU per job in SET round trips: "
+            + ", ".join(f"{p.name} {sp.all_in / us_set:.0f}" for p, sp in zip(profiles, splits))
+        )
+
+
+def calibrate() -> tuple[float, float] | None:
+    """Redis CPU per SET round trip at saturation (redis-benchmark, 50 clients), and SET/s:
+    this machine's yardstick, to carry the figures to another one."""
+    tool = shutil.which("redis-benchmark") or shutil.which("valkey-benchmark")
+    if tool is None:
+        return None
+    server = PrivateRedis()
+    try:
+        admin = server.client()
+
+        def cpu() -> float:
+            info = admin.info("cpu")
+            return info["used_cpu_sys"] + info["used_cpu_user"]
+
+        def calls() -> int:
+            return admin.info("commandstats").get("cmdstat_set", {}).get("calls", 0)
+
+        c0, n0 = cpu(), calls()
+        subprocess.run(
+            [tool, "-p", str(server.port), "-t", "set", "-n", "200000", "-c", "50", "-r",
+             "100000", "-q"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        c1, n1 = cpu(), calls()
+        return (c1 - c0) * 1e6 / (n1 - n0), (n1 - n0) / (c1 - c0)
+    finally:
+        server.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=12, help="simulated workers")
+    p.add_argument("--slots", type=int, default=50, help="jobs in flight per worker at most")
+    p.add_argument("--steps-per-s", type=float, default=40.0, help="engine steps/s per worker")
+    p.add_argument("--tokens", type=int, default=200, help="mean tokens per job")
+    p.add_argument("--jobs", type=int, default=3000, help="jobs per steady profile")
+    p.add_argument("--profiles", default="bulk,interactive", help="bulk, interactive, mix:F")
+    p.add_argument("--prompt-chars", type=int, default=200)
+    p.add_argument("--drivers", type=int, default=2, help="processes simulating the workers")
+    p.add_argument("--lease-ttl", type=int, default=LEASE_TTL)
+    p.add_argument("--window", type=int, default=0, help="jobs outstanding (0: 1.25 x slots)")
+    p.add_argument("--hold-s", type=float, default=6.0, help="fixed-cost windows, seconds")
+    p.add_argument("--cpu-budget", type=float, default=0.7, help="share of one Redis core")
+    p.add_argument("--target-jobs-per-s", type=float, default=10.0)
+    p.add_argument("--target-tokens", type=int, default=200)
+    p.add_argument("--target-steps-per-s", type=float, default=40.0)
+    p.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="skip the redis-benchmark yardstick (SET round trips at saturation)",
+    )
+    args = p.parse_args()
+    sim = Sim(
+        workers=args.workers,
+        slots=args.slots,
+        steps_per_s=args.steps_per_s,
+        tokens=args.tokens,
+        prompt_chars=args.prompt_chars,
+        drivers=args.drivers,
+        lease_ttl=args.lease_ttl,
+        window=args.window or round(1.25 * args.workers * args.slots),
+    )
+    ctx = mp.get_context("fork")
+    t0 = time.monotonic()
+    fixed = measure_fixed(sim, ctx, args.hold_s)
+    profiles = [
+        measure_profile(sim, ctx, spec.strip(), args.jobs) for spec in args.profiles.split(",")
+    ]
+    cal = calibrate() if args.calibrate else None
+    print_tables(sim, fixed, profiles, args, cal)
+    print(f"\n(run took {time.monotonic() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
