@@ -89,6 +89,7 @@ from producer.contract.keys import (  # noqa: E402
     DEFAULT_RESULT_TTL,
     DEFAULT_STREAM_TTL,
     result_key,
+    rq_registry_key,
 )
 from producer.contract.schema import GenerationRequest  # noqa: E402
 from producer.enqueue import ENQUEUE_IF_ABSENT  # noqa: E402
@@ -930,7 +931,7 @@ def measure_profile(sim: Sim, ctx: Any, spec: str, jobs: int) -> Profile:
         run.wait(lambda: run.shared.read.value >= jobs, "every result read")
         time.sleep(0.3)
         run.stop()
-        finished = run.admin.zcard(f"rq:finished:{QUEUE}")
+        finished = run.admin.zcard(rq_registry_key("finished", QUEUE))
         memory = memory_by_kind(run.admin)
         used = run.admin.info("memory")["used_memory"]
         return Profile(

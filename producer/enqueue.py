@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from redis import Redis
+from redis.exceptions import NoScriptError
 from rq import Queue, Retry
 from rq.job import Job
 from rq.utils import now
@@ -86,6 +88,8 @@ end
 return created
 """,
 )
+
+ENQUEUE_SHA = hashlib.sha1(ENQUEUE_IF_ABSENT.source.encode()).hexdigest()
 
 # A job that ended like this is run again when resubmitted under the same custom_id.
 RERUN_STATUSES = {"failed", "canceled", "stopped"}
@@ -196,11 +200,21 @@ def enqueue_jobs(
     _, args = ENQUEUE_IF_ABSENT.keys_and_args(
         args={"batch": batch_id or "", "notify": notify or ""}, rest=rest
     )
-    script = connection.register_script(ENQUEUE_IF_ABSENT.source)
-    pipe = connection.pipeline(transaction=False)
-    pipe.sadd(RQ_QUEUES, *queue_keys)
-    script(keys=[], args=args, client=pipe)
-    return [bool(created) for created in pipe.execute()[1]]
+
+    def run() -> list:
+        pipe = connection.pipeline(transaction=False)
+        pipe.sadd(RQ_QUEUES, *queue_keys)
+        pipe.evalsha(ENQUEUE_SHA, 0, *args)
+        return pipe.execute()
+
+    # EVALSHA first, the script loaded only when Redis does not know it (a script object in a
+    # pipeline would send SCRIPT EXISTS before every chunk: a second round trip).
+    try:
+        replies = run()
+    except NoScriptError:
+        connection.script_load(ENQUEUE_IF_ABSENT.source)
+        replies = run()
+    return [bool(created) for created in replies[1]]
 
 
 def ended_status(connection: Redis, job_id: str) -> str | None:
