@@ -57,6 +57,7 @@ import asyncio
 import hashlib
 import heapq
 import multiprocessing as mp
+import os
 import queue as queue_mod
 import random
 import shutil
@@ -94,7 +95,8 @@ from producer.contract.keys import (  # noqa: E402
 from producer.contract.schema import GenerationRequest  # noqa: E402
 from producer.enqueue import ENQUEUE_IF_ABSENT  # noqa: E402
 from producer.events import EventFollower  # noqa: E402
-from producer.results import final_result, is_final  # noqa: E402
+from producer.results import final_results, is_final  # noqa: E402
+from worker.coalesce import AdmissionGate, EndCoalescer  # noqa: E402
 from worker.endings import JobEnder  # noqa: E402
 from worker.engine_loop import MAX_PENDING_ADDS  # noqa: E402
 from worker.inflight import InFlight, StreamState  # noqa: E402
@@ -114,10 +116,12 @@ STREAM_INTERVAL_S = 0.05
 MAX_CRASHES = 2
 JOB_TIMEOUT_S = 3600.0
 MAX_PAYLOAD_BYTES = 1 << 20
-CANCEL_POLL_S = 1.0
+CANCEL_POLL_S = 5.0
 EMPTY_QUEUE_BACKOFF_S = 0.1
 IDLE_POLL_S = (0.01, 0.25)
 ADMISSION_BURST_S = 0.05
+COALESCE_WINDOW_S = 0.1  # WorkerConfig.coalesce_window
+BULK_COALESCE_WINDOW_S = 1.0  # WorkerConfig.bulk_coalesce_window
 # Bulk producers enqueue in BulkRun's chunks (producer/bulk.py).
 BULK_CHUNK = 256
 # The gateway waits this long for a result key after a done entry (gateway/completions.py).
@@ -268,6 +272,9 @@ class Sim:
     drivers: int
     lease_ttl: int
     window: int
+    coalesce_window: float = COALESCE_WINDOW_S
+    bulk_coalesce_window: float = BULK_COALESCE_WINDOW_S
+    redis_cpu: int | None = None  # the core redis-server has to itself (None: shared)
 
 
 class SimWorker:
@@ -299,6 +306,8 @@ class SimWorker:
         self._next_dequeue_at = 0.0
         self._idle_poll_s = IDLE_POLL_S[0]
         self._next_cancel_poll_at = 0.0
+        self.endings: EndCoalescer = EndCoalescer(sim.coalesce_window)
+        self.gate = AdmissionGate(sim.coalesce_window)
 
     def _stats(self) -> SimpleNamespace:
         n = len(self.in_flight)
@@ -331,6 +340,8 @@ class SimWorker:
         if self.in_flight and t >= self.next_step_at:
             self._step()
             self.next_step_at = max(self.next_step_at + self.step_s, t)
+        if self.endings.due(t):
+            self._write([], [])
         busy_before = bool(self.in_flight)
         self._admit()
         if self.in_flight and not busy_before:
@@ -338,8 +349,11 @@ class SimWorker:
         self._handle_cancels()
         self._maintain()
         self.status.maybe_publish()
+        ends_in = self.endings.wait_s(time.monotonic())
         if self.in_flight:
-            return self.next_step_at
+            return self.next_step_at if ends_in is None else min(self.next_step_at, t + ends_in)
+        if ends_in is not None:
+            return t + ends_in
         if self._queue_empty:
             return self._next_dequeue_at
         return time.monotonic()
@@ -349,6 +363,10 @@ class SimWorker:
     def _admit(self) -> None:
         if time.monotonic() < self._next_dequeue_at:
             return
+        free = min(MAX_PENDING_ADDS, self.sim.slots - len(self.in_flight))
+        if not self.gate.ready(free, len(self.in_flight), time.monotonic()):
+            return
+        self.gate.dequeued()
         deadline = time.monotonic() + ADMISSION_BURST_S
         first = True
         while first or time.monotonic() < deadline:
@@ -418,14 +436,23 @@ class SimWorker:
                 output = SimpleNamespace(
                     outputs=[completion], prompt_token_ids=prompt_ids, finished=True
                 )
-                ends.append(self.ender.finish(item, output))
+                ending = self.ender.finish(item, output)
+                self.num_tokens += 1
+                window = self.sim.bulk_coalesce_window if item.claim.bulk else None
+                if item.stream.enabled or not self.endings.hold(ending, time.monotonic(), window):
+                    ends.append(ending)
         self.num_steps += 1
-        self.num_tokens += len(self.in_flight) + len(ends)
+        self.num_tokens += len(self.in_flight)
+        if entries or ends or self.endings.due(time.monotonic()):
+            self._write(entries, ends)
+        _add(self.shared.steps, 1)
+
+    def _write(self, entries: list, ends: list) -> None:
+        ends = self.endings.take() + ends
         calls: list = [self.adapter.stream_call(entries)] if entries else []
         calls += self.adapter.merge_ends([ending.call for ending in ends])
         n_entries = len(entries)
         self.link.run(calls, lambda replies: self._written(replies, n_entries, ends))
-        _add(self.shared.steps, 1)
 
     def _written(self, replies: list, n_entries: int, ends: list) -> None:
         lost = 0
@@ -455,6 +482,7 @@ class SimWorker:
     def _maintain(self) -> None:
         if self.leases.heartbeat_due():
             claims = [i.claim for i in self.in_flight.values()]
+            claims += [e.claim for e in self.endings.pending]
             call = self.adapter.heartbeat_call(claims, "busy" if claims else "idle")
             ok, lost = self.link.attempt(lambda: self.link.scripts.call(call))
             _add(self.shared.lost, len(lost or []))
@@ -520,8 +548,9 @@ def produce_bulk(
     url: str, n_jobs: int, window: int, sim: Sim, shared: Shared, seed: int, max_tokens: Any
 ) -> None:
     """A bulk producer process, as `pagedq submit` (producer/bulk.py BulkRun): chunks of 256
-    through `Client.enqueue` with its notify id, an EXISTS per job, ends from the events
-    stream (EventFollower), then each result read (`final_result`: one GET)."""
+    through `Client.enqueue` with its notify id, refilled a quarter chunk at a time, an
+    EXISTS per job, ends from the events stream (EventFollower), then the results of each read
+    in one MGET (`final_results`)."""
     watcher = MarkWatcher(shared, "producer")
     rng = random.Random(seed)
     writer = redis.Redis.from_url(url, connection_class=CountingConnection)
@@ -537,7 +566,7 @@ def produce_bulk(
         submitted = 0
         while submitted < n_jobs and not shared.stop.value:
             room = min(window - (submitted - done[0]), BULK_CHUNK, n_jobs - submitted)
-            if room <= 0:
+            if room < min(BULK_CHUNK, window) // 4 and room < n_jobs - submitted:
                 time.sleep(0.002)
                 continue
             requests = []
@@ -564,11 +593,10 @@ def produce_bulk(
         if not len(follower):
             time.sleep(0.005)
             continue
-        for job_id, entry in follower.read(0.1):
-            if is_final(entry):
-                final_result(reader, job_id, entry)
-                done[0] += 1
-                _add(shared.read, 1)
+        ended = [(j, e) for j, e in follower.read(0.1) if is_final(e)]
+        final_results(reader, ended)
+        done[0] += len(ended)
+        _add(shared.read, len(ended))
     thread.join()
     watcher.finish()
 
@@ -713,6 +741,9 @@ class Run:
     def __post_init__(self) -> None:
         self.server = PrivateRedis()
         self.admin = self.server.client()
+        if self.sim.redis_cpu is not None:
+            pid = int(self.admin.info("server")["process_id"])
+            os.sched_setaffinity(pid, {self.sim.redis_cpu})
         self.shared = Shared(self.ctx)
 
     def _spawn(self, target: Any, *args: Any) -> None:
@@ -1205,6 +1236,25 @@ def main() -> None:
     p.add_argument("--prompt-chars", type=int, default=200)
     p.add_argument("--drivers", type=int, default=2, help="processes simulating the workers")
     p.add_argument("--lease-ttl", type=int, default=LEASE_TTL)
+    p.add_argument(
+        "--shared-core",
+        dest="redis_core",
+        action="store_false",
+        help="let redis-server share the cores with the simulated fleet (by default it has the "
+        "first core to itself and the fleet the others)",
+    )
+    p.add_argument(
+        "--coalesce-window",
+        type=float,
+        default=COALESCE_WINDOW_S,
+        help="the workers' --coalesce-window (0: every step writes its own endings)",
+    )
+    p.add_argument(
+        "--bulk-coalesce-window",
+        type=float,
+        default=BULK_COALESCE_WINDOW_S,
+        help="the workers' --bulk-coalesce-window",
+    )
     p.add_argument("--window", type=int, default=0, help="jobs outstanding (0: 1.25 x slots)")
     p.add_argument("--hold-s", type=float, default=6.0, help="fixed-cost windows, seconds")
     p.add_argument("--cpu-budget", type=float, default=0.7, help="share of one Redis core")
@@ -1227,7 +1277,15 @@ def main() -> None:
         drivers=args.drivers,
         lease_ttl=args.lease_ttl,
         window=args.window or round(1.25 * args.workers * args.slots),
+        coalesce_window=args.coalesce_window,
+        bulk_coalesce_window=args.bulk_coalesce_window,
     )
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.redis_core and len(cpus) >= 2:
+        # As in production, Redis gets a core of its own: the simulated fleet (these processes
+        # and their children) runs on the others, so their load does not inflate Redis's CPU.
+        sim.redis_cpu = cpus[0]
+        os.sched_setaffinity(0, set(cpus[1:]))
     ctx = mp.get_context("fork")
     t0 = time.monotonic()
     fixed = measure_fixed(sim, ctx, args.hold_s)

@@ -29,7 +29,7 @@ from producer.openai_batch import (
     scan_file,
 )
 from producer.openai_output import BatchOutputLine, invalid_request_line, result_line
-from producer.results import final_result, is_final
+from producer.results import final_results, is_final
 from producer.retry import call_with_retry
 
 
@@ -219,8 +219,12 @@ class BulkRun:
         # Lines stay pending until Redis took them, so a connection error loses none and a
         # retried step enqueues them again (idempotent by job id).
         self._enqueue_pending()
-        while not exhausted and len(self.in_flight) < self.window:
-            exhausted = self._submit_chunk(lines)
+        # The window is refilled a quarter chunk at a time, not a line per ended job: each
+        # enqueue call costs Redis a fixed part besides its jobs (docs/OPERATIONS.md).
+        refill_at = self.window - max(1, min(self.chunk_size, self.window) // 4)
+        if not exhausted and len(self.in_flight) <= refill_at:
+            while not exhausted and len(self.in_flight) < self.window:
+                exhausted = self._submit_chunk(lines)
         self._collect(block_s=1.0)
         return exhausted
 
@@ -268,22 +272,21 @@ class BulkRun:
         self._pending = []
 
     def _collect(self, block_s: float) -> None:
-        for job_id, entry in self.follower.read(block_s):
-            if not is_final(entry) or job_id not in self.in_flight:
-                continue
-            parsed = self.in_flight[job_id]
-            try:
-                result = call_with_retry(
-                    lambda j=job_id, e=entry: final_result(self.client.redis, j, e),
-                    f"reading job {job_id}",
-                )
-            except JobNotFoundError:
+        ended = [
+            (job_id, entry)
+            for job_id, entry in self.follower.read(block_s)
+            if is_final(entry) and job_id in self.in_flight
+        ]
+        results = call_with_retry(
+            lambda: final_results(self.client.redis, ended), f"reading {len(ended)} result(s)"
+        )
+        for job_id, result in results.items():
+            parsed = self.in_flight.pop(job_id)
+            if isinstance(result, JobNotFoundError):
                 # Lost with a Redis restart without persistence: submit it again.
-                del self.in_flight[job_id]
                 self.summary.submitted -= 1
                 self._pending.append(parsed)
                 continue
-            del self.in_flight[job_id]
             if result.status == "finished":
                 self.summary.finished += 1
                 if job_id in self._reused:

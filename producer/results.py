@@ -158,6 +158,27 @@ def final_result(connection: Redis, job_id: str, entry: dict[str, str]) -> Gener
     return GenerationResult(job_id=job_id, status=status, error=entry.get("error"))
 
 
+def final_results(
+    connection: Redis, ended: list[tuple[str, dict[str, str]]]
+) -> dict[str, GenerationResult | JobNotFoundError]:
+    """`final_result` of many ended jobs: their result keys in one MGET, then one by one only
+    for the jobs without one (RQ's entry, a late write, a job gone). A job gone maps to its
+    JobNotFoundError instead of raising, so that one lost job does not hide the others."""
+    if not ended:
+        return {}
+    raws = connection.mget([result_key(job_id) for job_id, _ in ended])
+    out: dict[str, GenerationResult | JobNotFoundError] = {}
+    for (job_id, entry), raw in zip(ended, raws, strict=True):
+        if raw is not None:
+            out[job_id] = _parse_result(job_id, raw[: MAX_READ_BYTES + 1])
+            continue
+        try:
+            out[job_id] = final_result(connection, job_id, entry)
+        except JobNotFoundError as exc:
+            out[job_id] = exc
+    return out
+
+
 def _rq_return_value(connection: Redis, job_id: str) -> GenerationResult:
     latest = latest_rq_result(connection, job_id)
     value = latest["return_value"] if latest is not None else None

@@ -39,6 +39,7 @@ class Claim:
     started_at: float = field(default_factory=time.time)
     status_was: str = "queued"
     plain: bool = False  # enqueued by a plain RQ producer, not pagedq's (no pq_ fields)
+    bulk: bool = False  # its end goes to an events stream or a batch (no one waits on it alone)
 
     @property
     def member(self) -> str:

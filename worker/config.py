@@ -64,6 +64,23 @@ class WorkerConfig:
             min=0,
         ),
     )
+    coalesce_window: float = field(
+        default=0.1,
+        metadata=_doc(
+            "seconds the ending of a job that does not stream may wait to be written with "
+            "others in one script call, and a dequeue for fewer than 4 jobs may wait for more "
+            "room (fewer, larger Redis calls); 0: each at once",
+            min=0,
+        ),
+    )
+    bulk_coalesce_window: float = field(
+        default=1.0,
+        metadata=_doc(
+            "the same wait for bulk jobs (`pagedq submit` lines, Batch API lines), whose ends "
+            "are read from an events stream or a batch's counts; 0: at once",
+            min=0,
+        ),
+    )
     rq_results: str = field(
         default="plain",
         metadata=_doc(

@@ -21,6 +21,7 @@ import structlog
 from producer.contract.models import canonical_model
 from worker.cancels import CancelListener
 from worker.claim import Claim, JobRejected, parse_claim
+from worker.coalesce import AdmissionGate, EndCoalescer
 from worker.config import WorkerConfig
 from worker.endings import Ending, JobEnder
 from worker.endpoints import WorkerHealth
@@ -49,7 +50,8 @@ EVENT_WAIT_S = 0.1
 EMPTY_QUEUE_BACKOFF_S = 0.1
 # An idle worker polls the queue, backing off from the first to the second value.
 IDLE_POLL_S = (0.01, 0.25)
-CANCEL_POLL_S = 1.0
+# The fallback for cancel messages lost while the pub/sub connection was down (rare).
+CANCEL_POLL_S = 5.0
 # Longest time the engine waits between two steps while jobs are being admitted.
 ADMISSION_BURST_S = 0.05
 # Set only by tests: seconds to sleep right after the dequeue script (to kill the worker there).
@@ -95,6 +97,8 @@ class ControlLoop:
         self.leases = Leases(config.lease_ttl)
         self.cancels = CancelListener(adapter.connection)
         self.in_flight: dict[str, InFlight] = {}
+        self.endings: EndCoalescer[Ending] = EndCoalescer(config.coalesce_window)
+        self.gate = AdmissionGate(config.coalesce_window)
         self.exit_code = 0
         self._stopping = False
         self._stop_at: float | None = None
@@ -132,18 +136,34 @@ class ControlLoop:
                     self._admit()
                 if not self._handle_events(EVENT_WAIT_S if self.in_flight else 0):
                     break
+                if self.endings.due(time.monotonic()):
+                    self._write_ends([])
                 self._handle_cancels()
                 self._enforce_timeouts()
                 self._maintain()
                 self._publish_status()
                 if not self.in_flight and not self._stopping and self._queue_empty:
+                    t = time.monotonic()
+                    ends_in = self.endings.wait_s(t)
                     time.sleep(
-                        min(self._idle_poll_s, max(0.0, self._next_dequeue_at - time.monotonic()))
+                        min(
+                            self._idle_poll_s,
+                            max(0.0, self._next_dequeue_at - t),
+                            self._idle_poll_s if ends_in is None else ends_in,
+                        )
                     )
-                if burst and self._queue_empty and not self.in_flight and not self.link.outbox:
+                if (
+                    burst
+                    and self._queue_empty
+                    and not self.in_flight
+                    and not self.endings.pending
+                    and not self.link.outbox
+                ):
                     log.info("burst done: queue empty, nothing in flight", worker=self.name)
                     break
         finally:
+            if self.endings.pending:
+                self._write_ends([])
             self._requeue_all("worker stopping", count_crash=False)
             self.loop.stop()
             self.cancels.stop()
@@ -192,7 +212,7 @@ class ControlLoop:
 
     def _should_exit(self) -> bool:
         if not self.in_flight:
-            return True
+            return True  # waiting endings are written on the way out
         if self._force_stop or (self._stop_at is not None and time.monotonic() > self._stop_at):
             log.warning("stop: requeueing unfinished jobs", count=len(self.in_flight))
             return True
@@ -210,6 +230,10 @@ class ControlLoop:
         """Take jobs while the engine can admit them, all between two engine steps."""
         if time.monotonic() < self._next_dequeue_at:
             return
+        if not self.gate.ready(self.loop.admission_room(), len(self.in_flight), time.monotonic()):
+            self.loop.admitted()  # the engine steps on; the room is claimed a little later
+            return
+        self.gate.dequeued()
         try:
             with self.loop.paused():
                 deadline = time.monotonic() + ADMISSION_BURST_S
@@ -330,6 +354,7 @@ class ControlLoop:
         return True
 
     def _on_step(self, event: StepOutputs) -> None:
+        now = time.monotonic()
         entries = []
         ends: list[Ending] = []
         for output in event.outputs:
@@ -343,10 +368,24 @@ class ControlLoop:
             self._observe_tokens(item, output, event.time)
             if output.finished:
                 del self.in_flight[item.job_id]
-                ends.append(self.ender.finish(item, output))
+                ending = self.ender.finish(item, output)
+                # A streamed job's reader waits on its final entry: written with this step.
+                window = self.config.bulk_coalesce_window if item.claim.bulk else None
+                if item.stream.enabled or not self.endings.hold(ending, now, window):
+                    ends.append(ending)
+        if entries or ends or self.endings.due(now):
+            self._write_ends(ends, entries)
+
+    def _write_ends(self, ends: list[Ending], entries: list | None = None) -> None:
+        """Write stream entries and endings, with every ending waiting in the coalescer, in one
+        round trip (one STREAM and one END call)."""
+        ends = self.endings.take() + ends
         calls: list = [self.adapter.stream_call(entries)] if entries else []
         calls += self.adapter.merge_ends([ending.call for ending in ends])
-        self.link.run(calls, lambda replies: self._on_step_written(replies, bool(entries), ends))
+        if calls:
+            self.link.run(
+                calls, lambda replies: self._on_step_written(replies, bool(entries), ends)
+            )
 
     def _on_step_written(self, replies: list[Any], has_entries: bool, ends: list[Ending]) -> None:
         if has_entries:
@@ -438,6 +477,7 @@ class ControlLoop:
 
     def _heartbeat(self) -> None:
         claims = [i.claim for i in self.in_flight.values()]
+        claims += [e.claim for e in self.endings.pending if e.claim is not None]
         call = self.adapter.heartbeat_call(claims, "busy" if claims else "idle")
         ok, lost = self.link.attempt(lambda: self.link.scripts.call(call))
         if ok:

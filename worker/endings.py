@@ -37,6 +37,7 @@ class Ending:
     result: GenerationResult
     output: Any = None
     enqueued_at: float | None = None
+    claim: Claim | None = None
 
 
 def build_result(
@@ -182,7 +183,7 @@ class JobEnder:
             rq_return_value=summary,
             stream_ttl_set=item.stream.ttl_set,
         )
-        return Ending(item.job_id, "finished", call, result, output, item.enqueued_at)
+        return Ending(item.job_id, "finished", call, result, output, item.enqueued_at, item.claim)
 
     def fail(self, item: InFlight, message: str) -> None:
         """End a job as failed for good (the error is in the job, not the worker)."""

@@ -253,7 +253,7 @@ class RQAdapter:
         out = []
         for row in reply or []:
             queue, job_id, execution, attempt, data, enqueued_at, timeout, canceled = row[:8]
-            status, plain = row[8:10]
+            status, plain, bulk = row[8:11]
             out.append(
                 Claim(
                     job_id=job_id.decode(),
@@ -267,6 +267,7 @@ class RQAdapter:
                     started_at=started_at,
                     status_was=status.decode(errors="replace"),
                     plain=bool(plain),
+                    bulk=bool(bulk),
                 )
             )
         return out

@@ -58,7 +58,8 @@ end
 
 PICK_LUA = f"""
 -- The job hash fields a head is judged and started by.
-local HEAD = {{F.enqueued, F.cost, 'status', 'data', 'enqueued_at', 'timeout', F.attempts}}
+local HEAD = {{F.enqueued, F.cost, 'status', 'data', 'enqueued_at', 'timeout', F.attempts,
+    F.notify, F.batch}}
 
 -- A picker over the sub-queues of `bases`: each sub-queue's index entry, its first `peek` ids
 -- and each root's virtual time are read once; pq_pick then picks job after job exactly as
@@ -392,8 +393,9 @@ for n = 1, max_jobs do
         tostring(picked.cost))
     push(wip, RQ.wip .. picked.queue, deadline, id .. ':' .. execution)
     cancels[#cancels + 1] = K.cancel .. id
+    -- bulk: its end is read from an events stream or a batch's counts, not waited on alone.
     taken[#taken + 1] = {picked.queue, id, execution, attempt, f[4] or '', f[5] or '',
-        f[6] or '', 0, f[3] or '', f[1] and 0 or 1}
+        f[6] or '', 0, f[3] or '', f[1] and 0 or 1, (f[8] or f[9]) and 1 or 0}
 end
 pq_commit(P)
 for key, args in pairs(wip) do redis.call('ZADD', key, unpack(args)) end

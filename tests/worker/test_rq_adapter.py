@@ -466,6 +466,15 @@ def test_an_ending_tells_its_producers_events_stream_only_while_it_exists(redis_
     assert 0 < redis_client.ttl("pagedq:events:run1") <= 3600
 
 
+def test_a_job_whose_end_goes_to_an_events_stream_or_a_batch_is_claimed_as_bulk(redis_client):
+    client = Client(connection=redis_client, queue=QUEUE)
+    [alone] = client.enqueue([_as_request({"prompt": "a"})])
+    [notified] = client.enqueue([_as_request({"prompt": "b"})], notify="run2")
+    [in_batch] = client.enqueue([_as_request({"prompt": "c"})], batch_id="batch_x")
+    claims = {c.job_id: c for c in _adapter(redis_client).dequeue_many(3)}
+    assert {j: c.bulk for j, c in claims.items()} == {alone: False, notified: True, in_batch: True}
+
+
 def _as_request(body: dict):
     from producer.contract.schema import GenerationRequest
 

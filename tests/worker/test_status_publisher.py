@@ -102,16 +102,16 @@ def test_a_dead_redis_is_reported_to_health_not_raised(private_redis, redis_conn
     assert publisher.maybe_publish(now=1.0)
     private_redis.kill()
     try:
-        assert not publisher.maybe_publish(now=2.0)
+        assert not publisher.maybe_publish(now=1.0 + publisher.interval_s)
         report = health.report()
         assert report["redis_connected"] is False and report["status"] == "ok"
         assert "Error" in report["redis_error"]
         clock[0] += 31
-        assert not publisher.maybe_publish(now=3.0)
+        assert not publisher.maybe_publish(now=1.0 + 2 * publisher.interval_s)
         assert health.report()["status"] == "unhealthy"
     finally:
         private_redis.start()
-    assert publisher.maybe_publish(now=4.0)
+    assert publisher.maybe_publish(now=1.0 + 3 * publisher.interval_s)
     assert health.report()["status"] == "ok"
     assert read(redis_conn)["in_flight"] == 0
 

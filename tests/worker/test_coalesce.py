@@ -1,0 +1,120 @@
+"""Endings and dequeues gathered into fewer script calls (worker/coalesce.py), and nothing lost.
+
+The policy classes are tested on their own; then a real worker with a long `--coalesce-window`:
+its jobs end once each with fewer script calls than jobs, and endings still waiting when it is
+stopped are written on the way out.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from rq.registry import FinishedJobRegistry
+from worker_helpers import make_client
+
+from producer.contract.keys import result_key
+from worker.coalesce import AdmissionGate, EndCoalescer
+
+QUEUE = "q-coalesce"
+
+
+def test_endings_wait_for_the_window_or_a_full_batch():
+    c: EndCoalescer[str] = EndCoalescer(window_s=0.5, max_endings=3)
+    assert c.hold("a", now=10.0)
+    assert not c.due(now=10.2)
+    assert c.wait_s(now=10.2) == pytest.approx(0.3)
+    assert c.hold("b", now=10.3)
+    assert c.due(now=10.5)  # the oldest waited the window
+    assert c.take() == ["a", "b"]
+    assert not c.due(now=99.0) and c.wait_s(now=99.0) is None
+    for x in "xyz":
+        c.hold(x, now=20.0)
+    assert c.due(now=20.0)  # a full batch goes at once
+    assert c.take() == ["x", "y", "z"]
+
+
+def test_the_soonest_window_decides_when_all_are_written():
+    c: EndCoalescer[str] = EndCoalescer(window_s=0.1)
+    assert c.hold("bulk", now=0.0, window_s=1.0)
+    assert not c.due(now=0.5)
+    assert c.hold("online", now=0.5)  # due at 0.6, before the bulk one's 1.0
+    assert not c.due(now=0.55) and c.due(now=0.6)
+    assert c.take() == ["bulk", "online"]
+    assert not c.hold("now", now=1.0, window_s=0)
+
+
+def test_no_window_means_every_ending_is_written_at_once():
+    c: EndCoalescer[str] = EndCoalescer(window_s=0)
+    assert not c.hold("a", now=1.0)
+    assert c.pending == [] and not c.due(now=1.0)
+
+
+def test_a_dequeue_waits_for_room_for_several_jobs_unless_the_engine_is_nearly_empty():
+    gate = AdmissionGate(window_s=0.1, min_jobs=4)
+    assert not gate.ready(room=0, in_flight=50, now=0.0)
+    assert gate.ready(room=4, in_flight=50, now=0.0)  # room enough
+    assert gate.ready(room=1, in_flight=2, now=0.0)  # nearly idle: at once
+    assert not gate.ready(room=1, in_flight=50, now=1.0)  # one slot: wait a little
+    assert not gate.ready(room=2, in_flight=50, now=1.05)
+    assert gate.ready(room=2, in_flight=50, now=1.1)  # ... at most the window
+    gate.dequeued()
+    assert not gate.ready(room=1, in_flight=50, now=1.15)
+    assert AdmissionGate(window_s=0).ready(room=1, in_flight=50, now=0.0)
+
+
+@pytest.fixture(scope="module")
+def client(private_redis):
+    c = make_client(private_redis.url, QUEUE)
+    yield c
+    c.close()
+
+
+def _jobs(n: int, tag: str) -> list[dict]:
+    return [
+        {"prompt": f"{tag} {i}: name a color", "temperature": 0.0, "ignore_eos": True,
+         "max_tokens": 3 + i % 3}
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def _script_calls(client) -> int:
+    stats = client.redis.info("commandstats")
+    return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))
+
+
+@pytest.mark.slow
+def test_jobs_end_once_with_fewer_script_calls_than_jobs(worker_factory, client):
+    worker = worker_factory(QUEUE, "w-coalesce", "--coalesce-window", "1.0")
+    worker.wait_ready()
+    n = 24
+    client.redis.config_resetstat()
+    job_ids = client.submit_many(_jobs(n, "a"))
+    results = [client.result(j, timeout=120) for j in job_ids]
+    calls = _script_calls(client)
+    assert [r.status for r in results] == ["finished"] * n
+    assert all(client.redis.hget(f"rq:job:{j}", "status") == b"finished" for j in job_ids)
+    assert FinishedJobRegistry(QUEUE, connection=client.redis).count == n
+    # Each job needs a dequeue and an end: 2 x 24 calls one by one, 24 + 3 with dequeues of 8.
+    # Gathered, the calls (the enqueue's included) are far fewer than the jobs.
+    assert calls < n, f"{calls} script calls for {n} jobs"
+    worker.stop()
+
+
+@pytest.mark.slow
+def test_endings_still_waiting_are_written_when_the_worker_stops(worker_factory, client):
+    worker = worker_factory(QUEUE, "w-coalesce-stop", "--coalesce-window", "30")
+    worker.wait_ready()
+    job_ids = client.submit_many(_jobs(4, "b"))
+    deadline = time.monotonic() + 60
+    # Started, then done in the engine (in_flight falls to 0) while their endings wait.
+    while any(client.status(j) != "started" for j in job_ids) or (worker.status() or {}).get(
+        "in_flight"
+    ):
+        assert time.monotonic() < deadline, worker.log_tail()
+        time.sleep(0.05)
+    assert all(client.redis.exists(result_key(j)) == 0 for j in job_ids)
+    assert worker.stop() == 0
+    results = [client.result(j, timeout=10) for j in job_ids]
+    assert [r.status for r in results] == ["finished"] * 4
+    assert [client.redis.hget(f"rq:job:{j}", "status") for j in job_ids] == [b"finished"] * 4
