@@ -831,19 +831,20 @@ void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
 //   tile q^T in VNNI order (a 32-bit pair of dims per query row), built once per item. bf16
 //   queries go in exactly and the scale is applied to the fp32 scores; fp32 queries go in as
 //   bf16 hi + lo, side by side as 2 x rows columns (one product; score_tile_dp's accuracy). The
-//   S^T tiles are gathered into rows for the softmax.
+//   S^T tiles are gathered into rows for the softmax, which writes p straight into A tiles.
 // - p @ V with V as the B tile unchanged: a B row holds the 32 dims of one key, i.e. the pairs
 //   (dim 2e, dim 2e + 1), so A rows whose even elements hold p and odd ones 0 sum p V over the
 //   even dims, and rows with p in the odd elements over the odd dims. Each product does half
 //   the work it could, but V needs no VNNI interleave: built with unpacklo/hi_epi16 through
 //   memory (a tile load waits for the stores to drain), p @ V took 5x the time.
-// - p keeps 16 of its 24 bits as bf16 hi + lo (p in bf16 alone changes greedy tokens). A
-//   product costs by its A rows, so the hi, lo, even and odd rows stack in one A tile where
-//   4 x rows <= 16 (one product per 32 dims), else in two.
+// - p keeps 16 of its 24 bits as bf16 hi + lo, near the AVX paths' fp32 p (p rounded to bf16
+//   alone was reported to change greedy tokens; not measured here). A product costs by its A
+//   rows, so the hi, lo, even and odd rows stack in one A tile where 4 x rows <= 16 (one
+//   product per 32 dims), else in two.
 // Tiles are not renamed: a load into a tile waits for the products that read it, so each pass
 // has its own configuration with every operand in two tiles, tile t + 1 loading while tile t
-// multiplies (one configuration for both passes, tiles reused, ran 0.85x of the AVX path where
-// compute bound; two loads of a configuration cost ~95 ns an item).
+// multiplies (one configuration for both passes, tiles reused: 0.83-0.85x of the AVX path's
+// time cache-resident, against 0.72-0.81x; two loads of a configuration cost ~95 ns an item).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define PAGEDQ_AMX 1
 
