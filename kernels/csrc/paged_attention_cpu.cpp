@@ -931,7 +931,7 @@ inline TileShapes amx_pv_shapes(int rows, int tk) {
 struct AmxScratch {
   std::vector<float> st;     // S^T tiles: 16 floats per key
   std::vector<uint32_t> q;   // q^T
-  std::vector<uint32_t> p;   // per key tile: 4 x rows rows of tk words (see decode_item_amx)
+  alignas(64) uint32_t a[2][4 * kAmxMaxRows * kTile];  // A tiles of p (see decode_item_amx)
   alignas(64) uint16_t v_last[2][kTile * 32];  // last V tiles of fewer keys, zero-padded
   alignas(64) float out[2][16 * 16];           // accumulator tiles
   int shapes_for = -1;       // rows * 64 + cols the cached shapes were made for
@@ -1058,24 +1058,22 @@ void decode_item_amx(const WorkItem& w, const Layout& L, int tk, const scalar_t*
   }
 
   // Per row: S^T gathered into a row in log2 units (hi + lo columns for fp32 queries) and its
-  // max over the visible keys; then p = 2^(s - max) (0 past them), its sum, and p straight into
-  // the A tiles: key tile t holds 4 x rows rows of tk 32-bit words, row i p hi of query row i in
-  // the low halves (even elements), row rows + i p lo, rows 2 rows + i and 3 rows + i the same
-  // in the high halves (odd elements). As three passes (gather, decode_softmax, conversion) a
-  // cache-resident decode ran at 0.76-0.78x of the AVX path's time, fused at 0.72-0.74x.
+  // max over the visible keys; then p = 2^(s - max) in place (0 past them) and its sum. p goes
+  // into A tiles one key tile at a time in pass 2, into two buffers by turns, each built while
+  // the other's products run. (All of an item's A tiles built here, 24 KiB per 512 keys that
+  // push K and V out of L1: 64 decodes x 512 DRAM-cold ran at 0.89x of the AVX path's time,
+  // against 0.85-0.86x.)
   const int stride = keys16 + kTile;
-  if (scores.size() < static_cast<size_t>(stride)) scores.resize(stride);
-  float* S = scores.data();  // one row
-  const int a_words = 4 * rows * tk;
-  if (sc.p.size() < static_cast<size_t>(a_words) * num_tiles)
-    sc.p.resize(static_cast<size_t>(a_words) * num_tiles);
-  uint32_t* pa = sc.p.data();
+  if (scores.size() < static_cast<size_t>(rows) * stride)
+    scores.resize(static_cast<size_t>(rows) * stride);
+  float* S = scores.data();
   const __m512i gather_idx = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
       _mm512_set1_epi32(cols));
   const __m512 vscale = _mm512_set1_ps(kSplitQ ? 1.f : qk_scale);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int i = 0; i < rows; ++i) {
+    float* si = S + i * stride;
     const int64_t limit = first_pos + i / G + 1 - w.key_begin;
     const int visible = static_cast<int>(std::clamp<int64_t>(limit, 0, num_keys));
     __m512 vmx = _mm512_set1_ps(kNegInf);
@@ -1086,45 +1084,47 @@ void decode_item_amx(const WorkItem& w, const Layout& L, int tk, const scalar_t*
       s = _mm512_mul_ps(s, vscale);
       const __mmask16 in = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(visible - j));
       s = _mm512_mask_blend_ps(in, _mm512_set1_ps(kNegInf), s);
-      _mm512_storeu_ps(S + j, s);
+      _mm512_storeu_ps(si + j, s);
       vmx = _mm512_max_ps(vmx, s);
     }
-    // a row that sees nothing of this item: p = 0, m stays -inf and l 0 (begin_item)
+    // a row that sees nothing of this item: p = 0, m stays -inf and l 0
     const float mx = visible > 0 ? _mm512_reduce_max_ps(vmx) : 0.f;
     const __m512 vmax_row = _mm512_set1_ps(mx);
     __m512 vsum = _mm512_setzero_ps();
     for (int j = 0; j < num_tiles * tk; j += kTile) {
       __m512 p = _mm512_setzero_ps();
       if (j < visible) {
-        const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(S + j), vmax_row);
+        const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(si + j), vmax_row);
         p = static_cast<__m512>(exp2_neg_v(static_cast<vfloat>(x)));
         vsum = _mm512_add_ps(vsum, p);
       }
-      const __m256bh hi = _mm512_cvtneps_pbh(p);
-      const __m512i hi_even = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(hi));
-      const __m512i hi_odd = _mm512_slli_epi32(hi_even, 16);  // hi as an fp32
-      const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(p, _mm512_castsi512_ps(hi_odd)));
-      const __m512i lo_even = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(lo));
-      const __m512i parts[4] = {hi_even, lo_even, hi_odd, _mm512_slli_epi32(lo_even, 16)};
-      for (int h = 0; h < kTile && j + h < num_tiles * tk; h += tk) {  // one tile, or two of 8
-        uint32_t* tile = pa + static_cast<size_t>(a_words) * ((j + h) / tk);
-        for (int part = 0; part < 4; ++part) {
-          uint32_t* dst = tile + (part * rows + i) * tk;
-          if (tk == kTile) {
-            _mm512_storeu_si512(dst, parts[part]);
-          } else {
-            alignas(64) uint32_t tmp[kTile];
-            _mm512_store_si512(tmp, parts[part]);
-            std::memcpy(dst, tmp + h, tk * sizeof(uint32_t));
-          }
-        }
-      }
+      _mm512_storeu_ps(si + j, p);
     }
     if (visible > 0) {
       m[i] = mx;
       l[i] = _mm512_reduce_add_ps(vsum);
     }
   }
+  // The A tile of key tile t: 4 x rows rows of tk 32-bit words, row i p hi of query row i in
+  // the low halves (even elements), row rows + i p lo, rows 2 rows + i and 3 rows + i the same
+  // in the high halves (odd elements).
+  const auto build_a = [&](int t, uint32_t* tile) {
+    PQ_MEMORY_BARRIER();  // after the tile loads that read this buffer before
+    const __mmask16 keys = tk == kTile ? 0xFFFF : (1u << tk) - 1;
+    for (int i = 0; i < rows; ++i) {
+      const __m512 p = _mm512_maskz_loadu_ps(keys, S + i * stride + t * tk);
+      const __m256bh hi = _mm512_cvtneps_pbh(p);
+      const __m512i hi_even = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(hi));
+      const __m512i hi_odd = _mm512_slli_epi32(hi_even, 16);  // hi as an fp32
+      const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(p, _mm512_castsi512_ps(hi_odd)));
+      const __m512i lo_even = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(lo));
+      const __m512i parts[4] = {hi_even, lo_even, hi_odd, _mm512_slli_epi32(lo_even, 16)};
+      for (int part = 0; part < 4; ++part)
+        _mm512_mask_storeu_epi32(tile + (part * rows + i) * tk, keys, parts[part]);
+    }
+    PQ_MEMORY_BARRIER();  // before the tile loads that read it
+  };
+  uint32_t* abuf[2] = {sc.a[0], sc.a[1]};
 
   // Pass 2: acc = p @ V, per 32 dims c. sc.out gets, per c, the rows in p's order (even hi,
   // even lo, odd hi, odd lo), which finish_dims adds up and puts back in order.
@@ -1160,16 +1160,16 @@ void decode_item_amx(const WorkItem& w, const Layout& L, int tk, const scalar_t*
                                         st.half + t * tk, std::min(tk, num_keys - t * tk));
     prefetch_rows<1>(far, 0, far.rows);
   };
-  PQ_MEMORY_BARRIER();  // p's stores before the tile loads
   sc.pv.load();
   if (stacked) {
     for (int c = 0; c < C32; c += 2) {
       const bool pair = c + 1 < C32;
       _tile_zero(6);
       _tile_zero(7);
+      build_a(0, abuf[0]);
       for (int t = 0; t < num_tiles; ++t) {
         if (c == 0) prefetch_v(t);
-        const uint32_t* pt = pa + static_cast<size_t>(a_words) * t;
+        const uint32_t* pt = abuf[t % 2];
         if (t % 2 == 0) {
           _tile_loadd(0, pt, tk * 4);
           _tile_loadd(2, v_tile(t, c, 0), v_stride(t));
@@ -1187,6 +1187,7 @@ void decode_item_amx(const WorkItem& w, const Layout& L, int tk, const scalar_t*
             _tile_dpbf16ps(7, 1, 5);
           }
         }
+        if (t + 1 < num_tiles) build_a(t + 1, abuf[(t + 1) % 2]);  // while tile t multiplies
       }
       _tile_stored(6, sc.out[0], 64);
       finish_dims(sc.out[0], c);
@@ -1199,9 +1200,10 @@ void decode_item_amx(const WorkItem& w, const Layout& L, int tk, const scalar_t*
     for (int c = 0; c < C32; ++c) {
       _tile_zero(6);
       _tile_zero(7);
+      build_a(0, abuf[0]);
       for (int t = 0; t < num_tiles; ++t) {
         if (c == 0) prefetch_v(t);
-        const uint32_t* pt = pa + static_cast<size_t>(a_words) * t;
+        const uint32_t* pt = abuf[t % 2];
         const uint32_t* pt_odd = pt + 2 * rows * tk;
         if (t % 2 == 0) {
           _tile_loadd(4, v_tile(t, c, 0), v_stride(t));
@@ -1216,6 +1218,7 @@ void decode_item_amx(const WorkItem& w, const Layout& L, int tk, const scalar_t*
           _tile_dpbf16ps(6, 2, 5);
           _tile_dpbf16ps(7, 3, 5);
         }
+        if (t + 1 < num_tiles) build_a(t + 1, abuf[(t + 1) % 2]);  // while tile t multiplies
       }
       _tile_stored(6, sc.out[0], 64);
       _tile_stored(7, sc.out[0] + 2 * rows * 16, 64);
