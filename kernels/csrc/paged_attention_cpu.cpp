@@ -826,12 +826,14 @@ void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
 // ---- AMX decodes (bf16 caches) ----------------------------------------------------------------
 // With AMX (Sapphire Rapids and later) a decode item's two products run on the tile unit, the
 // two-pass structure of decode_item kept, and K and V both go to the tiles as they lie in the
-// cache (tile loads at the cache's row stride, no widening, no copy):
+// cache (tile loads at the cache's row stride, no widening, no copy). What it gains is mostly
+// the AVX path's widening and FMAs; DRAM-cold its own scratch traffic is what holds it
+// (docs/PERFORMANCE.md), so scratch is kept small:
 // - scores as S^T = K x Q^T: the A tile is tk (16, or a block size of 8) keys x 32 dims, the B
 //   tile q^T in VNNI order (a 32-bit pair of dims per query row), built once per item. bf16
 //   queries go in exactly and the scale is applied to the fp32 scores; fp32 queries go in as
 //   bf16 hi + lo, side by side as 2 x rows columns (one product; score_tile_dp's accuracy). The
-//   S^T tiles are gathered into rows for the softmax, which writes p straight into A tiles.
+//   S^T tiles are gathered into rows for the softmax; p goes into A tiles a key tile at a time.
 // - p @ V with V as the B tile unchanged: a B row holds the 32 dims of one key, i.e. the pairs
 //   (dim 2e, dim 2e + 1), so A rows whose even elements hold p and odd ones 0 sum p V over the
 //   even dims, and rows with p in the odd elements over the odd dims. Each product does half
@@ -929,7 +931,7 @@ inline TileShapes amx_pv_shapes(int rows, int tk) {
 
 // Scratch of one thread for decode_item_amx, grown as needed.
 struct AmxScratch {
-  std::vector<float> st;     // S^T tiles: 16 floats per key
+  std::vector<float> st;     // S^T tiles: `cols` floats per key
   std::vector<uint32_t> q;   // q^T
   alignas(64) uint32_t a[2][4 * kAmxMaxRows * kTile];  // A tiles of p (see decode_item_amx)
   alignas(64) uint16_t v_last[2][kTile * 32];  // last V tiles of fewer keys, zero-padded
