@@ -15,6 +15,13 @@ through them: the K/V then comes from DRAM, as in the engine, instead of a last-
 holds one layer's whole cache (260 MB of L3 on one development VM made the kernel look 1.3-2x
 faster than it runs inside a model).
 
+``--dtype bfloat16`` runs the model in bf16 (bf16 queries, K/V and cache); ``--head-major`` lays
+the caches out as the engine allocates them for the C++ kernels (head-major blocks, on huge
+pages); ``--decodes 64x128,96x512`` replaces the batches with pure decodes of those sizes and
+contexts; ``--amx`` adds a column of the C++ kernel with AMX turned off (``PAGEDQ_CPU_AMX=0``,
+read at each call), timed in the same rounds, and the ratio of the two. ``GB/s`` is the rate the
+C++ kernel read the batch's K/V at.
+
 ``--engine`` runs one workload of ``bench/throughput.py`` (greedy, ``ignore_eos``) through the
 offline engine with ``attention_backend="torch"``, ``"cpu"``, and ``"cpu"`` with
 ``kv_cache_dtype="bfloat16"``, in rounds that alternate the backends, and prints output tokens/s
@@ -24,6 +31,7 @@ and the ratios.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -37,7 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench/throughput.py's workload
 
 
-def paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, seed):
+def paged_batch(
+    query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, seed,
+    dtype=torch.float32,
+):  # fmt: skip
     """Inputs of one layer's call, blocks shuffled over a pool with room to spare."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
@@ -52,8 +63,8 @@ def paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, blo
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     kv_cache = torch.randn(shape, generator=gen)
     num_tokens = sum(query_lens)
-    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
-    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
     value = torch.randn_like(key)
     slots = []
     for i, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
@@ -64,8 +75,17 @@ def paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, blo
         "slot_mapping": torch.tensor(slots), "seq_lens": torch.tensor(seq_lens),
         "query_start_loc": torch.tensor([0, *query_lens]).cumsum(0),
         "block_table": block_table, "scale": head_dim**-0.5,
-        "kv_bytes": 2 * sum(seq_lens) * num_kv_heads * head_dim * 4,
+        "kv_bytes": 2 * sum(seq_lens) * num_kv_heads * head_dim * dtype.itemsize,
     }  # fmt: skip
+
+
+def engine_layout(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A copy of a cache laid out as ``allocate_kv_cache`` does for the C++ kernels."""
+    from kernels.huge_pages import zeros_huge
+
+    two, blocks, block_size, heads, dim = kv_cache.shape
+    out = zeros_huge((two, blocks, heads, block_size, dim), kv_cache.dtype).transpose(2, 3)
+    return out.copy_(kv_cache)
 
 
 def workloads(seed: int) -> dict[str, tuple[list[int], list[int]]]:
@@ -158,6 +178,11 @@ def main() -> int:
         help="distinct caches cycled through, one per layer (30: DRAM-cold, as in the model)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--head-major", action="store_true", help="caches laid out as the engine's")
+    parser.add_argument("--decodes", default="", help="pure decode batches, e.g. 64x128,96x512")
+    parser.add_argument("--amx", action="store_true", help="add the C++ kernel without AMX")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch reference")
     parser.add_argument(
         "--clock", choices=["wall", "cpu"], default="wall",
         help="cpu: the process's CPU time, steadier than wall time on a shared machine",
@@ -173,40 +198,65 @@ def main() -> int:
     if not cpu_kernels_available():
         print("the C++ CPU kernels are unavailable here: nothing to compare")
         return 1
+    dtype = getattr(torch, args.dtype)
     print(f"SmolLM2-135M attention shapes (9 heads, 3 KV heads, head_dim 64), block size "
-          f"{args.block_size}, fp32 model, {torch.get_num_threads()} threads; per layer, medians "
-          f"of {args.repeats}, {args.clock} clock, {args.layers} layer cache(s)")  # fmt: skip
+          f"{args.block_size}, {args.dtype} model, {torch.get_num_threads()} threads; per layer, "
+          f"medians of {args.repeats}, {args.clock} clock, {args.layers} layer cache(s)"
+          f"{', head-major caches' if args.head_major else ''}")  # fmt: skip
     print(f"{'batch':<28} {'torch ms':>9} {'cpu ms':>8} {'cpu bf16kv':>11} {'ratio':>6} "
-          f"{'bf16/fp32':>9} {'sum(K/V) ms':>11} {'30 layers cpu':>14}")  # fmt: skip
-    for name, (query_lens, context_lens) in workloads(args.seed).items():
-        b = paged_batch(query_lens, context_lens, 9, 3, 64, args.block_size, args.seed)
+          f"{'bf16/fp32':>9} {'sum(K/V) ms':>11} {'30 layers cpu':>14} {'GB/s':>6}"
+          f"{'  no-AMX ms  AMX/no-AMX' if args.amx else ''}")  # fmt: skip
+    batches = workloads(args.seed)
+    if args.decodes:
+        batches = {}
+        for spec in args.decodes.split(","):
+            size, context = (int(x) for x in spec.split("x"))
+            batches[f"{size} decodes x {context}"] = ([1] * size, [context - 1] * size)
+    for name, (query_lens, context_lens) in batches.items():
+        b = paged_batch(query_lens, context_lens, 9, 3, 64, args.block_size, args.seed, dtype)
         kv_fp32 = [b["kv_cache"]] + [b["kv_cache"].clone() for _ in range(args.layers - 1)]
         kv_bf16 = [kv.to(torch.bfloat16) for kv in kv_fp32]
+        if args.head_major:  # as allocate_kv_cache: head-major blocks, on huge pages
+            kv_fp32, kv_bf16 = ([engine_layout(kv) for kv in kvs] for kvs in (kv_fp32, kv_bf16))
+        kv_model = kv_bf16 if dtype == torch.bfloat16 else kv_fp32
         # The reference's plan is built once per step and shared by every layer, as in the engine.
         plan = plan_attention(
             "torch", b["query_start_loc"], b["seq_lens"], b["block_table"], args.block_size
         )
         runs = {
-            "torch": lambda b=b, p=plan, kv=kv_fp32: [run_layer("torch", b, c, p) for c in kv],
-            "cpu": lambda b=b, kv=kv_fp32: [run_layer("cpu", b, c) for c in kv],
+            "torch": lambda b=b, p=plan, kv=kv_model: [run_layer("torch", b, c, p) for c in kv],
+            "cpu": lambda b=b, kv=kv_model: [run_layer("cpu", b, c) for c in kv],
             "cpu bf16kv": lambda b=b, kv=kv_bf16: [run_layer("cpu", b, c) for c in kv],
-            "sum": lambda kv=kv_fp32: [c.sum() for c in kv],
+            "sum": lambda kv=kv_model: [c.sum() for c in kv],
         }
+        if args.no_torch:
+            del runs["torch"]
+        if dtype == torch.bfloat16:
+            del runs["cpu bf16kv"]  # the model's own cache is bf16
+        if args.amx:
+            runs["no-AMX"] = runs["cpu"]
         times: dict[str, list[float]] = {k: [] for k in runs}
-        for fn in runs.values():
-            fn()  # warm-up
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
-        for _ in range(args.repeats):
+        for rep in range(args.repeats + 1):  # the first round warms up
             for key, fn in runs.items():
+                os.environ["PAGEDQ_CPU_AMX"] = "0" if key == "no-AMX" else "1"
                 start = clock()
                 fn()
-                times[key].append((clock() - start) * 1e3 / args.layers)
+                if rep:
+                    times[key].append((clock() - start) * 1e3 / args.layers)
+        os.environ.pop("PAGEDQ_CPU_AMX", None)
         ms = {k: statistics.median(v) for k, v in times.items()}
+        nan = float("nan")
+        torch_ms, bf16_ms = ms.get("torch", nan), ms.get("cpu bf16kv", nan)
         # sum() reads the whole pool; scale to the bytes the batch needs.
-        floor = ms["sum"] * b["kv_bytes"] / (kv_fp32[0].numel() * 4)
-        print(f"{name:<28} {ms['torch']:>9.2f} {ms['cpu']:>8.2f} {ms['cpu bf16kv']:>11.2f} "
-              f"{ms['torch'] / ms['cpu']:>5.1f}x {ms['cpu bf16kv'] / ms['cpu']:>9.2f} "
-              f"{floor:>11.2f} {30 * ms['cpu']:>11.0f} ms")  # fmt: skip
+        floor = ms["sum"] * b["kv_bytes"] / (kv_model[0].numel() * kv_model[0].itemsize)
+        rate = b["kv_bytes"] / ms["cpu"] / 1e6
+        line = (f"{name:<28} {torch_ms:>9.2f} {ms['cpu']:>8.2f} {bf16_ms:>11.2f} "
+                f"{torch_ms / ms['cpu']:>5.1f}x {bf16_ms / ms['cpu']:>9.2f} "
+                f"{floor:>11.2f} {30 * ms['cpu']:>11.0f} ms {rate:>6.1f}")  # fmt: skip
+        if args.amx:
+            line += f"  {ms['no-AMX']:>9.3f}  {ms['cpu'] / ms['no-AMX']:>10.3f}"
+        print(line, flush=True)
     return 0
 
 

@@ -13,6 +13,8 @@ Environment:
 - ``PAGEDQ_CPU_ARCH``: the ``-march`` of the build, ``native`` by default; an image built for other
   hosts sets a portable one (``x86-64-v3``); ``none`` leaves ``-march`` out.
 - ``PAGEDQ_CPU_KERNELS=0``: never build or load; always the torch reference.
+- ``PAGEDQ_CPU_AMX=0``: decodes over a bf16 cache take the AVX path even where the CPU has AMX
+  (read at each call).
 """
 
 from __future__ import annotations
@@ -127,6 +129,13 @@ def _require() -> None:
 def supports(query_dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> bool:
     """True when the C++ kernels handle this query and KV-cache dtype pair."""
     return query_dtype in SUPPORTED_DTYPES and kv_cache_dtype in SUPPORTED_DTYPES
+
+
+def amx_decode_available() -> bool:
+    """True when the kernel runs bf16-cache decodes on AMX tiles here (built for a CPU with AMX,
+    the OS granted the tile state, ``PAGEDQ_CPU_AMX`` is not ``0``)."""
+    _require()
+    return bool(torch.ops.pagedq.amx_decode_available())
 
 
 def unified_attention_cpu(

@@ -16,8 +16,10 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <type_traits>
 #include <vector>
@@ -26,6 +28,10 @@
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -639,6 +645,41 @@ __attribute__((always_inline)) inline void score_tile(const float* q_f, int rows
   }
 }
 
+// A decode item's softmax, one per row of S (stride apart) over its visible keys, in place:
+// p = 0 past them (and in the padding rows past `rows`); m and l get each row's max and sum.
+inline void decode_softmax(float* S, int stride, int rows, int padded_rows, int G,
+                           int64_t first_pos, int key_begin, int num_keys, float* m, float* l) {
+  for (int i = 0; i < padded_rows; ++i) {
+    float* si = S + i * stride;
+    const int64_t limit = i < rows ? first_pos + i / G + 1 - key_begin : 0;
+    const int visible = static_cast<int>(std::clamp<int64_t>(limit, 0, num_keys));
+    if (visible == 0) {
+      std::fill(si, si + num_keys, 0.f);
+      continue;  // m stays -inf and l 0: this row sees nothing of this item
+    }
+    vfloat vm = vfloat{} + kNegInf;
+    int j = 0;
+    for (; j + kLanes <= visible; j += kLanes) vm = vmax(vm, loadv(si + j));
+    float mx = max_lanes(vm);
+    for (; j < visible; ++j) mx = std::max(mx, si[j]);
+    vfloat vsum = {};
+    j = 0;
+    for (; j + kLanes <= visible; j += kLanes) {
+      const vfloat p = exp2_neg_v(loadv(si + j) - mx);
+      storev(si + j, p);
+      vsum += p;
+    }
+    float sum = sum_lanes(vsum);
+    for (; j < visible; ++j) {
+      si[j] = exp2_neg(si[j] - mx);
+      sum += si[j];
+    }
+    std::fill(si + visible, si + num_keys, 0.f);
+    m[i] = mx;
+    l[i] = sum;
+  }
+}
+
 // Rows of a decode's p @ V pass: the query heads of a GQA group (3 for SmolLM2) share each V row.
 constexpr int kDecodePvRows = 3;
 
@@ -752,35 +793,7 @@ void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
   }
 
   // One softmax per row over its visible keys; p = 0 past them (and in the padding rows).
-  for (int i = 0; i < padded_rows; ++i) {
-    float* si = S + i * stride;
-    const int64_t limit = i < rows ? first_pos + i / G + 1 - w.key_begin : 0;
-    const int visible = static_cast<int>(std::clamp<int64_t>(limit, 0, num_keys));
-    if (visible == 0) {
-      std::fill(si, si + num_keys, 0.f);
-      continue;  // m stays -inf and l 0: this row sees nothing of this item
-    }
-    vfloat vm = vfloat{} + kNegInf;
-    int j = 0;
-    for (; j + kLanes <= visible; j += kLanes) vm = vmax(vm, loadv(si + j));
-    float mx = max_lanes(vm);
-    for (; j < visible; ++j) mx = std::max(mx, si[j]);
-    vfloat vsum = {};
-    j = 0;
-    for (; j + kLanes <= visible; j += kLanes) {
-      const vfloat p = exp2_neg_v(loadv(si + j) - mx);
-      storev(si + j, p);
-      vsum += p;
-    }
-    float sum = sum_lanes(vsum);
-    for (; j < visible; ++j) {
-      si[j] = exp2_neg(si[j] - mx);
-      sum += si[j];
-    }
-    std::fill(si + visible, si + num_keys, 0.f);
-    m[i] = mx;
-    l[i] = sum;
-  }
+  decode_softmax(S, stride, rows, padded_rows, G, first_pos, w.key_begin, num_keys, m, l);
 
   // Pass 2: acc[i] = sum_k p[i][k] V[k], the rows of a pass sharing every V row loaded.
   constexpr float kOnes[kDecodePvRows] = {1.f, 1.f, 1.f};
@@ -809,6 +822,415 @@ void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
   if constexpr (kPairs) eo_interleave(acc, rows, D);
   finish_item(w, L, D, q_start, acc, m, l, out, partial_acc, partial_ml);
 }
+
+// ---- AMX decodes (bf16 caches) ----------------------------------------------------------------
+// With AMX (Sapphire Rapids and later) a decode item's two products run on the tile unit, the
+// two-pass structure of decode_item kept, and K and V both go to the tiles as they lie in the
+// cache (tile loads at the cache's row stride, no widening, no copy). What it gains is mostly
+// the AVX path's widening and FMAs; DRAM-cold its own scratch traffic is what holds it
+// (docs/PERFORMANCE.md), so scratch is kept small:
+// - scores as S^T = K x Q^T: the A tile is tk (16, or a block size of 8) keys x 32 dims, the B
+//   tile q^T in VNNI order (a 32-bit pair of dims per query row), built once per item. bf16
+//   queries go in exactly and the scale is applied to the fp32 scores; fp32 queries go in as
+//   bf16 hi + lo, side by side as 2 x rows columns (one product; score_tile_dp's accuracy). The
+//   S^T tiles are gathered into rows for the softmax; p goes into A tiles a key tile at a time.
+// - p @ V with V as the B tile unchanged: a B row holds the 32 dims of one key, i.e. the pairs
+//   (dim 2e, dim 2e + 1), so A rows whose even elements hold p and odd ones 0 sum p V over the
+//   even dims, and rows with p in the odd elements over the odd dims. Each product does half
+//   the work it could, but V needs no VNNI interleave: built with unpacklo/hi_epi16 through
+//   memory (a tile load waits for the stores to drain), p @ V took 5x the time.
+// - p keeps 16 of its 24 bits as bf16 hi + lo, near the AVX paths' fp32 p (p rounded to bf16
+//   alone was reported to change greedy tokens; not measured here). A product costs by its A
+//   rows, so the hi, lo, even and odd rows stack in one A tile where 4 x rows <= 16 (one
+//   product per 32 dims), else in two.
+// Tiles are not renamed: a load into a tile waits for the products that read it, so each pass
+// has its own configuration with every operand in two tiles, tile t + 1 loading while tile t
+// multiplies (one configuration for both passes, tiles reused: 0.83-0.85x of the AVX path's
+// time cache-resident, against 0.72-0.81x; two loads of a configuration cost ~95 ns an item).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PAGEDQ_AMX 1
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// GCC's tile loads and ldtilecfg tell the compiler of no memory they read: this barrier keeps
+// the stores they depend on before them.
+#define PQ_MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
+
+// Linux hands out AMX's 8 KiB register state only to processes that ask (once per process;
+// asking again is harmless, and oneDNN asks too). False if the kernel refuses.
+inline bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+// PAGEDQ_CPU_AMX=0 turns the AMX path off (read at each call: bench/attention_cpu.py --amx
+// times both in one process).
+inline bool amx_enabled() {
+  const char* env = std::getenv("PAGEDQ_CPU_AMX");
+  if (env != nullptr && env[0] == '0' && env[1] == '\0') return false;
+  return amx_permitted();
+}
+
+// Keys of one tile: 16 for blocks of a multiple of 16, 8 for blocks of 8 (a tile never crosses a
+// block); 0 otherwise (the AVX path runs).
+inline int amx_tile_keys(const Layout& L) {
+  return L.block_size % kTile == 0 ? kTile : L.block_size == 8 ? 8 : 0;
+}
+
+// Items of at most this many rows run on AMX (p's hi and lo rows stack in a tile of 16 rows).
+constexpr int kAmxMaxRows = 8;
+
+struct TileShapes {
+  TileConfig c{};
+  TileShapes() { c.palette_id = 1; }
+  void set(int t, int rows, int colsb) {
+    c.rows[t] = static_cast<uint8_t>(rows);
+    c.colsb[t] = static_cast<uint16_t>(colsb);
+  }
+  void load() {
+    PQ_MEMORY_BARRIER();
+    _tile_loadconfig(&c);
+  }
+};
+
+// Pass 1 of decode_item_amx: tiles 0, 1 S^T (keys x cols fp32: query rows, or hi and lo
+// columns for fp32 queries), 2, 3 K (keys x 32 dims) of even tiles, 4-7 q^T of 32 dims each
+// (16 pairs of dims x cols); with head_dim 64, 6 and 7 hold the K of odd tiles.
+inline TileShapes amx_score_shapes(int cols, int tk, int c32) {
+  TileShapes s;
+  for (int t : {0, 1}) s.set(t, tk, cols * 4);
+  for (int t : {2, 3}) s.set(t, tk, 64);
+  for (int c = 0; c < 4; ++c) s.set(4 + c, 16, cols * 4);
+  if (c32 <= 2)
+    for (int t : {6, 7}) s.set(t, tk, 64);
+  return s;
+}
+
+// Pass 2: 4 x rows <= 16 (stacked): tiles 0, 1 p (4 x rows x tk keys, see decode_item_amx) of
+// even and odd key tiles, 2, 3 and 4, 5 V of 32 dims c and c + 1 (keys x 32 dims), 6, 7 the
+// sums of dims c and c + 1 (4 x rows x 16). Else: 0, 1 p's even and odd rows (2 x rows each)
+// of even key tiles, 2, 3 of odd ones, 4, 5 V, 6, 7 the sums over even and odd dims.
+inline TileShapes amx_pv_shapes(int rows, int tk) {
+  TileShapes s;
+  if (4 * rows <= 16) {
+    for (int t : {0, 1}) s.set(t, 4 * rows, 4 * tk);
+    for (int t : {2, 3, 4, 5}) s.set(t, tk, 64);
+    for (int t : {6, 7}) s.set(t, 4 * rows, 64);
+  } else {
+    for (int t : {0, 1, 2, 3}) s.set(t, 2 * rows, 4 * tk);
+    for (int t : {4, 5}) s.set(t, tk, 64);
+    for (int t : {6, 7}) s.set(t, 2 * rows, 64);
+  }
+  return s;
+}
+
+// Scratch of one thread for decode_item_amx, grown as needed.
+struct AmxScratch {
+  std::vector<float> st;     // S^T tiles: `cols` floats per key
+  std::vector<uint32_t> q;   // q^T
+  alignas(64) uint32_t a[2][4 * kAmxMaxRows * kTile];  // A tiles of p (see decode_item_amx)
+  alignas(64) uint16_t v_last[2][kTile * 32];  // last V tiles of fewer keys, zero-padded
+  alignas(64) float out[2][16 * 16];           // accumulator tiles
+  int shapes_for = -1;       // rows * 64 + cols the cached shapes were made for
+  TileShapes score, pv;
+};
+
+// S^T of one key tile into tile CT: K into KA and KB by turns, q^T in tiles 4-7. (Tile numbers
+// are immediates in GCC's intrinsics.)
+#define PQ_SCORE_TILE(CT, KA, KB, kp, rb, dst)                              \
+  do {                                                                      \
+    _tile_zero(CT);                                                         \
+    _tile_loadd(KA, kp, rb);                                                \
+    _tile_dpbf16ps(CT, KA, 4);                                              \
+    if constexpr (C32 > 1) {                                                \
+      _tile_loadd(KB, (kp) + 32, rb);                                       \
+      _tile_dpbf16ps(CT, KB, 5);                                            \
+    }                                                                       \
+    if constexpr (C32 > 2) {                                                \
+      _tile_loadd(KA, (kp) + 64, rb);                                       \
+      _tile_dpbf16ps(CT, KA, 6);                                            \
+    }                                                                       \
+    if constexpr (C32 > 3) {                                                \
+      _tile_loadd(KB, (kp) + 96, rb);                                       \
+      _tile_dpbf16ps(CT, KB, 7);                                            \
+    }                                                                       \
+    _tile_stored(CT, dst, cols * 4);                                        \
+  } while (0)
+
+template <typename scalar_t, int D>
+void decode_item_amx(const WorkItem& w, const Layout& L, int tk, const scalar_t* query,
+                     const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                     const int64_t* block_table, const int64_t* qsl, const int64_t* seq_lens,
+                     float qk_scale, scalar_t* out, float* partial_acc, float* partial_ml,
+                     float* q_f, float* acc, float* m, float* l, std::vector<float>& scores,
+                     AmxScratch& sc, const WorkItem* next) {
+  static_assert(D % 32 == 0 && D <= 128, "AMX decodes take 1-4 tiles of 32 dims");
+  constexpr int C32 = D / 32;
+  constexpr bool kSplitQ = std::is_same_v<scalar_t, float>;
+  const int G = L.group;
+  const int rows = w.q_len * G;
+  const bool stacked = 4 * rows <= 16;  // amx_pv_shapes' two layouts
+  const int cols = kSplitQ ? 2 * rows : rows;
+  if (sc.shapes_for != rows * 64 + cols) {
+    sc.score = amx_score_shapes(cols, tk, C32);
+    sc.pv = amx_pv_shapes(rows, tk);
+    sc.shapes_for = rows * 64 + cols;
+  }
+  const int64_t q_start = qsl[w.req];
+  const int64_t context_len = seq_lens[w.req] - (qsl[w.req + 1] - q_start);
+  if constexpr (kSplitQ) {
+    begin_item(w, L, D, query, q_start, qk_scale, q_f, acc, m, l);
+  } else {  // q goes in as it is, and p @ V writes acc whole
+    std::fill(m, m + rows, kNegInf);
+    std::fill(l, l + rows, 0.f);
+  }
+  const int64_t first_pos = context_len + w.q_begin;
+  const int64_t* bt_row = block_table + w.req * L.bt_sr;
+  const int64_t head_off = static_cast<int64_t>(w.kv_head) * L.cache_head;
+  const int num_keys = w.key_end - w.key_begin;
+  const int num_tiles = (num_keys + tk - 1) / tk;
+  const int last_keys = num_keys - (num_tiles - 1) * tk;
+  const DecodeStream st = decode_stream(w, next, L);
+  // The first row of the item's tile t (K or V): tiles never cross a block.
+  const auto tile_base = [&](const c10::BFloat16* cache, int t) {
+    const int key = w.key_begin + t * tk;
+    return cache + bt_row[block_index(L, key) * L.bt_sb] * L.cache_block +
+           block_offset(L, key) * L.cache_slot + head_off;
+  };
+  const int64_t row_bytes = L.cache_slot * static_cast<int64_t>(sizeof(c10::BFloat16));
+
+  // q^T in VNNI order: word (c * 16 + kk) * cols + i holds dims 32c + 2kk, +1 of column i, which
+  // is row i (bf16 queries, or the hi part of fp32 ones) or the lo part of row i - rows.
+  const int q_words = C32 * 16 * cols;
+  if (sc.q.size() < static_cast<size_t>(q_words)) sc.q.resize(q_words);
+  uint32_t* qt = sc.q.data();
+  for (int i = 0; i < rows; ++i) {
+    if constexpr (kSplitQ) {  // q_f is scaled by qk_scale already
+      for (int d = 0; d < D; d += 2) {
+        uint32_t hi = 0, lo = 0;
+        for (int e = 0; e < 2; ++e) {
+          const float x = q_f[i * D + d + e];
+          const c10::BFloat16 h(x);
+          hi |= static_cast<uint32_t>(h.x) << (16 * e);
+          lo |= static_cast<uint32_t>(c10::BFloat16(x - static_cast<float>(h)).x) << (16 * e);
+        }
+        const int word = ((d / 32) * 16 + (d % 32) / 2) * cols;
+        qt[word + i] = hi;
+        qt[word + rows + i] = lo;
+      }
+    } else {
+      const scalar_t* src =
+          query + (q_start + w.q_begin + i / G) * L.q_st + (w.kv_head * G + i % G) * L.q_sh;
+      for (int d = 0; d < D; d += 2)
+        std::memcpy(qt + ((d / 32) * 16 + (d % 32) / 2) * cols + i, src + d, sizeof(uint32_t));
+    }
+  }
+
+  // Pass 1: S^T, `cols` floats per key. (A 64-byte row per key, 3 of its 16 floats used, made
+  // S^T a 32 KiB write per 512 keys, which evicts K and V from L1: 64 decodes x 512, DRAM-cold,
+  // ran at 0.92x of the AVX path's time against 0.89x packed.) K rows of a last tile past the
+  // item's keys are the block's own (memory that exists), and their scores are never read.
+  const int keys16 = (num_keys + kTile - 1) / kTile * kTile;
+  if (sc.st.size() < static_cast<size_t>(keys16) * cols)
+    sc.st.resize(static_cast<size_t>(keys16) * cols);
+  float* St = sc.st.data();
+  sc.score.load();
+  _tile_loadd(4, qt, cols * 4);
+  if constexpr (C32 > 1) _tile_loadd(5, qt + 16 * cols, cols * 4);
+  if constexpr (C32 > 2) _tile_loadd(6, qt + 32 * cols, cols * 4);
+  if constexpr (C32 > 3) _tile_loadd(7, qt + 48 * cols, cols * 4);
+  for (int t = 0; t < num_tiles; ++t) {
+    const c10::BFloat16* kp = tile_base(k_cache, t);
+    const TileRows far = prefetch_ahead(st, L, D, block_table, k_cache, v_cache, t * tk,
+                                        std::min(tk, num_keys - t * tk));
+    float* dst = St + t * tk * cols;
+    if (t % 2 == 0) {
+      PQ_SCORE_TILE(0, 2, 3, kp, row_bytes, dst);
+    } else if constexpr (C32 <= 2) {
+      PQ_SCORE_TILE(1, 6, 7, kp, row_bytes, dst);
+    } else {
+      PQ_SCORE_TILE(1, 2, 3, kp, row_bytes, dst);
+    }
+    prefetch_rows<1>(far, 0, far.rows);
+  }
+
+  // Per row: S^T gathered into a row in log2 units (hi + lo columns for fp32 queries) and its
+  // max over the visible keys; then p = 2^(s - max) in place (0 past them) and its sum. p goes
+  // into A tiles one key tile at a time in pass 2, into two buffers by turns, each built while
+  // the other's products run. (All of an item's A tiles built here, 24 KiB per 512 keys that
+  // push K and V out of L1: 64 decodes x 512 DRAM-cold ran at 0.89x of the AVX path's time,
+  // against 0.85-0.86x.)
+  const int stride = keys16 + kTile;
+  if (scores.size() < static_cast<size_t>(rows) * stride)
+    scores.resize(static_cast<size_t>(rows) * stride);
+  float* S = scores.data();
+  const __m512i gather_idx = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(cols));
+  const __m512 vscale = _mm512_set1_ps(kSplitQ ? 1.f : qk_scale);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int i = 0; i < rows; ++i) {
+    float* si = S + i * stride;
+    const int64_t limit = first_pos + i / G + 1 - w.key_begin;
+    const int visible = static_cast<int>(std::clamp<int64_t>(limit, 0, num_keys));
+    __m512 vmx = _mm512_set1_ps(kNegInf);
+    for (int j = 0; j < visible; j += kTile) {
+      __m512 s = _mm512_i32gather_ps(gather_idx, St + j * cols + i, 4);
+      if constexpr (kSplitQ)
+        s = _mm512_add_ps(s, _mm512_i32gather_ps(gather_idx, St + j * cols + rows + i, 4));
+      s = _mm512_mul_ps(s, vscale);
+      const __mmask16 in = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(visible - j));
+      s = _mm512_mask_blend_ps(in, _mm512_set1_ps(kNegInf), s);
+      _mm512_storeu_ps(si + j, s);
+      vmx = _mm512_max_ps(vmx, s);
+    }
+    // a row that sees nothing of this item: p = 0, m stays -inf and l 0
+    const float mx = visible > 0 ? _mm512_reduce_max_ps(vmx) : 0.f;
+    const __m512 vmax_row = _mm512_set1_ps(mx);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int j = 0; j < num_tiles * tk; j += kTile) {
+      __m512 p = _mm512_setzero_ps();
+      if (j < visible) {
+        const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(si + j), vmax_row);
+        p = static_cast<__m512>(exp2_neg_v(static_cast<vfloat>(x)));
+        vsum = _mm512_add_ps(vsum, p);
+      }
+      _mm512_storeu_ps(si + j, p);
+    }
+    if (visible > 0) {
+      m[i] = mx;
+      l[i] = _mm512_reduce_add_ps(vsum);
+    }
+  }
+  // The A tile of key tile t: 4 x rows rows of tk 32-bit words, row i p hi of query row i in
+  // the low halves (even elements), row rows + i p lo, rows 2 rows + i and 3 rows + i the same
+  // in the high halves (odd elements).
+  const auto build_a = [&](int t, uint32_t* tile) {
+    PQ_MEMORY_BARRIER();  // after the tile loads that read this buffer before
+    const __mmask16 keys = tk == kTile ? 0xFFFF : (1u << tk) - 1;
+    for (int i = 0; i < rows; ++i) {
+      const __m512 p = _mm512_maskz_loadu_ps(keys, S + i * stride + t * tk);
+      const __m256bh hi = _mm512_cvtneps_pbh(p);
+      const __m512i hi_even = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(hi));
+      const __m512i hi_odd = _mm512_slli_epi32(hi_even, 16);  // hi as an fp32
+      const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(p, _mm512_castsi512_ps(hi_odd)));
+      const __m512i lo_even = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(lo));
+      const __m512i parts[4] = {hi_even, lo_even, hi_odd, _mm512_slli_epi32(lo_even, 16)};
+      for (int part = 0; part < 4; ++part)
+        _mm512_mask_storeu_epi32(tile + (part * rows + i) * tk, keys, parts[part]);
+    }
+    PQ_MEMORY_BARRIER();  // before the tile loads that read it
+  };
+  uint32_t* abuf[2] = {sc.a[0], sc.a[1]};
+
+  // Pass 2: acc = p @ V, per 32 dims c. sc.out gets, per c, the rows in p's order (even hi,
+  // even lo, odd hi, odd lo), which finish_dims adds up and puts back in order.
+  const auto v_tile = [&](int t, int c, int buf) -> const c10::BFloat16* {
+    const c10::BFloat16* vp = tile_base(v_cache, t) + 32 * c;
+    if (t < num_tiles - 1 || last_keys == tk) return vp;
+    // V rows past the item's keys may hold anything (0 x NaN is NaN): zeros instead.
+    std::memset(sc.v_last[buf], 0, sizeof(sc.v_last[buf]));
+    for (int j = 0; j < last_keys; ++j)
+      std::memcpy(sc.v_last[buf] + j * 32, vp + j * L.cache_slot, 64);
+    PQ_MEMORY_BARRIER();
+    return reinterpret_cast<const c10::BFloat16*>(sc.v_last[buf]);
+  };
+  const auto v_stride = [&](int t) -> int64_t {
+    return t < num_tiles - 1 || last_keys == tk ? row_bytes : 64;
+  };
+  const __m512i even_idx =
+      _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i odd_idx =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const auto finish_dims = [&](const float* o, int c) {
+    for (int i = 0; i < rows; ++i) {
+      const __m512 even = _mm512_add_ps(_mm512_load_ps(o + i * 16),
+                                        _mm512_load_ps(o + (rows + i) * 16));
+      const __m512 odd = _mm512_add_ps(_mm512_load_ps(o + (2 * rows + i) * 16),
+                                       _mm512_load_ps(o + (3 * rows + i) * 16));
+      _mm512_storeu_ps(acc + i * D + 32 * c, _mm512_permutex2var_ps(even, even_idx, odd));
+      _mm512_storeu_ps(acc + i * D + 32 * c + 16, _mm512_permutex2var_ps(even, odd_idx, odd));
+    }
+  };
+  const auto prefetch_v = [&](int t) {
+    const TileRows far = prefetch_ahead(st, L, D, block_table, k_cache, v_cache,
+                                        st.half + t * tk, std::min(tk, num_keys - t * tk));
+    prefetch_rows<1>(far, 0, far.rows);
+  };
+  sc.pv.load();
+  if (stacked) {
+    for (int c = 0; c < C32; c += 2) {
+      const bool pair = c + 1 < C32;
+      _tile_zero(6);
+      _tile_zero(7);
+      build_a(0, abuf[0]);
+      for (int t = 0; t < num_tiles; ++t) {
+        if (c == 0) prefetch_v(t);
+        const uint32_t* pt = abuf[t % 2];
+        if (t % 2 == 0) {
+          _tile_loadd(0, pt, tk * 4);
+          _tile_loadd(2, v_tile(t, c, 0), v_stride(t));
+          _tile_dpbf16ps(6, 0, 2);
+          if (pair) {
+            _tile_loadd(3, v_tile(t, c + 1, 1), v_stride(t));
+            _tile_dpbf16ps(7, 0, 3);
+          }
+        } else {
+          _tile_loadd(1, pt, tk * 4);
+          _tile_loadd(4, v_tile(t, c, 0), v_stride(t));
+          _tile_dpbf16ps(6, 1, 4);
+          if (pair) {
+            _tile_loadd(5, v_tile(t, c + 1, 1), v_stride(t));
+            _tile_dpbf16ps(7, 1, 5);
+          }
+        }
+        if (t + 1 < num_tiles) build_a(t + 1, abuf[(t + 1) % 2]);  // while tile t multiplies
+      }
+      _tile_stored(6, sc.out[0], 64);
+      finish_dims(sc.out[0], c);
+      if (pair) {
+        _tile_stored(7, sc.out[1], 64);
+        finish_dims(sc.out[1], c + 1);
+      }
+    }
+  } else {
+    for (int c = 0; c < C32; ++c) {
+      _tile_zero(6);
+      _tile_zero(7);
+      build_a(0, abuf[0]);
+      for (int t = 0; t < num_tiles; ++t) {
+        if (c == 0) prefetch_v(t);
+        const uint32_t* pt = abuf[t % 2];
+        const uint32_t* pt_odd = pt + 2 * rows * tk;
+        if (t % 2 == 0) {
+          _tile_loadd(4, v_tile(t, c, 0), v_stride(t));
+          _tile_loadd(0, pt, tk * 4);
+          _tile_loadd(1, pt_odd, tk * 4);
+          _tile_dpbf16ps(6, 0, 4);
+          _tile_dpbf16ps(7, 1, 4);
+        } else {
+          _tile_loadd(5, v_tile(t, c, 0), v_stride(t));
+          _tile_loadd(2, pt, tk * 4);
+          _tile_loadd(3, pt_odd, tk * 4);
+          _tile_dpbf16ps(6, 2, 5);
+          _tile_dpbf16ps(7, 3, 5);
+        }
+        if (t + 1 < num_tiles) build_a(t + 1, abuf[(t + 1) % 2]);  // while tile t multiplies
+      }
+      _tile_stored(6, sc.out[0], 64);
+      _tile_stored(7, sc.out[0] + 2 * rows * 16, 64);
+      finish_dims(sc.out[0], c);
+    }
+  }
+  finish_item(w, L, D, q_start, acc, m, l, out, partial_acc, partial_ml);
+}
+#undef PQ_SCORE_TILE
+#endif  // AMX
 
 template <typename scalar_t, typename cache_t, int D>
 void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
@@ -974,6 +1396,10 @@ void run(const std::vector<WorkItem>& items, const std::vector<SplitGroup>& grou
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
+#if defined(PAGEDQ_AMX)
+  constexpr bool kAmxShape = std::is_same_v<cache_t, c10::BFloat16> && DT > 0 && DT % 32 == 0;
+  const int amx_keys = kAmxShape && amx_enabled() ? amx_tile_keys(L) : 0;
+#endif
   at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch(static_cast<size_t>(max_rows) * (2 * D + kKeyTile + 2) +
                                2 * kKeyTile * D);
@@ -984,12 +1410,31 @@ void run(const std::vector<WorkItem>& items, const std::vector<SplitGroup>& grou
     float* l = m + max_rows;
     float* kv_tile = l + max_rows;
     std::vector<float> decode_scores;
+#if defined(PAGEDQ_AMX)
+    std::unique_ptr<AmxScratch> amx;
+    bool amx_used = false;  // this thread configured its tiles
+#endif
     // Each thread claims its next item before it starts the current one, so that the decode
     // path can prefetch that item's first tiles while it finishes this one.
     for (int64_t k = next.fetch_add(1); k < num_items;) {
       const int64_t k_next = next.fetch_add(1);
       const WorkItem* following = k_next < num_items ? &items[k_next] : nullptr;
       if constexpr (DT > 0 && DT % kLanes == 0) {
+#if defined(PAGEDQ_AMX)
+        if constexpr (kAmxShape) {
+          const int rows = items[k].q_len * L.group;
+          if (amx_keys > 0 && rows <= kAmxMaxRows) {
+            amx_used = true;
+            if (!amx) amx = std::make_unique<AmxScratch>();
+            decode_item_amx<scalar_t, DT>(items[k], L, amx_keys, q_ptr, k_ptr, v_ptr, bt_ptr,
+                                          qsl_ptr, sl_ptr, qk_scale, o_ptr, partial_acc.data(),
+                                          partial_ml.data(), q_f, acc, m, l, decode_scores,
+                                          *amx, following);
+            k = k_next;
+            continue;
+          }
+        }
+#endif
         if (items[k].q_len * L.group < kBlockedMinRows) {
           decode_item<scalar_t, cache_t, DT>(items[k], L, q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr,
                                              sl_ptr, qk_scale, o_ptr, partial_acc.data(),
@@ -1008,6 +1453,9 @@ void run(const std::vector<WorkItem>& items, const std::vector<SplitGroup>& grou
       }
       k = k_next;
     }
+#if defined(PAGEDQ_AMX)
+    if (amx_used) _tile_release();
+#endif
   });
   if (!groups.empty()) {
     at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t b, int64_t e) {
@@ -1220,6 +1668,16 @@ void write_kv(const at::Tensor& key_in, const at::Tensor& value_in, at::Tensor& 
   }
 }
 
+// True when bf16 decodes run on AMX here: built for a CPU with AMX, the OS granted its state,
+// and PAGEDQ_CPU_AMX is not 0.
+bool amx_decode_available() {
+#if defined(PAGEDQ_AMX)
+  return amx_enabled();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedq, m) {
@@ -1227,6 +1685,7 @@ TORCH_LIBRARY(pagedq, m) {
       "unified_attention(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_table, float scale, Tensor(a!) out, int kv_split_size) -> ()");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def("amx_decode_available() -> bool", &amx_decode_available);
 }
 
 TORCH_LIBRARY_IMPL(pagedq, CPU, m) {

@@ -218,3 +218,102 @@ def test_write_kv_refuses_a_slot_beyond_the_cache():
     key = torch.zeros(2, 1, 64)
     with pytest.raises(RuntimeError, match="out of range"):
         write_kv(key, key, torch.zeros(2, 1, 16, 1, 64), torch.tensor([3, 16]), backend="cpu")
+
+
+# ---- AMX decodes (bf16 caches on CPUs with AMX) ----------------------------------------------
+
+
+def _amx_available() -> bool:
+    from kernels.cpu_attention import amx_decode_available
+
+    return cpu_kernels_available() and amx_decode_available()
+
+
+amx_only = pytest.mark.skipif(
+    not _amx_available(), reason="no AMX here (or PAGEDQ_CPU_AMX=0): bf16 decodes take AVX"
+)
+
+
+def _run_both(batch, monkeypatch, kv_cache=None, **kwargs):
+    """The kernel's output with AMX, then with the AVX path (``PAGEDQ_CPU_AMX=0``)."""
+    amx = _run(batch, kv_cache, **kwargs)
+    monkeypatch.setenv("PAGEDQ_CPU_AMX", "0")
+    avx = _run(batch, kv_cache, **kwargs)
+    monkeypatch.delenv("PAGEDQ_CPU_AMX")
+    return amx, avx
+
+
+def _fp32_reference(batch, kv_cache=None):
+    """The reference in fp32 on the same (bf16) values: what both paths approximate."""
+    cache = (batch.kv_cache if kv_cache is None else kv_cache).float()
+    return unified_attention_torch(
+        batch.query.float(), cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
+        batch.scale,
+    )  # fmt: skip
+
+
+# Decodes (contexts off multiples of 16) and a short chunk whose rows still fit a tile
+# (q_len x group <= 8) next to a prefill, over every supported head and block size.
+AMX_CASES = [
+    # queries_per_kv, head_dim, block_size
+    (1, 64, 16),
+    (3, 64, 16),
+    (3, 64, 8),
+    (2, 128, 32),
+    (4, 96, 16),
+    (5, 64, 32),  # 5-8 rows: p's even and odd rows in two tiles
+    (8, 128, 8),
+]
+
+
+@amx_only
+@pytest.mark.parametrize(
+    "queries_per_kv,head_dim,block_size",
+    AMX_CASES,
+    ids=[f"gqa{g}-d{d}-bs{b}" for g, d, b in AMX_CASES],
+)
+def test_amx_decodes_match_reference(rng, monkeypatch, queries_per_kv, head_dim, block_size):
+    q_lens, ctx = [1, 1, 2, 1, 30, 1], [17, 300, 44, 5, 0, 129]
+    batch = random_batch(rng, q_lens, ctx, 2, queries_per_kv, head_dim, block_size, bf16)
+    amx, avx = _run_both(batch, monkeypatch)
+    expected = _fp32_reference(batch)
+    assert rel_err(amx, _reference(batch)) < TOLERANCE[bf16]
+    # as close to the exact result as the AVX path (both round the output to bf16)
+    assert rel_err(amx, expected) < max(1.5 * rel_err(avx, expected), 4e-3)
+
+
+@amx_only
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_amx_decodes_with_fp32_queries(rng, monkeypatch, head_dim):
+    """kv_cache_dtype=bfloat16 under an fp32 model: q as bf16 hi + lo keeps fp32 accuracy."""
+    batch = random_batch(rng, [1, 1, 1], [40, 9, 300], 2, 4, head_dim, 16, fp32)
+    kv_bf16 = batch.kv_cache.to(bf16)
+    amx, avx = _run_both(batch, monkeypatch, kv_cache=kv_bf16)
+    assert rel_err(amx, _reference(batch, kv_bf16)) < 1e-5
+    assert rel_err(avx, _reference(batch, kv_bf16)) < 1e-5
+
+
+@amx_only
+@pytest.mark.parametrize("kv_split_size", [16, 48, 100])
+def test_amx_split_kv_merges_exactly(rng, monkeypatch, kv_split_size):
+    batch = random_batch(rng, [1, 1, 1, 3], [700, 3, 250, 129], 2, 3, 64, 16, bf16)
+    amx, _ = _run_both(batch, monkeypatch, kv_split_size=kv_split_size)
+    assert rel_err(amx, _fp32_reference(batch)) < 4e-3
+
+
+@amx_only
+def test_amx_ignores_what_lies_past_the_keys(rng, monkeypatch):
+    """Tiles read whole blocks: slots past a request's keys (here NaN) must not leak in."""
+    q_lens, ctx = [1, 1, 1], [20, 7, 33]
+    for block_size in (8, 16, 32):
+        batch = random_batch(rng, q_lens, ctx, 2, 3, 64, block_size, bf16)
+        poisoned = batch.kv_cache.clone()
+        for i, seq_len in enumerate(batch.seq_lens.tolist()):
+            blocks = batch.block_table[i, : -(-seq_len // block_size)]
+            last = int(blocks[-1])
+            poisoned[:, last, seq_len % block_size or block_size :] = float("nan")
+        spare = set(range(poisoned.shape[1])) - set(batch.block_table.flatten().tolist())
+        poisoned[:, sorted(spare)] = float("nan")
+        amx, avx = _run_both(batch, monkeypatch, kv_cache=poisoned)
+        assert not amx.isnan().any() and not avx.isnan().any()
+        assert rel_err(amx, _fp32_reference(batch)) < 4e-3
