@@ -73,8 +73,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
@@ -84,7 +82,6 @@ from redis_ops import memory_by_kind  # noqa: E402
 from gateway.enqueuer import Enqueuer  # noqa: E402
 from gateway.stream_hub import StreamHub  # noqa: E402
 from producer.client import COUNT_CANCELED, Client  # noqa: E402
-from producer.connection import redis_client  # noqa: E402
 from producer.contract.codec import load_job_data  # noqa: E402
 from producer.contract.keys import (  # noqa: E402
     DEFAULT_RESULT_TTL,
@@ -101,7 +98,7 @@ from worker.endings import JobEnder  # noqa: E402
 from worker.engine_loop import MAX_PENDING_ADDS  # noqa: E402
 from worker.inflight import InFlight, StreamState  # noqa: E402
 from worker.leases import Leases  # noqa: E402
-from worker.redis_link import RedisLink  # noqa: E402
+from worker.redis_link import RedisLink, connect  # noqa: E402
 from worker.redis_server import PrivateRedis  # noqa: E402
 from worker.rq_adapter import RQAdapter  # noqa: E402
 from worker.rq_scripts import SCRIPTS  # noqa: E402
@@ -192,14 +189,7 @@ def count_async_commands() -> None:
 
 def worker_connection(url: str) -> redis.Redis:
     """worker.redis_link.connect(url), counting the commands it sends."""
-    return redis_client(
-        url,
-        retry=Retry(NoBackoff(), 0),
-        socket_connect_timeout=5,
-        socket_timeout=10,
-        health_check_interval=15,
-        connection_class=CountingConnection,
-    )
+    return connect(url, connection_class=CountingConnection)
 
 
 # --- state shared by the coordinator and its driver processes -----------------------------------

@@ -48,13 +48,13 @@ def read_result(connection: Redis, job_id: str) -> GenerationResult | None:
     A value that is not a GenerationResult (written by someone else) reads as a failed result
     saying so, instead of raising in every reader.
     """
-    raw = connection.get(result_key(job_id))
+    return _parse_result(job_id, connection.get(result_key(job_id)))
+
+
+def _parse_result(job_id: str, raw: bytes | str | None) -> GenerationResult | None:
+    """A result key's value as a GenerationResult (None for a missing key)."""
     if raw is None:
         return None
-    return _parse_result(job_id, raw[: MAX_READ_BYTES + 1])
-
-
-def _parse_result(job_id: str, raw: bytes | str) -> GenerationResult:
     if len(raw) > MAX_READ_BYTES:
         return _unreadable(job_id, f"result is over {MAX_READ_BYTES} bytes")
     try:
@@ -169,8 +169,9 @@ def final_results(
     raws = connection.mget([result_key(job_id) for job_id, _ in ended])
     out: dict[str, GenerationResult | JobNotFoundError] = {}
     for (job_id, entry), raw in zip(ended, raws, strict=True):
-        if raw is not None:
-            out[job_id] = _parse_result(job_id, raw[: MAX_READ_BYTES + 1])
+        result = _parse_result(job_id, raw)
+        if result is not None:
+            out[job_id] = result
             continue
         try:
             out[job_id] = final_result(connection, job_id, entry)

@@ -230,19 +230,15 @@ class ControlLoop:
         """Take jobs while the engine can admit them, all between two engine steps."""
         if time.monotonic() < self._next_dequeue_at:
             return
-        if not self.gate.ready(self.loop.admission_room(), len(self.in_flight), time.monotonic()):
+        room = self.loop.admission_room()
+        if not self.gate.ready(room, len(self.in_flight), time.monotonic()):
             self.loop.admitted()  # the engine steps on; the room is claimed a little later
             return
         self.gate.dequeued()
         try:
             with self.loop.paused():
                 deadline = time.monotonic() + ADMISSION_BURST_S
-                first = True
-                while first or time.monotonic() < deadline:
-                    room = self.loop.admission_room()
-                    if not room:
-                        break
-                    first = False
+                while room:
                     call, started_at = self.adapter.dequeue_call(room)
                     ok, reply = self.link.attempt(lambda c=call: self.link.scripts.call(c))
                     claims = self.adapter.claims(reply, started_at) if ok else []
@@ -255,6 +251,9 @@ class ControlLoop:
                         time.sleep(self._test_sleep)
                     for claim in claims:
                         self._start_safely(claim)
+                    if time.monotonic() >= deadline:
+                        break
+                    room = self.loop.admission_room()
         finally:
             self.loop.wait_for_admission = not self._queue_empty and not self._stopping
             self.loop.admitted()

@@ -34,18 +34,20 @@ FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 
 
-def connect(url: str) -> redis.Redis:
+def connect(url: str, **options: Any) -> redis.Redis:
     """A client for the control loop: no hidden retries (the loop has its own backoff).
 
     Any URL form of producer/connection.py; with redis+sentinel:// each reconnection asks the
     Sentinels for the current primary (MasterNotFoundError, a ConnectionError, while none is
-    known), so a failover is one more outage in UNAVAILABLE."""
+    known), so a failover is one more outage in UNAVAILABLE. `options` go to the client (a
+    benchmark's counting `connection_class`)."""
     return redis_client(
         url,
         retry=Retry(NoBackoff(), 0),
         socket_connect_timeout=5,
         socket_timeout=10,
         health_check_interval=15,
+        **options,
     )
 
 

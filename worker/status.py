@@ -23,8 +23,8 @@ from worker.endpoints import WorkerHealth
 
 log = structlog.get_logger("pagedq.worker")
 
-# Every 2 s, and at once when a count falls to 0: `pagedq status` refreshes every 2 s too, and a
-# thousand workers writing every 0.5 s cost Redis 4x as much for nothing seen.
+# Every 2 s, and at once when a count falls to 0: `pagedq status` and `pagedq top` show numbers at
+# most 2 s old, and a thousand workers writing every 0.5 s would cost Redis 4x as much.
 DEFAULT_INTERVAL_S = 2.0
 # The key outlives a few missed writes, then vanishes with a dead worker.
 DEFAULT_TTL_S = 10
