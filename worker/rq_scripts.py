@@ -24,10 +24,11 @@ then tenant fairness. Per base queue (producer/contract/routing.py):
 
 Redis's work grows with jobs, not with workers or tokens: one DEQUEUE takes every job the
 worker can admit now (each sub-queue's state read once, each list popped once), one END ends
-every job a step finished (registry moves, worker counters and tenant charges written once per
-call), and one HEARTBEAT renews every lease with one ZMSCORE and one ZADD per queue. A job
-alone costs the job hash read and written at its start, and at its end the hash read, written
-and given its TTL, and its result set: docs/OPERATIONS.md counts the rest.
+every job the worker gathered (worker/coalesce.py; registry moves, worker counters and tenant
+charges written once per call), and one HEARTBEAT renews every lease with one ZMSCORE and one
+ZADD per queue. A job alone costs the job hash read and written at its start, and at its end
+the hash read, written and given its TTL, and its result set: docs/OPERATIONS.md counts the
+rest.
 """
 
 from __future__ import annotations
