@@ -5,9 +5,10 @@ Whether bf16 pays on a CPU depends on more than its flags: with AMX, bf16 projec
 0.18x the time of fp32 ones; with AVX512-BF16 alone 1.3-1.6x on an Intel host but 0.51-0.54x
 on a Zen 4 host; with AVX2 only, bf16 is emulated (docs/PERFORMANCE.md). So the first start
 on a host times one decoder layer's projections (QKV, O, gate/up, down of the default model)
-at a decode batch and a prefill chunk, prepacked for oneDNN as the engine runs them, three
-ways: fp32, bf16, and bf16 weights widened to fp32 (bf16's numbers at fp32's speed). It keeps
-the result in the cache directory per CPU and torch version; later starts read it.
+at a decode batch and a prefill chunk, over copies of the layer too many for the caches, packed
+as the engine runs them: fp32 and bf16 on oneDNN, bf16 weights widened to fp32 (bf16's numbers
+at fp32's speed), and fp32 and bf16 on pagedq's own GEMM where it is built. It keeps the result
+in the cache directory per CPU and torch version; later starts read it.
 """
 
 from __future__ import annotations
@@ -31,30 +32,38 @@ from engine.cpu_features import cpu_flags, cpuinfo_field
 log = logging.getLogger(__name__)
 
 PROBE_VERSION = (
-    3  # bump when the measurement or a dtype's path changes: older files are measured again
+    4  # bump when the measurement or a dtype's path changes: older files are measured again
 )
 # One SmolLM2-135M decoder layer, (out_features, in_features): QKV, O, gate/up, down. The
 # engine picks its dtype before it reads the model's config, so the probe uses the default
 # model's shapes; what it measures is how this CPU computes each dtype.
 PROJECTIONS = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 TOKEN_COUNTS = (32, 128)  # a decode batch and a prefill chunk
+# A step reads each layer's weights from DRAM once: the probe walks distinct copies of its layer
+# (42 MB in bf16, more than a 32 MB L3) so that a GEMM which waits on those reads is timed
+# waiting (oneDNN's did, 1.2-1.7x its cache-hot time; docs/PERFORMANCE.md).
+LAYER_COPIES = 6
 MAX_ROUNDS = 3
 ROUNDS_BUDGET_S = 0.3  # no round starts past this (the first always runs)
 
-# () -> (fp32 seconds, bf16 seconds as the engine runs it[, whether it widens bf16 to fp32])
+# () -> (fp32 seconds, bf16 seconds as the engine runs it[, whether it widens bf16 to fp32,
+# the fp32 GEMM, the bf16 GEMM]); the GEMMs are "onednn" or "pagedq"
 Measure = Callable[[], tuple]
 
 
 @dataclass(slots=True, frozen=True)
 class DtypeProbe:
-    """One host's measurement: seconds for the probe's projections in fp32 and in bf16 (the
-    faster of oneDNN's bf16 and widened fp32, which `widen_bf16` says)."""
+    """One host's measurement: seconds for the probe's projections in fp32 and in bf16, each
+    the fastest way: bf16 in oneDNN's bf16, widened to fp32 (`widen_bf16`), or in pagedq's GEMM;
+    `gemm_fp32` and `gemm_bf16` say whose GEMM ("onednn" or "pagedq") won."""
 
     float32_s: float
     bfloat16_s: float
     host: str
     version: int = PROBE_VERSION
     widen_bf16: bool = False
+    gemm_fp32: str = "onednn"
+    gemm_bf16: str = "onednn"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -87,25 +96,40 @@ def probe_cpu_dtype(measure: Measure | None = None, cache_dir: Path | None = Non
     if cached is not None:
         _log(cached, f"cached in {path}")
         return cached
-    float32_s, bfloat16_s, *widen = (measure or measure_projections)()
-    probe = DtypeProbe(float32_s, bfloat16_s, host_key(), widen_bf16=bool(widen and widen[0]))
+    float32_s, bfloat16_s, *extra = (measure or measure_projections)()
+    widen, gemm_fp32, gemm_bf16 = (list(extra) + [False, "onednn", "onednn"][len(extra) :])[:3]
+    probe = DtypeProbe(
+        float32_s,
+        bfloat16_s,
+        host_key(),
+        widen_bf16=bool(widen),
+        gemm_fp32=gemm_fp32,
+        gemm_bf16=gemm_bf16,
+    )
     _write(path, probe)
     _log(probe, f"measured, cached in {path}")
     return probe
 
 
-def measure_projections() -> tuple[float, float, bool]:
-    """Median seconds of one layer's projections at each of ``TOKEN_COUNTS``: (fp32, bf16 the
-    faster way, whether that way is widening to fp32).
+def measure_projections() -> tuple[float, float, bool, str, str]:
+    """Median seconds of the projections of ``LAYER_COPIES`` layers at each of ``TOKEN_COUNTS``:
+    (fp32 the faster way, bf16 the fastest way, whether that way is widening to fp32, the fp32
+    GEMM, the bf16 GEMM).
 
     After a warm-up call of each (oneDNN builds its kernels then), the ways take turns, so a
     change in the host's load weighs on all alike.
     """
+    from engine.models.packed_linear import pagedq_gemm_available
+
     runs = {
-        "float32": _projections(torch.float32),
-        "bfloat16": _projections(torch.bfloat16, widen=False),
-        "widened": _projections(torch.bfloat16, widen=True),
+        "float32": _projections(torch.float32, gemm="onednn"),
+        "bfloat16": _projections(torch.bfloat16, widen=False, gemm="onednn"),
+        "widened": _projections(torch.bfloat16, widen=True, gemm="onednn"),
     }
+    if pagedq_gemm_available(torch.float32):
+        runs["float32 pagedq"] = _projections(torch.float32, gemm="pagedq")
+    if pagedq_gemm_available(torch.bfloat16):
+        runs["bfloat16 pagedq"] = _projections(torch.bfloat16, widen=False, gemm="pagedq")
     for run in runs.values():
         run()
     times: dict[str, list[float]] = {way: [] for way in runs}
@@ -117,27 +141,33 @@ def measure_projections() -> tuple[float, float, bool]:
             times[way].append(time.perf_counter() - t0)
         if time.perf_counter() - start > ROUNDS_BUDGET_S:
             break
-    fp32, native, widened = (statistics.median(times[w]) for w in runs)
-    return fp32, min(native, widened), widened < native
+    median = {way: statistics.median(t) for way, t in times.items()}
+    fp32 = min((w for w in median if w.startswith("float32")), key=median.get)
+    bf16 = min((w for w in median if not w.startswith("float32")), key=median.get)
+    gemm = lambda way: "pagedq" if way.endswith(" pagedq") else "onednn"  # noqa: E731
+    return median[fp32], median[bf16], bf16 == "widened", gemm(fp32), gemm(bf16)
 
 
-def _projections(dtype: torch.dtype, widen: bool = False) -> Callable[[], None]:
+def _projections(dtype: torch.dtype, widen: bool = False, gemm: str = "onednn") -> Callable:
     """One call of every probe projection at every token count, as the engine runs ``dtype``
-    (bf16: `widen` or not)."""
+    (bf16: `widen` or not) on `gemm`'s kernels."""
     from engine.models.packed_linear import PackedLinear, prepack_supported
 
     gen = torch.Generator().manual_seed(0)
     packed = prepack_supported(torch.device("cpu"), dtype)
-    calls = []
+    layers = [[] for _ in range(LAYER_COPIES)]
     for out_features, in_features in PROJECTIONS:
         weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(dtype)
-        if packed:
-            linear = PackedLinear(weight, widen=widen)
-        else:
-            linear = lambda x, w=weight: F.linear(x, w)  # noqa: E731
-        for num_tokens in TOKEN_COUNTS:
-            x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
-            calls.append((linear, x))
+        for layer in layers:
+            if packed:
+                layer.append(PackedLinear(weight, widen=widen, gemm=gemm))
+            else:
+                copy = weight.clone()
+                layer.append(lambda x, w=copy: F.linear(x, w))
+    calls = []
+    for num_tokens in TOKEN_COUNTS:
+        inputs = [torch.randn(num_tokens, k, generator=gen).to(dtype) for _, k in PROJECTIONS]
+        calls += [(linear, x) for layer in layers for linear, x in zip(layer, inputs)]
 
     def run() -> None:
         with torch.inference_mode():
@@ -155,6 +185,7 @@ def _read(path: Path) -> DtypeProbe | None:
     valid = (
         probe.version == PROBE_VERSION
         and probe.host == host_key()
+        and {probe.gemm_fp32, probe.gemm_bf16} <= {"onednn", "pagedq"}
         and all(isinstance(t, int | float) and t > 0 for t in (probe.float32_s, probe.bfloat16_s))
     )
     return probe if valid else None
@@ -173,12 +204,15 @@ def _write(path: Path, probe: DtypeProbe) -> None:
 
 def _log(probe: DtypeProbe, how: str) -> None:
     log.info(
-        "dtype auto on this CPU: %s (one layer's projections at %s tokens: fp32 %.1f ms, "
-        "bf16 %.1f ms%s; %s)",
+        "dtype auto on this CPU: %s (%d layers' projections at %s tokens: fp32 %.1f ms, "
+        "bf16 %.1f ms%s; GEMM fp32 %s, bf16 %s; %s)",
         str(probe.dtype).removeprefix("torch."),
+        LAYER_COPIES,
         " and ".join(map(str, TOKEN_COUNTS)),
         probe.float32_s * 1e3,
         probe.bfloat16_s * 1e3,
         " widened to fp32" if probe.widen_bf16 else "",
+        probe.gemm_fp32,
+        probe.gemm_bf16,
         how,
     )

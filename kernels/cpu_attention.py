@@ -1,10 +1,10 @@
 """The C++ paged attention for CPUs, built at first use and registered as ``torch.ops.pagedq``.
 
-``kernels/csrc/*.cpp`` (the paged attention, RMSNorm and SiLU-and-mul) are compiled with
-``torch.utils.cpp_extension`` (g++ and ninja) into a cache directory the first time a process
-needs it; later processes load the cached library directly, without a compiler. Where no
-compiler or ninja is found, or the build fails, ``cpu_kernels_available()`` warns once and
-returns False, and callers use the torch reference.
+``kernels/csrc/*.cpp`` (the paged attention, RMSNorm, SiLU-and-mul and the packed projections)
+are compiled with ``torch.utils.cpp_extension`` (g++ and ninja) into a cache directory the first
+time a process needs it; later processes load the cached library directly, without a compiler.
+Where no compiler or ninja is found, or the build fails, ``cpu_kernels_available()`` warns once
+and returns False, and callers use the torch reference.
 
 Environment:
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "layers_cpu.cpp")
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "layers_cpu.cpp", CSRC / "linear_cpu.cpp")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()

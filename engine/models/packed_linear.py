@@ -11,6 +11,11 @@ host (AMX: 0.18x; a Zen 4 with AVX512-BF16: 0.51-0.54x), and widened to fp32 (ex
 they are not (AVX2: emulated, 2.4x; an Intel host with AVX512-BF16 alone: 1.3-1.6x): its
 products then run in fp32, the output rounded to bf16, what a bf16 GEMM computes (bf16 inputs,
 fp32 sums) at fp32's speed. Which one is measured once per host (engine/dtype_probe.py).
+
+The same measurement decides whose GEMM runs the packed weights: oneDNN's, or pagedq's own
+AVX-512 one (``kernels/cpu_linear.py``), which overlaps the weights' DRAM reads with its
+products where oneDNN waits on them (a Zen 4 host: 0.85x the time of a layer's projections at
+batch 64, 0.4-0.7x at batch 1-16; with AMX oneDNN's bf16 stays ahead).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from torch import nn
 
 # PAGEDQ_PREPACK=0 keeps plain F.linear (for comparisons in bench/roofline.py).
 PREPACK_DTYPES = (torch.float32, torch.bfloat16)
+GEMMS = ("onednn", "pagedq")
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -44,10 +50,29 @@ def widens_bf16() -> bool:
     return probe_cpu_dtype().widen_bf16
 
 
+def measured_gemm(dtype: torch.dtype) -> str:
+    """ "pagedq" where this host measured pagedq's GEMM faster than oneDNN's for ``dtype`` (the
+    compute dtype), else "onednn"; ``PAGEDQ_GEMM=onednn`` or ``=pagedq`` overrides."""
+    from engine.dtype_probe import probe_cpu_dtype
+
+    forced = os.environ.get("PAGEDQ_GEMM", "")
+    if forced in GEMMS:
+        return forced
+    probe = probe_cpu_dtype()
+    return probe.gemm_bf16 if dtype == torch.bfloat16 else probe.gemm_fp32
+
+
+def pagedq_gemm_available(dtype: torch.dtype) -> bool:
+    """True where pagedq's own GEMM is built for ``dtype`` (AVX-512; bf16: AVX512-BF16)."""
+    from kernels.cpu_linear import packed_linear_available
+
+    return packed_linear_available(dtype)
+
+
 class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` held only in oneDNN's layout; ``y`` in ``out_dtype``
-    (default: the weight's dtype). A bf16 weight is `widen`ed to fp32 or not as given, else as
-    this host measured faster."""
+    """``y = x @ W.T + b`` with ``W`` held only in a GEMM's packed layout; ``y`` in
+    ``out_dtype`` (default: the weight's dtype). A bf16 weight is `widen`ed to fp32 or not as
+    given, else as this host measured faster; `gemm` ("onednn" or "pagedq") likewise."""
 
     def __init__(
         self,
@@ -55,6 +80,7 @@ class PackedLinear(nn.Module):
         bias: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None,
         widen: bool | None = None,
+        gemm: str | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -65,21 +91,50 @@ class PackedLinear(nn.Module):
         elif widen is None:
             widen = widens_bf16()
         self.compute_dtype = torch.float32 if widen else weight.dtype
+        if gemm is None:
+            gemm = measured_gemm(self.compute_dtype)
+        if gemm not in GEMMS:
+            raise ValueError(f"gemm={gemm!r} is not supported: must be one of {GEMMS}")
+        if gemm == "pagedq" and not pagedq_gemm_available(self.compute_dtype):
+            gemm = "onednn"
+        self.gemm = gemm
         with torch.no_grad():
             plain = weight.detach().to(self.compute_dtype).contiguous()
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(plain)
+            if gemm == "pagedq":
+                from kernels.cpu_linear import pack_linear_weight
+
+                self.packed = pack_linear_weight(plain)
+            else:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(plain)
         self.bias = None if bias is None else bias.detach().to(self.compute_dtype)
+        # pagedq's GEMM adds an fp32 bias before its one rounding.
+        self._bias_fp32 = None if bias is None else bias.detach().float().contiguous()
+        self._to_out = self.out_dtype != self.compute_dtype and not (
+            gemm == "pagedq" and self.out_dtype == torch.float32
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Tensor.to costs ~8 us even when it has nothing to do: 240 such calls a step.
         if x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
-        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return y if y.dtype == self.out_dtype else y.to(self.out_dtype)
+        if self.gemm == "pagedq":
+            from kernels.cpu_linear import packed_linear
+
+            out_dtype = torch.float32 if self.out_dtype == torch.float32 else self.compute_dtype
+            y = packed_linear(x, self.packed, self.out_features, self._bias_fp32, out_dtype)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return y.to(self.out_dtype) if self._to_out else y
 
     @property
     def weight(self) -> torch.Tensor:
         """The weight as a plain ``[out, in]`` tensor (a fresh copy: for inspection, not speed)."""
+        if self.gemm == "pagedq":
+            from kernels.cpu_linear import unpack_linear_weight
+
+            return unpack_linear_weight(self.packed, self.out_features, self.in_features).to(
+                self.dtype
+            )
         return self.packed.to_dense().to(self.dtype)
 
 

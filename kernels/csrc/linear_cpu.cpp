@@ -1,0 +1,304 @@
+// Projections y = x @ W^T + b over weights packed once into this file's layout (AVX-512).
+//
+// oneDNN's prepacked GEMM is at the core's peak when its weights sit in L2, but a decode step
+// reads each layer's weights from DRAM once, after the attention has flushed the caches, and
+// then oneDNN's blocks wait on their loads: on a Zen 4 host one layer's bf16 projections at
+// batch 64 took 1.25x their cache-hot time, and 1.5-3x at batch 1-16 (docs/PERFORMANCE.md).
+// Here each thread streams its own column blocks in order and prefetches the next block into
+// L2 while the first rows of the current one are computed, so that DRAM and the FMAs overlap.
+//
+// Layout: W [N, K] becomes column blocks of 64 (kNR) output features, zero-padded:
+//   fp32  [N/64][K][64]            one row of 64 floats per k
+//   bf16  [N/64][ceil(K/2)][64][2] k-pairs interleaved, the order of vdpbf16ps (AVX512-BF16)
+// The micro-kernel keeps kMR x 4 vectors of 16 sums in registers; per k (pair) it loads 4
+// vectors of weights and broadcasts one x value (pair) per row. Sums are fp32; a bf16 output
+// is rounded to nearest even once, after the bias, as a bf16 GEMM does.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kNR = 64;   // output features per column block (4 vectors of 16)
+constexpr int kMR = 6;        // rows per micro-kernel: 24 sums + 4 weights + 1 x in 32 zmm
+constexpr int64_t kMB = 192;  // rows per pass over the weights: x's block stays in L2
+
+bool bf16_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool fp32_supported() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool packed_linear_available(c10::ScalarType dtype) {
+  if (dtype == at::kFloat) return fp32_supported();
+  if (dtype == at::kBFloat16) return bf16_supported();
+  return false;
+}
+
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_linear_weight: weight must be [out, in]");
+  TORCH_CHECK(packed_linear_available(weight.scalar_type()),
+              "pack_linear_weight: dtype ", weight.scalar_type(), " is not supported on this build");
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), NB = (N + kNR - 1) / kNR;
+  if (w.scalar_type() == at::kFloat) {
+    at::Tensor out = at::zeros({NB, K, kNR}, w.options());
+    const float* src = w.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t nb = b0; nb < b1; ++nb)
+        for (int64_t c = 0; c < kNR && nb * kNR + c < N; ++c)
+          for (int64_t k = 0; k < K; ++k) dst[(nb * K + k) * kNR + c] = src[(nb * kNR + c) * K + k];
+    });
+    return out;
+  }
+  const int64_t K2 = (K + 1) / 2;
+  at::Tensor out = at::zeros({NB, K2, kNR, 2}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t c = 0; c < kNR && nb * kNR + c < N; ++c)
+        for (int64_t k = 0; k < K; ++k)
+          dst[((nb * K2 + k / 2) * kNR + c) * 2 + k % 2] = src[(nb * kNR + c) * K + k];
+  });
+  return out;
+}
+
+#if defined(__AVX512F__)
+
+// The 4 x 16 outputs of one row: bias added, stored as fp32, or rounded to bf16 (and widened
+// back to fp32 when `out` is fp32 but the products were bf16: the numbers of a bf16 linear
+// followed by .float()). `valid` < 64 masks the last block's padding.
+struct Output {
+  void* base;
+  int64_t ld;
+  bool fp32_out;
+  bool round_bf16;
+  const float* bias;  // nullptr or this block's 64 values (padded)
+  int64_t valid;
+};
+
+inline __m512 round_to_bf16(__m512 v) {
+  // Round to nearest even, NaN kept quiet: c10::BFloat16's rule, as a bf16 output gets it.
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(int32_t(0xFFFF0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  const __m512i quiet = _mm512_and_si512(_mm512_or_si512(bits, _mm512_set1_epi32(0x400000)),
+                                         _mm512_set1_epi32(int32_t(0xFFFF0000u)));
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, quiet));
+}
+
+inline void store_row(const Output& o, int64_t row, int64_t col0, const __m512* acc) {
+  for (int j = 0; j < 4; ++j) {
+    const int64_t left = o.valid - j * 16;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    __m512 v = acc[j];
+    if (o.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(o.bias + j * 16));
+    if (o.fp32_out) {
+      if (o.round_bf16) v = round_to_bf16(v);
+      float* dst = static_cast<float*>(o.base) + row * o.ld + col0 + j * 16;
+      _mm512_mask_storeu_ps(dst, mask, v);
+    } else {
+      const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round_to_bf16(v)), 16);
+      uint16_t* dst = static_cast<uint16_t*>(o.base) + row * o.ld + col0 + j * 16;
+      _mm256_mask_storeu_epi16(dst, mask, _mm512_cvtepi32_epi16(bits));
+    }
+  }
+}
+
+// Prefetches 64 bytes x 4 of `next` (the same k rows of the next block) into L2.
+inline void prefetch_rows(const char* next) {
+  _mm_prefetch(next, _MM_HINT_T1);
+  _mm_prefetch(next + 64, _MM_HINT_T1);
+  _mm_prefetch(next + 128, _MM_HINT_T1);
+  _mm_prefetch(next + 192, _MM_HINT_T1);
+}
+
+template <int MR>
+void micro_fp32(const float* x, int64_t ldx, const float* w, int64_t K, const char* next,
+                const Output& o, int64_t row0, int64_t col0) {
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* b = w + k * kNR;
+    if (next) prefetch_rows(next + k * kNR * 4);
+    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+    const __m512 b2 = _mm512_loadu_ps(b + 32), b3 = _mm512_loadu_ps(b + 48);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(a, b2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(a, b3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) store_row(o, row0 + r, col0, acc[r]);
+}
+
+#if defined(__AVX512BF16__)
+template <int MR>
+void micro_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const char* next,
+                const Output& o, int64_t row0, int64_t col0) {
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t pairs = K / 2, K2 = (K + 1) / 2;
+  for (int64_t k2 = 0; k2 < K2; ++k2) {
+    const uint16_t* b = w + k2 * kNR * 2;
+    if (next) prefetch_rows(next + k2 * kNR * 4);
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 32);
+    const __m512bh b2 = (__m512bh)_mm512_loadu_si512(b + 64);
+    const __m512bh b3 = (__m512bh)_mm512_loadu_si512(b + 96);
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      if (k2 < pairs) {
+        std::memcpy(&pair, x + r * ldx + 2 * k2, 4);
+      } else {  // odd K: the last x value alone, its partner weight is padding (zero)
+        pair = x[r * ldx + 2 * k2];
+      }
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, b2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, b3);
+    }
+  }
+  for (int r = 0; r < MR; ++r) store_row(o, row0 + r, col0, acc[r]);
+}
+#endif
+
+// One column block over rows [m0, m1): micro-kernels of kMR rows, then the remainder.
+template <typename T, template <int> class Kernel>
+void block_rows(const T* x, int64_t ldx, const T* w, int64_t K, const char* next, const Output& o,
+                int64_t m0, int64_t m1, int64_t col0) {
+  int64_t m = m0;
+  for (; m + kMR <= m1; m += kMR) {
+    Kernel<kMR>::run(x + m * ldx, ldx, w, K, next, o, m, col0);
+    next = nullptr;  // prefetched once, with the block's first rows
+  }
+  switch (m1 - m) {
+    case 5: Kernel<5>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
+    case 4: Kernel<4>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
+    case 3: Kernel<3>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
+    case 2: Kernel<2>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
+    case 1: Kernel<1>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
+    default: break;
+  }
+}
+
+template <int MR>
+struct Fp32Kernel {
+  static void run(const float* x, int64_t ldx, const float* w, int64_t K, const char* next,
+                  const Output& o, int64_t row0, int64_t col0) {
+    micro_fp32<MR>(x, ldx, w, K, next, o, row0, col0);
+  }
+};
+
+#if defined(__AVX512BF16__)
+template <int MR>
+struct Bf16Kernel {
+  static void run(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
+                  const char* next, const Output& o, int64_t row0, int64_t col0) {
+    micro_bf16<MR>(x, ldx, w, K, next, o, row0, col0);
+  }
+};
+#endif
+
+// Rows in passes of kMB; in each pass the threads split the column blocks, each walking its
+// share in order and prefetching its next block.
+template <typename T, template <int> class Kernel>
+void run_linear(const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64_t K,
+                int64_t block_elems, const float* bias, void* out, bool fp32_out,
+                bool round_bf16) {
+  const int64_t NB = (N + kNR - 1) / kNR;
+  for (int64_t m0 = 0; m0 < M; m0 += kMB) {
+    const int64_t m1 = std::min(M, m0 + kMB);
+    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t nb = b0; nb < b1; ++nb) {
+        const T* block = w + nb * block_elems;
+        const char* next =
+            nb + 1 < b1 ? reinterpret_cast<const char*>(block + block_elems) : nullptr;
+        Output o{out, N, fp32_out, round_bf16, bias ? bias + nb * kNR : nullptr,
+                 std::min(kNR, N - nb * kNR)};
+        block_rows<T, Kernel>(x, ldx, block, K, next, o, m0, m1, nb * kNR);
+      }
+    });
+  }
+}
+
+#endif  // __AVX512F__
+
+// y [M, N] = x [M, K] @ W^T + bias; W packed by pack_linear_weight, bias fp32 padded to the
+// packed width (or undefined). `out` is x's dtype or fp32.
+void packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                   at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "packed_linear: x must be [tokens, in], rows contiguous");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "packed_linear: x is ", x.scalar_type(),
+              " but the weight is ", packed.scalar_type());
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0), "packed_linear: bad out");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() || out.scalar_type() == at::kFloat,
+              "packed_linear: out must be x's dtype or float32");
+  const int64_t M = x.size(0), N = out.size(1), K = x.size(1);
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous(), "packed_linear: bias");
+    b = bias->data_ptr<float>();
+  }
+  if (M == 0) return;
+  const bool fp32_out = out.scalar_type() == at::kFloat;
+#if defined(__AVX512F__)
+  if (x.scalar_type() == at::kFloat) {
+    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K, "packed_linear: weight is not packed for in=", K);
+    run_linear<float, Fp32Kernel>(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), M, N,
+                                  K, K * kNR, b, out.data_ptr(), fp32_out, false);
+    return;
+  }
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(packed.dim() == 4 && packed.size(1) == (K + 1) / 2,
+                "packed_linear: weight is not packed for in=", K);
+    run_linear<uint16_t, Bf16Kernel>(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
+                                     reinterpret_cast<const uint16_t*>(packed.data_ptr()), M, N, K,
+                                     (K + 1) / 2 * kNR * 2, b, out.data_ptr(), fp32_out, fp32_out);
+    return;
+  }
+#endif
+#endif
+  TORCH_CHECK(false, "packed_linear: dtype ", x.scalar_type(), " is not supported on this build");
+}
+
+bool packed_linear_available_op(c10::ScalarType dtype) { return packed_linear_available(dtype); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedq, m) {
+  m.def("packed_linear_available(ScalarType dtype) -> bool", &packed_linear_available_op);
+  m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedq, CPU, m) { m.impl("packed_linear", &packed_linear); }

@@ -1,0 +1,144 @@
+"""pagedq's own GEMM (kernels/csrc/linear_cpu.cpp) computes x @ W.T + b as a linear does: fp32
+to fp32's accuracy, bf16 as fp32 sums rounded to bf16 once; every tail of its blocks covered."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import make_tiny_model
+
+from engine import LLM, SamplingParams
+from engine.models.packed_linear import PackedLinear
+from kernels.cpu_linear import (
+    pack_linear_weight,
+    packed_linear,
+    packed_linear_available,
+    unpack_linear_weight,
+)
+
+fp32, bf16 = torch.float32, torch.bfloat16
+
+
+def needs(dtype: torch.dtype):
+    return pytest.mark.skipif(
+        not packed_linear_available(dtype), reason=f"no pagedq GEMM for {dtype} in this build"
+    )
+
+
+# (tokens, out_features, in_features): a decode row, one micro-kernel's rows and its remainder,
+# column blocks with a tail (out not a multiple of 64), odd in_features (a bf16 pair padded),
+# more rows than one pass over the weights (192), the default model's shapes.
+SHAPES = [
+    (1, 64, 16),
+    (6, 128, 32),
+    (7, 100, 33),
+    (5, 70, 65),
+    (13, 960, 576),
+    (200, 576, 1536),
+    (401, 192, 96),
+]
+
+
+def _weights(out_features, in_features, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    b = torch.randn(out_features, generator=gen)
+    return w, b, gen
+
+
+@needs(fp32)
+@pytest.mark.parametrize(("tokens", "out_features", "in_features"), SHAPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_fp32_matches_f_linear(tokens, out_features, in_features, with_bias):
+    w, b, gen = _weights(out_features, in_features, fp32, tokens)
+    b = b if with_bias else None
+    x = torch.randn(tokens, in_features, generator=gen)
+    out = packed_linear(x, pack_linear_weight(w), out_features, b)
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert out.dtype == fp32 and out.shape == (tokens, out_features)
+    # fp32 sums in another order: within a few ulps of the sum of magnitudes.
+    scale = F.linear(x.double().abs(), w.double().abs()) + 1
+    assert torch.all((out.double() - exact).abs() <= scale * 2**-20)
+
+
+@needs(bf16)
+@pytest.mark.parametrize(("tokens", "out_features", "in_features"), SHAPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bf16_is_fp32_sums_rounded_once(tokens, out_features, in_features, with_bias):
+    w, b, gen = _weights(out_features, in_features, bf16, tokens)
+    b = b if with_bias else None
+    x = torch.randn(tokens, in_features, generator=gen).to(bf16)
+    packed = pack_linear_weight(w)
+    out = packed_linear(x, packed, out_features, b)
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert out.dtype == bf16 and out.shape == (tokens, out_features)
+    # One rounding to bf16 (8 significant bits) is within 2**-9 of each sum; the fp32 sums
+    # themselves are within a few ulps of the sum of magnitudes.
+    scale = F.linear(x.double().abs(), w.double().abs()) + 1
+    assert torch.all((out.double() - exact).abs() <= exact.abs() * 2**-8 + scale * 2**-20)
+    # fp32 logits of a bf16 model are the bf16 results widened: the numbers of .float().
+    logits = packed_linear(x, packed, out_features, b, fp32)
+    assert logits.dtype == fp32 and torch.equal(logits.to(bf16), out)
+    assert torch.equal(logits, out.float())
+
+
+@pytest.mark.parametrize("dtype", [fp32, bf16])
+def test_the_packed_weight_unpacks_to_the_same_values(dtype):
+    if not packed_linear_available(dtype):
+        pytest.skip(f"no pagedq GEMM for {dtype} in this build")
+    w, _, _ = _weights(70, 65, dtype, 0)
+    packed = pack_linear_weight(w)
+    assert torch.equal(unpack_linear_weight(packed, 70, 65), w)
+    assert torch.equal(PackedLinear(w, gemm="pagedq", widen=False).weight, w)
+
+
+@needs(fp32)
+def test_leading_dims_and_strided_rows_are_accepted():
+    w, b, gen = _weights(96, 64, fp32, 3)
+    x = torch.randn(2, 3, 128, generator=gen)[..., ::2]  # rows with a stride of 2
+    out = packed_linear(x, pack_linear_weight(w), 96, b)
+    assert out.shape == (2, 3, 96)
+    assert torch.allclose(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [fp32, bf16])
+def test_packed_linear_follows_the_measured_gemm(tmp_path, monkeypatch, dtype):
+    """The probe's choice of GEMM reaches every PackedLinear; PAGEDQ_GEMM overrides it."""
+    from engine.dtype_probe import PROBE_VERSION, host_key, probe_cache_path
+
+    monkeypatch.setenv("PAGEDQ_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PAGEDQ_GEMM", raising=False)
+    path = probe_cache_path()
+    path.parent.mkdir(parents=True)
+    probe = {"float32_s": 0.1, "bfloat16_s": 0.05, "host": host_key(), "version": PROBE_VERSION}
+    path.write_text(json.dumps({**probe, "gemm_fp32": "pagedq", "gemm_bf16": "pagedq"}))
+    w = torch.randn(64, 32).to(dtype)
+    expected = "pagedq" if packed_linear_available(dtype) else "onednn"
+    assert PackedLinear(w, widen=False).gemm == expected
+    monkeypatch.setenv("PAGEDQ_GEMM", "onednn")
+    assert PackedLinear(w, widen=False).gemm == "onednn"
+    with pytest.raises(ValueError, match="gemm='mkl' is not supported: must be one of"):
+        PackedLinear(w, widen=False, gemm="mkl")
+
+
+@needs(fp32)
+def test_an_fp32_engine_on_pagedq_gemm_gives_onednn_tokens(tmp_path, monkeypatch):
+    """A tiny Qwen2 (qkv bias, odd sizes padded into blocks) greedy-decodes the same tokens on
+    either GEMM."""
+    folder = make_tiny_model(tmp_path / "qwen2", "qwen2")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[1, 504, 3458, 282], [7, 8, 9, 10, 11, 12, 13]]
+    tokens = {}
+    for gemm in ("onednn", "pagedq"):
+        monkeypatch.setenv("PAGEDQ_GEMM", gemm)
+        from engine.model_loader import load_model
+
+        load_model.cache_clear()
+        llm = LLM(str(folder), dtype="float32", kv_cache_memory=2**22, block_size=16)
+        assert llm.llm_engine.model.layers[0].self_attn.qkv_proj.gemm == gemm
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens[gemm] = [o.outputs[0].token_ids for o in outs]
+    assert tokens["pagedq"] == tokens["onednn"]
