@@ -23,7 +23,22 @@ def packed_linear_available(dtype: torch.dtype) -> bool:
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ``[out, in]`` (fp32 or bf16) in the kernel's column-block layout."""
+    cpu_attention._require()
     return torch.ops.pagedq.pack_linear_weight(weight.detach())
+
+
+def packed_linear_silu_mul(
+    x: torch.Tensor, packed: torch.Tensor, intermediate: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``silu(x @ gate.T) * (x @ up.T)`` over gate_up's packed ``[2 * intermediate, in]`` weight
+    (``intermediate`` a multiple of 64), with silu_and_mul's arithmetic on the rounded gate and
+    up values: the same numbers as the linear and then ``silu_and_mul``, without writing the
+    ``[tokens, 2 * intermediate]`` product."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], intermediate, dtype=x.dtype)
+    torch.ops.pagedq.packed_linear_silu_mul(x, packed, bias, out)
+    return out
 
 
 def unpack_linear_weight(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:

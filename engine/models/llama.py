@@ -63,7 +63,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), backend=self.backend))
+        gate_up = self.gate_up_proj
+        if getattr(gate_up, "fuses_silu_and_mul", False):  # pagedq's GEMM: one pass, same numbers
+            return self.down_proj(gate_up.silu_and_mul(x))
+        return self.down_proj(silu_and_mul(gate_up(x), backend=self.backend))
 
 
 class LlamaDecoderLayer(nn.Module):

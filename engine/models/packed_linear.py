@@ -127,6 +127,25 @@ class PackedLinear(nn.Module):
         return y.to(self.out_dtype) if self._to_out else y
 
     @property
+    def fuses_silu_and_mul(self) -> bool:
+        """True where `silu_and_mul` runs fused in the GEMM: pagedq's, not widened, gate and up
+        halves in whole column blocks (a multiple of 64 features each)."""
+        half = self.out_features // 2
+        return (
+            self.gemm == "pagedq"
+            and self.compute_dtype == self.dtype == self.out_dtype
+            and self.out_features == 2 * half
+            and half % 64 == 0
+        )
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of this gate_up projection, the same numbers as
+        ``kernels.silu_and_mul(self(x))`` (requires `fuses_silu_and_mul`)."""
+        from kernels.cpu_linear import packed_linear_silu_mul
+
+        return packed_linear_silu_mul(x, self.packed, self.out_features // 2, self._bias_fp32)
+
+    @property
     def weight(self) -> torch.Tensor:
         """The weight as a plain ``[out, in]`` tensor (a fresh copy: for inspection, not speed)."""
         if self.gemm == "pagedq":

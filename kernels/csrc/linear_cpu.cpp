@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec_cpu.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -88,6 +90,12 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 // The 4 x 16 outputs of one row: bias added, stored as fp32, or rounded to bf16 (and widened
 // back to fp32 when `out` is fp32 but the products were bf16: the numbers of a bf16 linear
 // followed by .float()). `valid` < 64 masks the last block's padding.
+// SiLU-and-mul fused in (gate_up's blocks, packed_linear_silu_mul): a gate block's outputs go
+// to `silu` (the kMR x 64 rows of the current micro-kernel, as silu_and_mul computes them from
+// the gate's rounded values), then the up block of the same columns multiplies them on its way
+// out: the [tokens, 2 x intermediate] product is never written.
+enum class Epilogue { kStore, kGate, kUpMul };
+
 struct Output {
   void* base;
   int64_t ld;
@@ -95,6 +103,9 @@ struct Output {
   bool round_bf16;
   const float* bias;  // nullptr or this block's 64 values (padded)
   int64_t valid;
+  Epilogue epilogue = Epilogue::kStore;
+  float* silu = nullptr;  // kMR x 64 per thread (kGate writes it, kUpMul reads it)
+  int64_t silu_row0 = 0;  // the row of silu[0]
 };
 
 inline __m512 round_to_bf16(__m512 v) {
@@ -115,7 +126,22 @@ inline void store_row(const Output& o, int64_t row, int64_t col0, const __m512* 
     if (left <= 0) break;
     const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
     __m512 v = acc[j];
-    if (o.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(o.bias + j * 16));
+    if (o.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, o.bias + j * 16));
+    if (o.epilogue != Epilogue::kStore) {
+      // The gate and up values as a bf16 linear leaves them (rounded), then silu_and_mul's
+      // arithmetic (layers_cpu.cpp), so that fused and unfused give the same bits.
+      if (!o.fp32_out || o.round_bf16) v = round_to_bf16(v);
+      float* silu = o.silu + (row - o.silu_row0) * kNR + j * 16;
+      if (o.epilogue == Epilogue::kGate) {
+        const pagedq_vec::vfloat g = reinterpret_cast<const pagedq_vec::vfloat&>(v);
+        const pagedq_vec::vfloat a = g / (1.f + pagedq_vec::exp_v(-g));
+        __m512 act = reinterpret_cast<const __m512&>(a);
+        if (!o.fp32_out) act = round_to_bf16(act);
+        _mm512_storeu_ps(silu, act);
+        continue;
+      }
+      v = _mm512_mul_ps(_mm512_loadu_ps(silu), v);
+    }
     if (o.fp32_out) {
       if (o.round_bf16) v = round_to_bf16(v);
       float* dst = static_cast<float*>(o.base) + row * o.ld + col0 + j * 16;
@@ -193,20 +219,42 @@ void micro_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, co
 
 // One column block over rows [m0, m1): micro-kernels of kMR rows, then the remainder.
 template <typename T, template <int> class Kernel>
-void block_rows(const T* x, int64_t ldx, const T* w, int64_t K, const char* next, const Output& o,
-                int64_t m0, int64_t m1, int64_t col0) {
-  int64_t m = m0;
-  for (; m + kMR <= m1; m += kMR) {
-    Kernel<kMR>::run(x + m * ldx, ldx, w, K, next, o, m, col0);
-    next = nullptr;  // prefetched once, with the block's first rows
-  }
-  switch (m1 - m) {
+void micro_rows(int rows, const T* x, int64_t ldx, const T* w, int64_t K, const char* next,
+                const Output& o, int64_t m, int64_t col0) {
+  switch (rows) {
+    case 6: Kernel<6>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
     case 5: Kernel<5>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
     case 4: Kernel<4>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
     case 3: Kernel<3>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
     case 2: Kernel<2>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
     case 1: Kernel<1>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
     default: break;
+  }
+}
+
+// One column block over rows [m0, m1) in micro-kernels of up to kMR rows. `up` (the fused
+// SiLU-and-mul) is the up block of the same columns: each micro-kernel's rows run the gate
+// block, then the up block, while the silu values are in L1.
+template <typename T, template <int> class Kernel>
+void block_rows(const T* x, int64_t ldx, const T* w, int64_t K, const char* next, const Output& o,
+                int64_t m0, int64_t m1, int64_t col0, const T* up = nullptr,
+                const char* up_next = nullptr, const float* up_bias = nullptr) {
+  static_assert(kMR == 6, "micro_rows dispatches 1-6 rows");
+  for (int64_t m = m0; m < m1; m += kMR) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMR, m1 - m));
+    if (up == nullptr) {
+      micro_rows<T, Kernel>(rows, x, ldx, w, K, next, o, m, col0);
+    } else {
+      Output gate = o, mul = o;
+      gate.epilogue = Epilogue::kGate;
+      mul.epilogue = Epilogue::kUpMul;
+      mul.bias = up_bias;
+      gate.silu_row0 = mul.silu_row0 = m;
+      micro_rows<T, Kernel>(rows, x, ldx, w, K, next, gate, m, col0);
+      micro_rows<T, Kernel>(rows, x, ldx, up, K, up_next, mul, m, col0);
+      up_next = nullptr;
+    }
+    next = nullptr;  // prefetched once, with the block's first rows
   }
 }
 
@@ -228,34 +276,60 @@ struct Bf16Kernel {
 };
 #endif
 
-// Rows in passes of kMB; in each pass the threads split the column blocks, each walking its
-// share in order and prefetching its next block.
+// Tasks of (row pass, column block): each thread walks a contiguous run of them, row pass by
+// row pass, prefetching the next task's block. Up to kMB rows there is one pass and the threads
+// split the columns (each block read from DRAM once). With more rows (prefill chunks) the number
+// of passes is raised by up to threads - 1 where that evens out the tasks: with 9 column blocks
+// (576 features) over 2 threads, one thread had 5 blocks per pass and the other 4, and such
+// projections ran 1.10-1.14x oneDNN's time at 512-2048 rows.
+inline int64_t row_passes(int64_t M, int64_t NB, int64_t threads) {
+  const int64_t base = (M + kMB - 1) / kMB;
+  if (base < 2 || threads < 2) return base;
+  for (int64_t passes = base; passes < base + threads; ++passes)
+    if ((passes * NB) % threads == 0) return passes;
+  return base;
+}
+
+// N is the output width; with `silu_mul` the weight holds 2N features (gate, then up, N a
+// multiple of kNR) and the output is silu(gate) * up.
 template <typename T, template <int> class Kernel>
 void run_linear(const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64_t K,
                 int64_t block_elems, const float* bias, void* out, bool fp32_out,
-                bool round_bf16) {
+                bool round_bf16, bool silu_mul = false) {
   const int64_t NB = (N + kNR - 1) / kNR;
-  for (int64_t m0 = 0; m0 < M; m0 += kMB) {
-    const int64_t m1 = std::min(M, m0 + kMB);
-    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t nb = b0; nb < b1; ++nb) {
-        const T* block = w + nb * block_elems;
-        const char* next =
-            nb + 1 < b1 ? reinterpret_cast<const char*>(block + block_elems) : nullptr;
-        Output o{out, N, fp32_out, round_bf16, bias ? bias + nb * kNR : nullptr,
-                 std::min(kNR, N - nb * kNR)};
+  const int64_t passes = row_passes(M, NB, at::get_num_threads());
+  const int64_t rows = (M + passes - 1) / passes;
+  at::parallel_for(0, passes * NB, 1, [&](int64_t t0, int64_t t1) {
+    alignas(64) float silu[kMR * kNR];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t nb = t % NB, m0 = t / NB * rows, m1 = std::min(M, m0 + rows);
+      if (m0 >= m1) continue;
+      const T* block = w + nb * block_elems;
+      const char* next =
+          t + 1 < t1 ? reinterpret_cast<const char*>(w + (t + 1) % NB * block_elems) : nullptr;
+      Output o{out, N, fp32_out, round_bf16, bias ? bias + nb * kNR : nullptr,
+               std::min(kNR, N - nb * kNR)};
+      o.silu = silu;
+      if (!silu_mul) {
         block_rows<T, Kernel>(x, ldx, block, K, next, o, m0, m1, nb * kNR);
+        continue;
       }
-    });
-  }
+      const T* up = block + NB * block_elems;
+      const char* up_next =
+          next ? reinterpret_cast<const char*>(w + (NB + (t + 1) % NB) * block_elems) : nullptr;
+      block_rows<T, Kernel>(x, ldx, block, K, next, o, m0, m1, nb * kNR, up, up_next,
+                            bias ? bias + N + nb * kNR : nullptr);
+    }
+  });
 }
 
 #endif  // __AVX512F__
 
-// y [M, N] = x [M, K] @ W^T + bias; W packed by pack_linear_weight, bias fp32 padded to the
-// packed width (or undefined). `out` is x's dtype or fp32.
-void packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                   at::Tensor& out) {
+// y [M, N] = x [M, K] @ W^T + bias; W packed by pack_linear_weight, bias fp32 [features] (or
+// undefined). `out` is x's dtype or fp32. With `silu_mul`, W is gate_up's
+// [2N, K] and y = silu(x @ gate^T) * (x @ up^T), as silu_and_mul computes it (N % 64 == 0).
+void run_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                at::Tensor& out, bool silu_mul) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "packed_linear: x must be [tokens, in], rows contiguous");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "packed_linear: x is ", x.scalar_type(),
               " but the weight is ", packed.scalar_type());
@@ -263,6 +337,10 @@ void packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::opt
   TORCH_CHECK(out.scalar_type() == x.scalar_type() || out.scalar_type() == at::kFloat,
               "packed_linear: out must be x's dtype or float32");
   const int64_t M = x.size(0), N = out.size(1), K = x.size(1);
+  TORCH_CHECK(!silu_mul || (N % kNR == 0 && packed.size(0) == 2 * N / kNR),
+              "packed_linear_silu_mul: the weight must hold gate and up, ", N, " features each, "
+              "a multiple of ", kNR);
+  TORCH_CHECK(packed.size(0) * kNR >= N, "packed_linear: out has more features than the weight");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous(), "packed_linear: bias");
@@ -274,7 +352,7 @@ void packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::opt
   if (x.scalar_type() == at::kFloat) {
     TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K, "packed_linear: weight is not packed for in=", K);
     run_linear<float, Fp32Kernel>(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), M, N,
-                                  K, K * kNR, b, out.data_ptr(), fp32_out, false);
+                                  K, K * kNR, b, out.data_ptr(), fp32_out, false, silu_mul);
     return;
   }
 #if defined(__AVX512BF16__)
@@ -283,12 +361,23 @@ void packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::opt
                 "packed_linear: weight is not packed for in=", K);
     run_linear<uint16_t, Bf16Kernel>(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
                                      reinterpret_cast<const uint16_t*>(packed.data_ptr()), M, N, K,
-                                     (K + 1) / 2 * kNR * 2, b, out.data_ptr(), fp32_out, fp32_out);
+                                     (K + 1) / 2 * kNR * 2, b, out.data_ptr(), fp32_out, fp32_out,
+                                     silu_mul);
     return;
   }
 #endif
 #endif
   TORCH_CHECK(false, "packed_linear: dtype ", x.scalar_type(), " is not supported on this build");
+}
+
+void packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                   const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+  run_packed(x, packed, bias, out, false);
+}
+
+void packed_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed,
+                            const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+  run_packed(x, packed, bias, out, true);
 }
 
 bool packed_linear_available_op(c10::ScalarType dtype) { return packed_linear_available(dtype); }
@@ -299,6 +388,10 @@ TORCH_LIBRARY_FRAGMENT(pagedq, m) {
   m.def("packed_linear_available(ScalarType dtype) -> bool", &packed_linear_available_op);
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("packed_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedq, CPU, m) { m.impl("packed_linear", &packed_linear); }
+TORCH_LIBRARY_IMPL(pagedq, CPU, m) {
+  m.impl("packed_linear", &packed_linear);
+  m.impl("packed_linear_silu_mul", &packed_linear_silu_mul);
+}

@@ -142,3 +142,38 @@ def test_an_fp32_engine_on_pagedq_gemm_gives_onednn_tokens(tmp_path, monkeypatch
         outs = llm.generate(prompts, params, use_tqdm=False)
         tokens[gemm] = [o.outputs[0].token_ids for o in outs]
     assert tokens["pagedq"] == tokens["onednn"]
+
+
+@pytest.mark.parametrize("dtype", [fp32, bf16])
+@pytest.mark.parametrize(
+    ("tokens", "intermediate", "in_features", "with_bias"),
+    [(1, 64, 576, True), (7, 128, 33, True), (64, 1536, 576, False), (401, 192, 96, True)],
+)
+def test_fused_silu_and_mul_gives_the_unfused_bits(
+    dtype, tokens, intermediate, in_features, with_bias
+):
+    """gate_up's GEMM with silu_and_mul in its epilogue equals the GEMM and then the C++
+    silu_and_mul, bit for bit (rounded gate and up values, the same exp)."""
+    if not packed_linear_available(dtype):
+        pytest.skip(f"no pagedq GEMM for {dtype} in this build")
+    from kernels import silu_and_mul
+    from kernels.cpu_linear import packed_linear_silu_mul
+
+    w, b, gen = _weights(2 * intermediate, in_features, dtype, tokens)
+    b = b if with_bias else None
+    x = torch.randn(tokens, in_features, generator=gen).to(dtype)
+    packed = pack_linear_weight(w)
+    unfused = silu_and_mul(packed_linear(x, packed, 2 * intermediate, b), backend="cpu")
+    fused = packed_linear_silu_mul(x, packed, intermediate, b)
+    assert fused.dtype == dtype and torch.equal(fused, unfused)
+    linear = PackedLinear(w, b, gemm="pagedq", widen=False)
+    assert linear.fuses_silu_and_mul
+    assert torch.equal(linear.silu_and_mul(x), silu_and_mul(linear(x), backend="cpu"))
+
+
+@needs(fp32)
+def test_gate_up_without_whole_blocks_is_not_fused():
+    linear = PackedLinear(torch.randn(2 * 40, 16), gemm="pagedq")
+    assert not linear.fuses_silu_and_mul
+    with pytest.raises(RuntimeError, match="a multiple of 64"):
+        linear.silu_and_mul(torch.randn(2, 16))
