@@ -56,7 +56,9 @@ def measured_gemm(dtype: torch.dtype) -> str:
     from engine.dtype_probe import probe_cpu_dtype
 
     forced = os.environ.get("PAGEDQ_GEMM", "")
-    if forced in GEMMS:
+    if forced:
+        if forced not in GEMMS:
+            raise ValueError(f"PAGEDQ_GEMM={forced!r} is not supported: must be one of {GEMMS}")
         return forced
     probe = probe_cpu_dtype()
     return probe.gemm_bf16 if dtype == torch.bfloat16 else probe.gemm_fp32

@@ -162,43 +162,39 @@ inline void prefetch_rows(const char* next) {
   _mm_prefetch(next + 192, _MM_HINT_T1);
 }
 
-template <int MR>
+// NV vectors of 16 columns: 4 (a whole block) or 2 (half a block, where the threads split one).
+template <int MR, int NV>
 void micro_fp32(const float* x, int64_t ldx, const float* w, int64_t K, const char* next,
                 const Output& o, int64_t row0, int64_t col0) {
   __m512 acc[MR][4];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const float* b = w + k * kNR;
     if (next) prefetch_rows(next + k * kNR * 4);
-    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
-    const __m512 b2 = _mm512_loadu_ps(b + 32), b3 = _mm512_loadu_ps(b + 48);
+    __m512 bv[NV];
+    for (int j = 0; j < NV; ++j) bv[j] = _mm512_loadu_ps(b + j * 16);
     for (int r = 0; r < MR; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
-      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(a, b2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(a, b3, acc[r][3]);
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(a, bv[j], acc[r][j]);
     }
   }
   for (int r = 0; r < MR; ++r) store_row(o, row0 + r, col0, acc[r]);
 }
 
 #if defined(__AVX512BF16__)
-template <int MR>
+template <int MR, int NV>
 void micro_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const char* next,
                 const Output& o, int64_t row0, int64_t col0) {
   __m512 acc[MR][4];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
   const int64_t pairs = K / 2, K2 = (K + 1) / 2;
   for (int64_t k2 = 0; k2 < K2; ++k2) {
     const uint16_t* b = w + k2 * kNR * 2;
     if (next) prefetch_rows(next + k2 * kNR * 4);
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
-    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 32);
-    const __m512bh b2 = (__m512bh)_mm512_loadu_si512(b + 64);
-    const __m512bh b3 = (__m512bh)_mm512_loadu_si512(b + 96);
+    __m512bh bv[NV];
+    for (int j = 0; j < NV; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + j * 32);
     for (int r = 0; r < MR; ++r) {
       int32_t pair;
       if (k2 < pairs) {
@@ -207,10 +203,7 @@ void micro_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, co
         pair = x[r * ldx + 2 * k2];
       }
       const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, b2);
-      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, b3);
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, bv[j]);
     }
   }
   for (int r = 0; r < MR; ++r) store_row(o, row0 + r, col0, acc[r]);
@@ -218,16 +211,16 @@ void micro_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, co
 #endif
 
 // One column block over rows [m0, m1): micro-kernels of kMR rows, then the remainder.
-template <typename T, template <int> class Kernel>
+template <typename T, template <int, int> class Kernel, int NV>
 void micro_rows(int rows, const T* x, int64_t ldx, const T* w, int64_t K, const char* next,
                 const Output& o, int64_t m, int64_t col0) {
   switch (rows) {
-    case 6: Kernel<6>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
-    case 5: Kernel<5>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
-    case 4: Kernel<4>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
-    case 3: Kernel<3>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
-    case 2: Kernel<2>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
-    case 1: Kernel<1>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
+    case 6: Kernel<6, NV>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
+    case 5: Kernel<5, NV>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
+    case 4: Kernel<4, NV>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
+    case 3: Kernel<3, NV>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
+    case 2: Kernel<2, NV>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
+    case 1: Kernel<1, NV>::run(x + m * ldx, ldx, w, K, next, o, m, col0); break;
     default: break;
   }
 }
@@ -235,7 +228,7 @@ void micro_rows(int rows, const T* x, int64_t ldx, const T* w, int64_t K, const 
 // One column block over rows [m0, m1) in micro-kernels of up to kMR rows. `up` (the fused
 // SiLU-and-mul) is the up block of the same columns: each micro-kernel's rows run the gate
 // block, then the up block, while the silu values are in L1.
-template <typename T, template <int> class Kernel>
+template <typename T, template <int, int> class Kernel, int NV>
 void block_rows(const T* x, int64_t ldx, const T* w, int64_t K, const char* next, const Output& o,
                 int64_t m0, int64_t m1, int64_t col0, const T* up = nullptr,
                 const char* up_next = nullptr, const float* up_bias = nullptr) {
@@ -243,82 +236,88 @@ void block_rows(const T* x, int64_t ldx, const T* w, int64_t K, const char* next
   for (int64_t m = m0; m < m1; m += kMR) {
     const int rows = static_cast<int>(std::min<int64_t>(kMR, m1 - m));
     if (up == nullptr) {
-      micro_rows<T, Kernel>(rows, x, ldx, w, K, next, o, m, col0);
+      micro_rows<T, Kernel, NV>(rows, x, ldx, w, K, next, o, m, col0);
     } else {
       Output gate = o, mul = o;
       gate.epilogue = Epilogue::kGate;
       mul.epilogue = Epilogue::kUpMul;
       mul.bias = up_bias;
       gate.silu_row0 = mul.silu_row0 = m;
-      micro_rows<T, Kernel>(rows, x, ldx, w, K, next, gate, m, col0);
-      micro_rows<T, Kernel>(rows, x, ldx, up, K, up_next, mul, m, col0);
+      micro_rows<T, Kernel, NV>(rows, x, ldx, w, K, next, gate, m, col0);
+      micro_rows<T, Kernel, NV>(rows, x, ldx, up, K, up_next, mul, m, col0);
       up_next = nullptr;
     }
     next = nullptr;  // prefetched once, with the block's first rows
   }
 }
 
-template <int MR>
+template <int MR, int NV>
 struct Fp32Kernel {
   static void run(const float* x, int64_t ldx, const float* w, int64_t K, const char* next,
                   const Output& o, int64_t row0, int64_t col0) {
-    micro_fp32<MR>(x, ldx, w, K, next, o, row0, col0);
+    micro_fp32<MR, NV>(x, ldx, w, K, next, o, row0, col0);
   }
 };
 
 #if defined(__AVX512BF16__)
-template <int MR>
+template <int MR, int NV>
 struct Bf16Kernel {
   static void run(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
                   const char* next, const Output& o, int64_t row0, int64_t col0) {
-    micro_bf16<MR>(x, ldx, w, K, next, o, row0, col0);
+    micro_bf16<MR, NV>(x, ldx, w, K, next, o, row0, col0);
   }
 };
 #endif
 
-// Tasks of (row pass, column block): each thread walks a contiguous run of them, row pass by
-// row pass, prefetching the next task's block. Up to kMB rows there is one pass and the threads
-// split the columns (each block read from DRAM once). With more rows (prefill chunks) the number
-// of passes is raised by up to threads - 1 where that evens out the tasks: with 9 column blocks
-// (576 features) over 2 threads, one thread had 5 blocks per pass and the other 4, and such
-// projections ran 1.10-1.14x oneDNN's time at 512-2048 rows.
-inline int64_t row_passes(int64_t M, int64_t NB, int64_t threads) {
+// Tasks of (row pass, half column block): each thread walks a contiguous run of them, row pass
+// by row pass, two halves of a block at a time where both are its own, prefetching the next
+// block. Up to kMB rows there is one pass and the threads split the columns (each block read
+// from DRAM once); in halves, so that 9 blocks (576 features) give 2 threads 4.5 each, not 5
+// and 4 (such projections ran 1.10-1.14x oneDNN's time). With more rows (prefill chunks) the
+// number of passes is raised by up to threads - 1 where that evens out the tasks.
+inline int64_t row_passes(int64_t M, int64_t units, int64_t threads) {
   const int64_t base = (M + kMB - 1) / kMB;
   if (base < 2 || threads < 2) return base;
   for (int64_t passes = base; passes < base + threads; ++passes)
-    if ((passes * NB) % threads == 0) return passes;
+    if ((passes * units) % threads == 0) return passes;
   return base;
 }
 
 // N is the output width; with `silu_mul` the weight holds 2N features (gate, then up, N a
 // multiple of kNR) and the output is silu(gate) * up.
-template <typename T, template <int> class Kernel>
+template <typename T, template <int, int> class Kernel>
 void run_linear(const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64_t K,
                 int64_t block_elems, const float* bias, void* out, bool fp32_out,
                 bool round_bf16, bool silu_mul = false) {
-  const int64_t NB = (N + kNR - 1) / kNR;
-  const int64_t passes = row_passes(M, NB, at::get_num_threads());
+  const int64_t NB = (N + kNR - 1) / kNR, units = 2 * NB;
+  const int64_t half_elems = kNR / 2 * (sizeof(T) == 2 ? 2 : 1);  // 32 columns' offset
+  const int64_t passes = row_passes(M, units, at::get_num_threads());
   const int64_t rows = (M + passes - 1) / passes;
-  at::parallel_for(0, passes * NB, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, passes * units, 1, [&](int64_t t0, int64_t t1) {
     alignas(64) float silu[kMR * kNR];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t nb = t % NB, m0 = t / NB * rows, m1 = std::min(M, m0 + rows);
-      if (m0 >= m1) continue;
-      const T* block = w + nb * block_elems;
+    for (int64_t t = t0; t < t1;) {
+      const int64_t u = t % units, nb = u / 2, m0 = t / units * rows;
+      const int64_t m1 = std::min(M, m0 + rows);
+      const bool whole = u % 2 == 0 && t + 1 < t1;
+      const int64_t half = whole ? 0 : u % 2, col0 = nb * kNR + half * kNR / 2;
+      t += whole ? 2 : 1;
+      if (m0 >= m1 || col0 >= N) continue;
+      const T* block = w + nb * block_elems + half * half_elems;
+      const int64_t next_nb = (t % units) / 2;
       const char* next =
-          t + 1 < t1 ? reinterpret_cast<const char*>(w + (t + 1) % NB * block_elems) : nullptr;
-      Output o{out, N, fp32_out, round_bf16, bias ? bias + nb * kNR : nullptr,
-               std::min(kNR, N - nb * kNR)};
+          t < t1 ? reinterpret_cast<const char*>(w + next_nb * block_elems) : nullptr;
+      Output o{out, N, fp32_out, round_bf16, bias ? bias + col0 : nullptr,
+               std::min(whole ? kNR : kNR / 2, N - col0)};
       o.silu = silu;
-      if (!silu_mul) {
-        block_rows<T, Kernel>(x, ldx, block, K, next, o, m0, m1, nb * kNR);
-        continue;
-      }
-      const T* up = block + NB * block_elems;
+      const T* up = silu_mul ? block + NB * block_elems : nullptr;
       const char* up_next =
-          next ? reinterpret_cast<const char*>(w + (NB + (t + 1) % NB) * block_elems) : nullptr;
-      block_rows<T, Kernel>(x, ldx, block, K, next, o, m0, m1, nb * kNR, up, up_next,
-                            bias ? bias + N + nb * kNR : nullptr);
+          up && next ? reinterpret_cast<const char*>(w + (NB + next_nb) * block_elems) : nullptr;
+      const float* up_bias = silu_mul && bias ? bias + N + col0 : nullptr;
+      if (whole) {
+        block_rows<T, Kernel, 4>(x, ldx, block, K, next, o, m0, m1, col0, up, up_next, up_bias);
+      } else {
+        block_rows<T, Kernel, 2>(x, ldx, block, K, next, o, m0, m1, col0, up, up_next, up_bias);
+      }
     }
   });
 }

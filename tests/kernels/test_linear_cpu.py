@@ -122,6 +122,9 @@ def test_packed_linear_follows_the_measured_gemm(tmp_path, monkeypatch, dtype):
     assert PackedLinear(w, widen=False).gemm == "onednn"
     with pytest.raises(ValueError, match="gemm='mkl' is not supported: must be one of"):
         PackedLinear(w, widen=False, gemm="mkl")
+    monkeypatch.setenv("PAGEDQ_GEMM", "mkl")
+    with pytest.raises(ValueError, match="PAGEDQ_GEMM='mkl' is not supported: must be one of"):
+        PackedLinear(w, widen=False)
 
 
 @needs(fp32)
