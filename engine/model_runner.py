@@ -91,7 +91,13 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sample_rows:
             return {}
-        logits = self.model.compute_logits(hidden[logits_indices])
+        hidden = hidden[logits_indices]
+        if mask is None and self.sampler.plain_greedy(requests):
+            # The argmax in the LM head's GEMM where it can: the logits are never written.
+            token_ids = self.model.greedy_token_ids(hidden)
+            if token_ids is not None:
+                return {row: (tok, None) for row, tok in zip(sample_rows, token_ids)}
+        logits = self.model.compute_logits(hidden)
         if mask is not None:
             self.structured.apply_bitmask(logits, mask)
         token_ids, logprobs = self.sampler(logits, requests, self.eos_ids)

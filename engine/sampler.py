@@ -19,9 +19,14 @@ class Sampler:
         self.backend = backend  # the engine's kernel backend: the CPU one has a parallel argmax
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
+    @staticmethod
+    def plain_greedy(requests: list[Request]) -> bool:
+        """True when every row is an argmax of its raw logits (nothing changes or reads them)."""
+        return all(_plain_greedy(r) for r in requests)
+
     def __call__(self, logits: torch.Tensor, requests: list[Request], eos_ids: set[int]):
         """Returns the sampled token ids and, per row, a logprobs dict or None."""
-        if all(_plain_greedy(r) for r in requests):
+        if self.plain_greedy(requests):
             # The common batch: no sort, no softmax, no copies; one argmax over the logits.
             return argmax(logits, self.backend).tolist(), [None] * len(requests)
         raw_logprobs = self._logprobs_source(logits, requests)

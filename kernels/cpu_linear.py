@@ -41,6 +41,20 @@ def packed_linear_silu_mul(
     return out
 
 
+ARGMAX_MAX_ROWS = 192  # one pass over the weights (the kernel's kMB)
+
+
+def packed_linear_argmax(x: torch.Tensor, packed: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``(x @ W.T).argmax(-1)`` (int64, ties and NaN as ``torch.argmax``) of a packed LM head
+    without writing the logits; bf16 products are ranked as the rounded logits a bf16 linear's
+    ``.float()`` gives. At most ``ARGMAX_MAX_ROWS`` rows."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    torch.ops.pagedq.packed_linear_argmax(x, packed, vocab, out)
+    return out
+
+
 def unpack_linear_weight(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """The plain ``[out, in]`` weight back from ``pack_linear_weight``'s layout (a copy)."""
     blocks, rows, width = packed.shape[:3]

@@ -131,6 +131,14 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
+    def greedy_token_ids(self, hidden: torch.Tensor) -> list[int] | None:
+        """``compute_logits(hidden).argmax(-1)`` where the packed LM head can take the argmax in
+        its GEMM (no logits written), else None."""
+        head = self.packed_lm_head
+        if head is None or not head.fuses_argmax(hidden.shape[0]):
+            return None
+        return head.argmax(hidden).tolist()
+
     def prepack(self) -> bool:
         """Reorder every projection and the LM head for oneDNN where that is faster (CPU: fp32,
         and bf16, widened to fp32 where this host measured that faster); the packed LM head

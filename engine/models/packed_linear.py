@@ -147,6 +147,26 @@ class PackedLinear(nn.Module):
 
         return packed_linear_silu_mul(x, self.packed, self.out_features // 2, self._bias_fp32)
 
+    def fuses_argmax(self, rows: int) -> bool:
+        """True where `argmax` runs in the GEMM for ``rows`` rows: a bias-free LM head (fp32
+        logits) on pagedq's GEMM, within one pass over its weights."""
+        from kernels.cpu_linear import ARGMAX_MAX_ROWS
+
+        return (
+            self.gemm == "pagedq"
+            and self.out_dtype == torch.float32
+            and self._bias_fp32 is None
+            and 0 < rows <= ARGMAX_MAX_ROWS
+        )
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x).argmax(-1)`` without the logits (requires `fuses_argmax`)."""
+        from kernels.cpu_linear import packed_linear_argmax
+
+        if x.dtype != self.compute_dtype:
+            x = x.to(self.compute_dtype)
+        return packed_linear_argmax(x, self.packed, self.out_features)
+
     @property
     def weight(self) -> torch.Tensor:
         """The weight as a plain ``[out, in]`` tensor (a fresh copy: for inspection, not speed)."""

@@ -18,8 +18,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <mutex>
+#include <vector>
 
 #include "vec_cpu.h"
 
@@ -94,7 +98,10 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 // to `silu` (the kMR x 64 rows of the current micro-kernel, as silu_and_mul computes them from
 // the gate's rounded values), then the up block of the same columns multiplies them on its way
 // out: the [tokens, 2 x intermediate] product is never written.
-enum class Epilogue { kStore, kGate, kUpMul };
+// kArgmax (packed_linear_argmax): the LM head of a plain greedy batch keeps, per row, the first
+// index of its largest logit (or of its first NaN, as torch.argmax) instead of writing the
+// [tokens, vocab] fp32 logits for a separate argmax to read back.
+enum class Epilogue { kStore, kGate, kUpMul, kArgmax };
 
 struct Output {
   void* base;
@@ -106,6 +113,8 @@ struct Output {
   Epilogue epilogue = Epilogue::kStore;
   float* silu = nullptr;  // kMR x 64 per thread (kGate writes it, kUpMul reads it)
   int64_t silu_row0 = 0;  // the row of silu[0]
+  float* best = nullptr;  // kArgmax: this thread's best value and index per row (index -1: none)
+  int64_t* best_index = nullptr;
 };
 
 inline __m512 round_to_bf16(__m512 v) {
@@ -127,6 +136,25 @@ inline void store_row(const Output& o, int64_t row, int64_t col0, const __m512* 
     const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
     __m512 v = acc[j];
     if (o.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, o.bias + j * 16));
+    if (o.epilogue == Epilogue::kArgmax) {
+      if (o.round_bf16) v = round_to_bf16(v);  // the logits as a bf16 linear's .float()
+      float& best = o.best[row];
+      int64_t& index = o.best_index[row];
+      if (index >= 0 && std::isnan(best)) continue;  // the row's first NaN already won
+      const int64_t col = col0 + j * 16;
+      const __mmask16 nan = _mm512_mask_cmp_ps_mask(mask, v, v, _CMP_UNORD_Q);
+      if (nan) {
+        best = std::numeric_limits<float>::quiet_NaN();
+        index = col + __builtin_ctz(nan);
+        continue;
+      }
+      const float m = _mm512_mask_reduce_max_ps(mask, v);
+      if (index < 0 || m > best) {  // strictly: on a tie the earlier column stays
+        best = m;
+        index = col + __builtin_ctz(_mm512_mask_cmp_ps_mask(mask, v, _mm512_set1_ps(m), _CMP_EQ_OQ));
+      }
+      continue;
+    }
     if (o.epilogue != Epilogue::kStore) {
       // The gate and up values as a bf16 linear leaves them (rounded), then silu_and_mul's
       // arithmetic (layers_cpu.cpp), so that fused and unfused give the same bits.
@@ -285,16 +313,29 @@ inline int64_t row_passes(int64_t M, int64_t units, int64_t threads) {
 
 // N is the output width; with `silu_mul` the weight holds 2N features (gate, then up, N a
 // multiple of kNR) and the output is silu(gate) * up.
+// A thread's run of column tasks with its argmax per row: the runs are merged in column order.
+struct ArgmaxRun {
+  int64_t first_task;
+  std::vector<float> best;
+  std::vector<int64_t> index;
+};
+
 template <typename T, template <int, int> class Kernel>
 void run_linear(const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64_t K,
                 int64_t block_elems, const float* bias, void* out, bool fp32_out,
-                bool round_bf16, bool silu_mul = false) {
+                bool round_bf16, bool silu_mul = false, std::vector<ArgmaxRun>* argmax = nullptr) {
   const int64_t NB = (N + kNR - 1) / kNR, units = 2 * NB;
   const int64_t half_elems = kNR / 2 * (sizeof(T) == 2 ? 2 : 1);  // 32 columns' offset
-  const int64_t passes = row_passes(M, units, at::get_num_threads());
+  const int64_t passes = argmax ? 1 : row_passes(M, units, at::get_num_threads());
   const int64_t rows = (M + passes - 1) / passes;
+  std::mutex argmax_lock;
   at::parallel_for(0, passes * units, 1, [&](int64_t t0, int64_t t1) {
     alignas(64) float silu[kMR * kNR];
+    ArgmaxRun run{t0, {}, {}};
+    if (argmax) {
+      run.best.assign(M, 0.f);
+      run.index.assign(M, -1);
+    }
     for (int64_t t = t0; t < t1;) {
       const int64_t u = t % units, nb = u / 2, m0 = t / units * rows;
       const int64_t m1 = std::min(M, m0 + rows);
@@ -309,6 +350,11 @@ void run_linear(const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64
       Output o{out, N, fp32_out, round_bf16, bias ? bias + col0 : nullptr,
                std::min(whole ? kNR : kNR / 2, N - col0)};
       o.silu = silu;
+      if (argmax) {
+        o.epilogue = Epilogue::kArgmax;
+        o.best = run.best.data();
+        o.best_index = run.index.data();
+      }
       const T* up = silu_mul ? block + NB * block_elems : nullptr;
       const char* up_next =
           up && next ? reinterpret_cast<const char*>(w + (NB + next_nb) * block_elems) : nullptr;
@@ -318,6 +364,10 @@ void run_linear(const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64
       } else {
         block_rows<T, Kernel, 2>(x, ldx, block, K, next, o, m0, m1, col0, up, up_next, up_bias);
       }
+    }
+    if (argmax) {
+      std::lock_guard<std::mutex> guard(argmax_lock);
+      argmax->push_back(std::move(run));
     }
   });
 }
@@ -379,6 +429,59 @@ void packed_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed,
   run_packed(x, packed, bias, out, true);
 }
 
+// out[r] = argmax_j (x @ W^T)[r, j], the first index of each row's largest logit (or first NaN),
+// over the logits a bf16 linear's .float() (or an fp32 one) gives; at most one row pass (kMB).
+void packed_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t vocab,
+                          at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "packed_linear_argmax: x must be [tokens, in]");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "packed_linear_argmax: dtypes differ");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.dim() == 1 && out.size(0) == x.size(0) &&
+                  out.is_contiguous(), "packed_linear_argmax: out must be int64 [tokens]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M <= kMB, "packed_linear_argmax: at most ", kMB, " rows, got ", M);
+  TORCH_CHECK(vocab > 0 && packed.size(0) * kNR >= vocab, "packed_linear_argmax: bad vocab");
+  if (M == 0) return;
+  std::vector<ArgmaxRun> runs;
+  bool done = false;
+#if defined(__AVX512F__)
+  if (x.scalar_type() == at::kFloat) {
+    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K, "packed_linear_argmax: not packed for in=", K);
+    run_linear<float, Fp32Kernel>(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), M,
+                                  vocab, K, K * kNR, nullptr, nullptr, true, false, false, &runs);
+    done = true;
+  }
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(packed.dim() == 4 && packed.size(1) == (K + 1) / 2,
+                "packed_linear_argmax: not packed for in=", K);
+    run_linear<uint16_t, Bf16Kernel>(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
+                                     reinterpret_cast<const uint16_t*>(packed.data_ptr()), M, vocab,
+                                     K, (K + 1) / 2 * kNR * 2, nullptr, nullptr, true, true, false,
+                                     &runs);
+    done = true;
+  }
+#endif
+#endif
+  TORCH_CHECK(done, "packed_linear_argmax: dtype ", x.scalar_type(), " is not supported on this build");
+  std::sort(runs.begin(), runs.end(),
+            [](const ArgmaxRun& a, const ArgmaxRun& b) { return a.first_task < b.first_task; });
+  int64_t* dst = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) {
+    float best = 0.f;
+    int64_t index = -1;
+    for (const ArgmaxRun& run : runs) {
+      const int64_t i = run.index[r];
+      if (i < 0) continue;
+      if (index >= 0 && std::isnan(best)) break;
+      if (std::isnan(run.best[r]) || index < 0 || run.best[r] > best) {
+        best = run.best[r];
+        index = i;
+      }
+    }
+    dst[r] = index;
+  }
+}
+
 bool packed_linear_available_op(c10::ScalarType dtype) { return packed_linear_available(dtype); }
 
 }  // namespace
@@ -388,9 +491,11 @@ TORCH_LIBRARY_FRAGMENT(pagedq, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("packed_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("packed_linear_argmax(Tensor x, Tensor packed, int vocab, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedq, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("packed_linear_silu_mul", &packed_linear_silu_mul);
+  m.impl("packed_linear_argmax", &packed_linear_argmax);
 }

@@ -180,3 +180,66 @@ def test_gate_up_without_whole_blocks_is_not_fused():
     assert not linear.fuses_silu_and_mul
     with pytest.raises(RuntimeError, match="a multiple of 64"):
         linear.silu_and_mul(torch.randn(2, 16))
+
+
+@pytest.mark.parametrize("dtype", [fp32, bf16])
+@pytest.mark.parametrize(("tokens", "vocab"), [(1, 1000), (7, 49152), (64, 576), (192, 130)])
+def test_argmax_in_the_gemm_is_torch_argmax_of_the_logits(dtype, tokens, vocab):
+    """The LM head's fused argmax ranks the logits the unfused path writes: the same index per
+    row, ties to the first, NaN above everything (its first)."""
+    if not packed_linear_available(dtype):
+        pytest.skip(f"no pagedq GEMM for {dtype} in this build")
+    from kernels.cpu_linear import packed_linear_argmax
+
+    w, _, gen = _weights(vocab, 48, dtype, tokens)
+    w[vocab - 3] = w[vocab // 2]  # two columns tie on every row: the first must win
+    w[5] = w[vocab - 1]
+    x = torch.randn(tokens, 48, generator=gen).to(dtype)
+    x[0] *= 8  # one row whose tied columns are its largest
+    packed = pack_linear_weight(w)
+    logits = packed_linear(x, packed, vocab, None, fp32)
+    assert torch.equal(packed_linear_argmax(x, packed, vocab), logits.argmax(-1))
+    head = PackedLinear(w, out_dtype=fp32, gemm="pagedq", widen=False)
+    assert head.fuses_argmax(tokens) and not head.fuses_argmax(193)
+    assert torch.equal(head.argmax(x), head(x).argmax(-1))
+
+
+@needs(fp32)
+def test_argmax_ties_and_nan_across_the_threads_runs():
+    """Equal maxima in columns that two threads compute go to the lower column; a NaN logit
+    wins wherever it is, the first one if several."""
+    from kernels.cpu_linear import packed_linear_argmax
+
+    vocab = 640  # 10 blocks, 5 per thread
+    w = torch.zeros(vocab, 4)
+    w[:, 0] = -1.0
+    w[100, 0] = w[600, 0] = 2.0  # a tie between the first and the second thread's columns
+    # Row 2: column 630's products overflow to +inf and -inf, whose sum is NaN; it beats the
+    # first thread's maximum. Row 1 is NaN everywhere: its first column.
+    w[630, 1], w[630, 3] = 3e38, -3e38
+    x = torch.tensor([[1.0, 0, 0, 0], [float("nan"), 0, 0, 0], [1.0, 2.0, 0, 2.0]])
+    packed = pack_linear_weight(w)
+    got = packed_linear_argmax(x, packed, vocab)
+    expected = F.linear(x, w).argmax(-1)
+    assert got.tolist() == expected.tolist() == [100, 0, 630]
+
+
+@pytest.mark.parametrize("gemm", ["onednn", "pagedq"])
+def test_a_greedy_engine_gives_the_same_tokens_with_the_argmax_fused(tmp_path, monkeypatch, gemm):
+    """Plain greedy batches take the LM head's fused argmax on pagedq's GEMM; the tokens equal
+    those of the logits path (logprobs=0 forces it) request by request."""
+    if gemm == "pagedq" and not packed_linear_available(bf16):
+        pytest.skip("no pagedq bf16 GEMM in this build")
+    from engine.model_loader import load_model
+
+    monkeypatch.setenv("PAGEDQ_GEMM", gemm)
+    load_model.cache_clear()
+    folder = make_tiny_model(tmp_path / "llama", "llama")
+    llm = LLM(str(folder), dtype="bfloat16", kv_cache_memory=2**22, block_size=16)
+    assert llm.llm_engine.model.packed_lm_head.fuses_argmax(4) == (gemm == "pagedq")
+    prompts = [[1, 504, 3458, 282], [7, 8, 9, 10, 11, 12, 13], [42] * 9]
+    fused = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    logits = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=10, logprobs=0), use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in logits]
