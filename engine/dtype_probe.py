@@ -116,8 +116,12 @@ def measure_projections() -> tuple[float, float, bool, str, str]:
     (fp32 the faster way, bf16 the fastest way, whether that way is widening to fp32, the fp32
     GEMM, the bf16 GEMM).
 
-    After a warm-up call of each (oneDNN builds its kernels then), the ways take turns, so a
-    change in the host's load weighs on all alike.
+    Whose GEMM runs a dtype is decided at the decode batch alone (the first token count): that
+    is where they differ (pagedq's 0.75-0.9x oneDNN's time on a Zen 4 host, against 0.98-1.07x
+    at prefill sizes) and where a generation spends its steps; summed with the prefill chunk,
+    the choice flipped with the host's noise from one start to the next. After a warm-up call
+    of each (oneDNN builds its kernels then), the ways take turns, so a change in the host's
+    load weighs on all alike.
     """
     from engine.models.packed_linear import pagedq_gemm_available
 
@@ -132,25 +136,30 @@ def measure_projections() -> tuple[float, float, bool, str, str]:
         runs["bfloat16 pagedq"] = _projections(torch.bfloat16, widen=False, gemm="pagedq")
     for run in runs.values():
         run()
-    times: dict[str, list[float]] = {way: [] for way in runs}
+    times: dict[str, list[list[float]]] = {way: [] for way in runs}
     start = time.perf_counter()
     for round_ in range(MAX_ROUNDS):
         for way in list(runs)[:: 1 if round_ % 2 else -1]:
-            t0 = time.perf_counter()
-            runs[way]()
-            times[way].append(time.perf_counter() - t0)
+            times[way].append(runs[way]())
         if time.perf_counter() - start > ROUNDS_BUDGET_S:
             break
-    median = {way: statistics.median(t) for way, t in times.items()}
-    fp32 = min((w for w in median if w.startswith("float32")), key=median.get)
-    bf16 = min((w for w in median if not w.startswith("float32")), key=median.get)
-    gemm = lambda way: "pagedq" if way.endswith(" pagedq") else "onednn"  # noqa: E731
-    return median[fp32], median[bf16], bf16 == "widened", gemm(fp32), gemm(bf16)
+    # Per way, the median seconds at each token count.
+    median = {way: [statistics.median(c) for c in zip(*t)] for way, t in times.items()}
+
+    def pick(onednn_ways: list[str], pagedq_way: str) -> tuple[str, str]:
+        best = min(onednn_ways, key=lambda w: sum(median[w]))
+        if pagedq_way in median and median[pagedq_way][0] < median[best][0]:
+            return pagedq_way, "pagedq"
+        return best, "onednn"
+
+    fp32, gemm_fp32 = pick(["float32"], "float32 pagedq")
+    bf16, gemm_bf16 = pick(["bfloat16", "widened"], "bfloat16 pagedq")
+    return sum(median[fp32]), sum(median[bf16]), bf16 == "widened", gemm_fp32, gemm_bf16
 
 
 def _projections(dtype: torch.dtype, widen: bool = False, gemm: str = "onednn") -> Callable:
-    """One call of every probe projection at every token count, as the engine runs ``dtype``
-    (bf16: `widen` or not) on `gemm`'s kernels."""
+    """A call that runs every probe projection at every token count, as the engine runs
+    ``dtype`` (bf16: `widen` or not) on `gemm`'s kernels, and returns the seconds per count."""
     from engine.models.packed_linear import PackedLinear, prepack_supported
 
     gen = torch.Generator().manual_seed(0)
@@ -164,15 +173,20 @@ def _projections(dtype: torch.dtype, widen: bool = False, gemm: str = "onednn") 
             else:
                 copy = weight.clone()
                 layer.append(lambda x, w=copy: F.linear(x, w))
-    calls = []
+    counts = []
     for num_tokens in TOKEN_COUNTS:
         inputs = [torch.randn(num_tokens, k, generator=gen).to(dtype) for _, k in PROJECTIONS]
-        calls += [(linear, x) for layer in layers for linear, x in zip(layer, inputs)]
+        counts.append([(linear, x) for layer in layers for linear, x in zip(layer, inputs)])
 
-    def run() -> None:
+    def run() -> list[float]:
+        seconds = []
         with torch.inference_mode():
-            for linear, x in calls:
-                linear(x)
+            for calls in counts:
+                t0 = time.perf_counter()
+                for linear, x in calls:
+                    linear(x)
+                seconds.append(time.perf_counter() - t0)
+        return seconds
 
     return run
 
