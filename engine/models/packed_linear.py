@@ -108,9 +108,9 @@ class PackedLinear(nn.Module):
                 self.packed = pack_linear_weight(plain)
             else:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(plain)
-        self.bias = None if bias is None else bias.detach().to(self.compute_dtype)
-        # pagedq's GEMM adds an fp32 bias before its one rounding.
-        self._bias_fp32 = None if bias is None else bias.detach().float().contiguous()
+        # pagedq's GEMM adds an fp32 bias before its one rounding; oneDNN takes the compute dtype.
+        bias_dtype = torch.float32 if gemm == "pagedq" else self.compute_dtype
+        self.bias = None if bias is None else bias.detach().to(bias_dtype).contiguous()
         self._to_out = self.out_dtype != self.compute_dtype and not (
             gemm == "pagedq" and self.out_dtype == torch.float32
         )
@@ -123,7 +123,7 @@ class PackedLinear(nn.Module):
             from kernels.cpu_linear import packed_linear
 
             out_dtype = torch.float32 if self.out_dtype == torch.float32 else self.compute_dtype
-            y = packed_linear(x, self.packed, self.out_features, self._bias_fp32, out_dtype)
+            y = packed_linear(x, self.packed, self.out_features, self.bias, out_dtype)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return y.to(self.out_dtype) if self._to_out else y
@@ -145,7 +145,7 @@ class PackedLinear(nn.Module):
         ``kernels.silu_and_mul(self(x))`` (requires `fuses_silu_and_mul`)."""
         from kernels.cpu_linear import packed_linear_silu_mul
 
-        return packed_linear_silu_mul(x, self.packed, self.out_features // 2, self._bias_fp32)
+        return packed_linear_silu_mul(x, self.packed, self.out_features // 2, self.bias)
 
     def fuses_argmax(self, rows: int) -> bool:
         """True where `argmax` runs in the GEMM for ``rows`` rows: a bias-free LM head (fp32
@@ -155,7 +155,7 @@ class PackedLinear(nn.Module):
         return (
             self.gemm == "pagedq"
             and self.out_dtype == torch.float32
-            and self._bias_fp32 is None
+            and self.bias is None
             and 0 < rows <= ARGMAX_MAX_ROWS
         )
 

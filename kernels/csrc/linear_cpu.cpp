@@ -322,8 +322,10 @@ struct ArgmaxRun {
 
 template <typename T, template <int, int> class Kernel>
 void run_linear(const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64_t K,
-                int64_t block_elems, const float* bias, void* out, bool fp32_out,
-                bool round_bf16, bool silu_mul = false, std::vector<ArgmaxRun>* argmax = nullptr) {
+                int64_t block_elems, const float* bias, void* out, bool fp32_out, bool silu_mul,
+                std::vector<ArgmaxRun>* argmax) {
+  // fp32 results of bf16 products are rounded to bf16 first (a bf16 linear's .float()).
+  const bool round_bf16 = sizeof(T) == 2 && fp32_out;
   const int64_t NB = (N + kNR - 1) / kNR, units = 2 * NB;
   const int64_t half_elems = kNR / 2 * (sizeof(T) == 2 ? 2 : 1);  // 32 columns' offset
   const int64_t passes = argmax ? 1 : row_passes(M, units, at::get_num_threads());
@@ -374,99 +376,84 @@ void run_linear(const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64
 
 #endif  // __AVX512F__
 
-// y [M, N] = x [M, K] @ W^T + bias; W packed by pack_linear_weight, bias fp32 [features] (or
-// undefined). `out` is x's dtype or fp32. With `silu_mul`, W is gate_up's
-// [2N, K] and y = silu(x @ gate^T) * (x @ up^T), as silu_and_mul computes it (N % 64 == 0).
-void run_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                at::Tensor& out, bool silu_mul) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "packed_linear: x must be [tokens, in], rows contiguous");
-  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "packed_linear: x is ", x.scalar_type(),
+// The dtype's kernels over x [M, K] and the packed weight, N output features: the output,
+// silu_mul or argmax as run_linear takes them (out: `out_ptr`, fp32 or x's dtype).
+void dispatch(const char* op, const at::Tensor& x, const at::Tensor& packed, int64_t N,
+              const float* bias, void* out_ptr, bool fp32_out, bool silu_mul,
+              std::vector<ArgmaxRun>* argmax) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [tokens, in], rows contiguous");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), op, ": x is ", x.scalar_type(),
               " but the weight is ", packed.scalar_type());
-  TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0), "packed_linear: bad out");
-  TORCH_CHECK(out.scalar_type() == x.scalar_type() || out.scalar_type() == at::kFloat,
-              "packed_linear: out must be x's dtype or float32");
-  const int64_t M = x.size(0), N = out.size(1), K = x.size(1);
-  TORCH_CHECK(!silu_mul || (N % kNR == 0 && packed.size(0) == 2 * N / kNR),
-              "packed_linear_silu_mul: the weight must hold gate and up, ", N, " features each, "
-              "a multiple of ", kNR);
-  TORCH_CHECK(packed.size(0) * kNR >= N, "packed_linear: out has more features than the weight");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous(), "packed_linear: bias");
-    b = bias->data_ptr<float>();
-  }
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(packed.size(0) * kNR >= N, op, ": more features than the weight holds");
   if (M == 0) return;
-  const bool fp32_out = out.scalar_type() == at::kFloat;
 #if defined(__AVX512F__)
   if (x.scalar_type() == at::kFloat) {
-    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K, "packed_linear: weight is not packed for in=", K);
-    run_linear<float, Fp32Kernel>(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), M, N,
-                                  K, K * kNR, b, out.data_ptr(), fp32_out, false, silu_mul);
+    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K, op, ": weight is not packed for in=", K);
+    run_linear<float, Fp32Kernel>(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), M,
+                                  N, K, K * kNR, bias, out_ptr, fp32_out, silu_mul, argmax);
     return;
   }
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16) {
-    TORCH_CHECK(packed.dim() == 4 && packed.size(1) == (K + 1) / 2,
-                "packed_linear: weight is not packed for in=", K);
+    TORCH_CHECK(packed.dim() == 4 && packed.size(1) == (K + 1) / 2, op,
+                ": weight is not packed for in=", K);
     run_linear<uint16_t, Bf16Kernel>(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
                                      reinterpret_cast<const uint16_t*>(packed.data_ptr()), M, N, K,
-                                     (K + 1) / 2 * kNR * 2, b, out.data_ptr(), fp32_out, fp32_out,
-                                     silu_mul);
+                                     (K + 1) / 2 * kNR * 2, bias, out_ptr, fp32_out, silu_mul,
+                                     argmax);
     return;
   }
 #endif
 #endif
-  TORCH_CHECK(false, "packed_linear: dtype ", x.scalar_type(), " is not supported on this build");
+  TORCH_CHECK(false, op, ": dtype ", x.scalar_type(), " is not supported on this build");
+}
+
+// y [M, N] = x [M, K] @ W^T + bias; W packed by pack_linear_weight, bias fp32 [features] (or
+// undefined). `out` is x's dtype or fp32. With `silu_mul`, W is gate_up's
+// [2N, K] and y = silu(x @ gate^T) * (x @ up^T), as silu_and_mul computes it (N % 64 == 0).
+void run_packed(const char* op, const at::Tensor& x, const at::Tensor& packed,
+                const c10::optional<at::Tensor>& bias, at::Tensor& out, bool silu_mul) {
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0), op, ": bad out");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() || out.scalar_type() == at::kFloat, op,
+              ": out must be x's dtype or float32");
+  const int64_t N = out.size(1);
+  TORCH_CHECK(!silu_mul || (N % kNR == 0 && packed.size(0) == 2 * N / kNR), op,
+              ": the weight must hold gate and up, ", N, " features each, a multiple of ", kNR);
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous(), op, ": bias");
+    b = bias->data_ptr<float>();
+  }
+  dispatch(op, x, packed, N, b, out.data_ptr(), out.scalar_type() == at::kFloat, silu_mul, nullptr);
 }
 
 void packed_linear(const at::Tensor& x, const at::Tensor& packed,
                    const c10::optional<at::Tensor>& bias, at::Tensor& out) {
-  run_packed(x, packed, bias, out, false);
+  run_packed("packed_linear", x, packed, bias, out, false);
 }
 
 void packed_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed,
                             const c10::optional<at::Tensor>& bias, at::Tensor& out) {
-  run_packed(x, packed, bias, out, true);
+  run_packed("packed_linear_silu_mul", x, packed, bias, out, true);
 }
 
 // out[r] = argmax_j (x @ W^T)[r, j], the first index of each row's largest logit (or first NaN),
 // over the logits a bf16 linear's .float() (or an fp32 one) gives; at most one row pass (kMB).
 void packed_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t vocab,
                           at::Tensor& out) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "packed_linear_argmax: x must be [tokens, in]");
-  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "packed_linear_argmax: dtypes differ");
   TORCH_CHECK(out.scalar_type() == at::kLong && out.dim() == 1 && out.size(0) == x.size(0) &&
                   out.is_contiguous(), "packed_linear_argmax: out must be int64 [tokens]");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(M <= kMB, "packed_linear_argmax: at most ", kMB, " rows, got ", M);
-  TORCH_CHECK(vocab > 0 && packed.size(0) * kNR >= vocab, "packed_linear_argmax: bad vocab");
-  if (M == 0) return;
+  TORCH_CHECK(x.size(0) <= kMB, "packed_linear_argmax: at most ", kMB, " rows, got ", x.size(0));
+  TORCH_CHECK(vocab > 0, "packed_linear_argmax: vocab must be positive");
   std::vector<ArgmaxRun> runs;
-  bool done = false;
-#if defined(__AVX512F__)
-  if (x.scalar_type() == at::kFloat) {
-    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K, "packed_linear_argmax: not packed for in=", K);
-    run_linear<float, Fp32Kernel>(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), M,
-                                  vocab, K, K * kNR, nullptr, nullptr, true, false, false, &runs);
-    done = true;
-  }
-#if defined(__AVX512BF16__)
-  if (x.scalar_type() == at::kBFloat16) {
-    TORCH_CHECK(packed.dim() == 4 && packed.size(1) == (K + 1) / 2,
-                "packed_linear_argmax: not packed for in=", K);
-    run_linear<uint16_t, Bf16Kernel>(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
-                                     reinterpret_cast<const uint16_t*>(packed.data_ptr()), M, vocab,
-                                     K, (K + 1) / 2 * kNR * 2, nullptr, nullptr, true, true, false,
-                                     &runs);
-    done = true;
-  }
-#endif
-#endif
-  TORCH_CHECK(done, "packed_linear_argmax: dtype ", x.scalar_type(), " is not supported on this build");
+  dispatch("packed_linear_argmax", x, packed, vocab, nullptr, nullptr, true, false, &runs);
+  // The threads' runs in column order: a later run wins only with a larger value, or with the
+  // row's first NaN.
   std::sort(runs.begin(), runs.end(),
             [](const ArgmaxRun& a, const ArgmaxRun& b) { return a.first_task < b.first_task; });
   int64_t* dst = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < M; ++r) {
+  for (int64_t r = 0; r < x.size(0); ++r) {
     float best = 0.f;
     int64_t index = -1;
     for (const ArgmaxRun& run : runs) {
@@ -482,12 +469,10 @@ void packed_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t
   }
 }
 
-bool packed_linear_available_op(c10::ScalarType dtype) { return packed_linear_available(dtype); }
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedq, m) {
-  m.def("packed_linear_available(ScalarType dtype) -> bool", &packed_linear_available_op);
+  m.def("packed_linear_available(ScalarType dtype) -> bool", &packed_linear_available);
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("packed_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
