@@ -18,6 +18,7 @@ from engine.config import (
 from engine.cpu_threads import apply_num_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_spec import make_layout
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -65,6 +66,8 @@ class EngineStats:
     num_swapped: int = 0  # requests in the swap pool now
     swapped_out_bytes: int = 0  # since start
     swap_space_usage: float = 0.0  # fraction of the swap pool held
+    # (kind, blocks held) of each KV layer group: "full_attention", "sliding_window=W"
+    kv_blocks_by_group: list[tuple[str, int]] = field(default_factory=list)
     tenant_generated_tokens: dict[str, int] = field(default_factory=dict)
     mean_queue_time_s: float = 0.0  # arrival in the engine to first scheduling
     num_scheduled_requests: int = 0  # requests scheduled at least once (queue-time samples)
@@ -109,9 +112,13 @@ class LLMEngine:
             config.model, self.dtype, self.device, config.attention_backend
         )
         max_position = self.model.max_position
+        self.kv_layout = make_layout(self.model.kv_cache_specs())
 
         num_blocks = self._num_kv_blocks()
-        self.max_model_len = min(max_position, num_blocks * config.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, self.kv_layout.groups
+        )
+        self.max_model_len = min(max_position, self._longest_fitting(num_blocks))
         if config.max_model_len is not None:
             if config.max_model_len > self.max_model_len:
                 raise ValueError(
@@ -123,9 +130,6 @@ class LLMEngine:
             self.tokenizer, self.hf_config.vocab_size, self.max_model_len
         )
         self.kv_caches = self._allocate_kv_caches(num_blocks)
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
-        )
         self.swap_space, self.cost_model = self._make_swap_space()
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -156,6 +160,7 @@ class LLMEngine:
             Sampler(self.device, config.seed, config.attention_backend),
             self.eos_token_ids,
             self.structured,
+            self.kv_layout.layer_group,
         )
         self.parents: dict[str, _ParentRequest] = {}
         self.num_steps = 0
@@ -175,8 +180,17 @@ class LLMEngine:
     def _kv_bytes_per_block(self) -> int:
         kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
         elem = torch.tensor([], dtype=kv_dtype).element_size()
-        per_token = sum(heads * dim for heads, dim in self.model.kv_cache_shapes())
-        return 2 * self.config.block_size * per_token * elem
+        return self.config.block_size * self.kv_layout.block_elems * elem
+
+    def _longest_fitting(self, num_blocks: int) -> int:
+        """The longest sequence whose blocks, over every layer group, fit the pool."""
+        kv, bs = self.kv_cache_manager, self.config.block_size
+        usable = kv.num_free_blocks
+        lo, hi = 0, num_blocks * bs
+        while lo < hi:  # num_blocks_for grows with the length: bisect
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if kv.num_blocks_for(mid) <= usable else (lo, mid - 1)
+        return lo
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -196,8 +210,9 @@ class LLMEngine:
         return int(num_blocks)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        """Each layer's cache tensor; layers at the same place of their groups share one."""
         kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
-        return [
+        self.kv_tensors = [
             allocate_kv_cache(
                 num_blocks,
                 self.config.block_size,
@@ -207,13 +222,14 @@ class LLMEngine:
                 self.device,
                 self.config.attention_backend,
             )  # fmt: skip
-            for num_kv_heads, head_dim in self.model.kv_cache_shapes()
+            for num_kv_heads, head_dim in self.kv_layout.tensor_shapes
         ]
+        return [self.kv_tensors[t] for t in self.kv_layout.layer_tensor]
 
     def _make_swap_space(self) -> tuple[SwapSpace | None, PreemptionCostModel | None]:
         if not self.config.swap_space:
             return None, None
-        swap = SwapSpace.from_budget(self.kv_caches, int(self.config.swap_space * 2**30))
+        swap = SwapSpace.from_budget(self.kv_tensors, int(self.config.swap_space * 2**30))
         if swap is None:
             return None, None
         initial = INITIAL_PREFILL_TOKENS_PER_S.get(self.device.type, 500.0)
@@ -545,6 +561,7 @@ class LLMEngine:
             num_swapped=sched.num_swapped,
             swapped_out_bytes=sched.swapped_out_bytes,
             swap_space_usage=1 - swap.num_free_blocks / swap.num_blocks if swap else 0.0,
+            kv_blocks_by_group=kv.usage_by_group(),
             tenant_generated_tokens=dict(sched.fair.generated_tokens),
             mean_queue_time_s=sched.mean_queue_time,
             num_scheduled_requests=sched.num_queue_times,

@@ -67,6 +67,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q_dim, opts.norm_eps, backend, opts.norm_unit_offset)
             self.k_norm = RMSNorm(k_dim, opts.norm_eps, backend, opts.norm_unit_offset)
         self.rotary_dim = opts.rotary_dim or head_dim
+        self.sliding_window = opts.sliding_window
         self.backend = backend
         if opts.sinks:
             self.sinks = nn.Parameter(torch.zeros(num_heads))

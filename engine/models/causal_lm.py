@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
 from engine.models.linear import load_param
 from engine.models.norm import RMSNorm
 from engine.models.packed_linear import pack, prepack_supported
@@ -54,7 +55,8 @@ class CausalLM(nn.Module):
         return RMSNorm(self.config.hidden_size, self.config.rms_norm_eps, self.backend, unit_offset)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
-        """Hidden states ``[num_tokens, hidden]`` of one flat batch."""
+        """Hidden states ``[num_tokens, hidden]`` of one flat batch; ``kv_caches`` and ``meta``
+        (the attention metadata of the layer's group) per layer."""
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             # In the model's dtype, as Gemma rounds its normalizer.
@@ -63,13 +65,21 @@ class CausalLM(nn.Module):
             key: rotary.cos_sin(positions, hidden.dtype) for key, rotary in self.rotaries.items()
         }
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(ropes[layer.rope_key], hidden, residual, kv_cache, meta)
+        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, meta):
+            hidden, residual = layer(ropes[layer.rope_key], hidden, residual, kv_cache, layer_meta)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
-    def kv_cache_shapes(self) -> list[tuple[int, int]]:
-        """``(num_kv_heads, head_dim)`` of each layer's paged KV cache, in layer order."""
-        return [(layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in self.layers]
+    def kv_cache_specs(self) -> list[FullAttentionSpec]:
+        """What each layer keeps per token in the paged KV cache, in layer order."""
+        specs = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            window = attn.sliding_window
+            if window is None:
+                specs.append(FullAttentionSpec(attn.num_kv_heads, attn.head_dim))
+            else:
+                specs.append(SlidingWindowSpec(attn.num_kv_heads, attn.head_dim, window))
+        return specs
 
     def move_rotaries(self, device: torch.device) -> None:
         """Move every fp32 cos/sin cache to ``device``."""
