@@ -152,10 +152,11 @@ def unified_attention(
         return unified_attention_triton(
             query, kv_cache, query_start_loc, seq_lens, block_table, scale, out
         )
-    if chosen == "cpu" and _cpu_fits(query, kv_cache) and not options:
+    if chosen == "cpu" and _cpu_fits(query, kv_cache):
         return cpu_attention.unified_attention_cpu(
-            query, kv_cache, query_start_loc, seq_lens, block_table, scale, out
-        )
+            query, kv_cache, query_start_loc, seq_lens, block_table, scale, out,
+            sliding_window=sliding_window, sinks=sinks, logits_soft_cap=logits_soft_cap,
+        )  # fmt: skip
     return unified_attention_torch(
         query, kv_cache, query_start_loc, seq_lens, block_table, scale, out, plan,
         sliding_window, sinks, logits_soft_cap,

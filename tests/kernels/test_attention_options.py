@@ -11,7 +11,7 @@ from kernel_batch import random_batch, rel_err
 
 from engine.attention import AttentionMetadata, PagedAttention
 from kernels import unified_attention
-from kernels.cpu_attention import cpu_kernels_available
+from kernels.cpu_attention import cpu_kernels_available, unified_attention_cpu
 from kernels.reference import unified_attention_torch
 
 fp32, bf16 = torch.float32, torch.bfloat16
@@ -63,16 +63,21 @@ def _batch(rng, dtype=fp32, cache_dtype=None, queries_per_kv=3, head_dim=64, blo
     return batch
 
 
-def _sinks(rng, num_heads):
-    # Some sinks far above the scores (they take most of the mass), some far below.
-    return torch.randn(num_heads, generator=rng) * 3
+def _sinks(rng, num_heads, dtype=fp32):
+    # Some sinks far above the scores (they take most of the mass), some far below; in the
+    # model's dtype, as gpt-oss's parameter.
+    return (torch.randn(num_heads, generator=rng) * 3).to(dtype)
 
 
 OPTION_CASES = {
-    "window": lambda rng, h: {"sliding_window": 5},
-    "sinks": lambda rng, h: {"sinks": _sinks(rng, h)},
-    "softcap": lambda rng, h: {"logits_soft_cap": 1.5},
-    "all": lambda rng, h: {"sliding_window": 13, "sinks": _sinks(rng, h), "logits_soft_cap": 2.0},
+    "window": lambda rng, h, t=fp32: {"sliding_window": 5},
+    "sinks": lambda rng, h, t=fp32: {"sinks": _sinks(rng, h, t)},
+    "softcap": lambda rng, h, t=fp32: {"logits_soft_cap": 1.5},
+    "all": lambda rng, h, t=fp32: {
+        "sliding_window": 13,
+        "sinks": _sinks(rng, h, t),
+        "logits_soft_cap": 2.0,
+    },
 }
 
 
@@ -197,6 +202,63 @@ needs_cpu = pytest.mark.skipif(
 )
 def test_cpu_options_equal_dense(rng, case, dtype, cache_dtype):
     batch = _batch(rng, dtype, cache_dtype)
-    options = OPTION_CASES[case](rng, batch.query.shape[1])
-    out = _call("cpu", batch, **options)
+    options = OPTION_CASES[case](rng, batch.query.shape[1], dtype)
+    out = _cpu(batch, **options)
     assert rel_err(out, dense_attention(batch, **options)) < TOLERANCE[dtype]
+
+
+def _cpu(batch, **kwargs):
+    out = torch.full_like(batch.query, float("nan"))
+    unified_attention_cpu(
+        batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
+        batch.scale, out=out, **kwargs,
+    )  # fmt: skip
+    assert not out.isnan().any(), "some output elements were never written"
+    return out
+
+
+# Every path of the kernel: GQA 1 (one-row decodes, 32-token prefill tiles), 8 (decodes of 8
+# rows), a head size off the vector paths (48: the scalar loop), block sizes 8 to 64.
+SHAPES = [(1, 128, 8), (3, 64, 16), (8, 96, 32), (4, 48, 64)]
+
+
+@needs_cpu
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("queries_per_kv,head_dim,block_size", SHAPES)
+def test_cpu_all_options_every_path(rng, queries_per_kv, head_dim, block_size, window):
+    batch = _batch(rng, fp32, bf16, queries_per_kv, head_dim, block_size)
+    options = {"sliding_window": window, "sinks": _sinks(rng, batch.query.shape[1]),
+               "logits_soft_cap": 3.0}  # fmt: skip
+    assert rel_err(_cpu(batch, **options), dense_attention(batch, **options)) < 1e-5
+
+
+@needs_cpu
+@pytest.mark.parametrize("kv_split_size", [16, 48])
+@pytest.mark.parametrize("cache_dtype", [fp32, bf16])
+def test_cpu_split_chunks_merge_with_options(rng, kv_split_size, cache_dtype):
+    # Long decodes and a chunk cut into KV chunks: a chunk may hold no key of a row's window,
+    # and the sink joins once, when the chunks merge.
+    batch = _batch(rng, fp32, cache_dtype, mix=([1, 1, 5, 1], [300, 150, 200, 40]))
+    for options in (
+        {"sliding_window": 100, "sinks": _sinks(rng, batch.query.shape[1])},
+        {"sliding_window": 37, "logits_soft_cap": 2.0},
+        {"sinks": _sinks(rng, batch.query.shape[1]), "logits_soft_cap": 2.0},
+    ):
+        out = _cpu(batch, kv_split_size=kv_split_size, **options)
+        assert rel_err(out, dense_attention(batch, **options)) < 1e-5
+
+
+@needs_cpu
+@pytest.mark.parametrize("dtype,cache_dtype", [(fp32, fp32), (bf16, bf16)])
+def test_cpu_decode_never_reads_blocks_before_the_window(rng, dtype, cache_dtype):
+    # Blocks wholly before each decode's window are poisoned with NaN after the oracle ran: a
+    # kernel that read them (even with p = 0) would give NaN.
+    block_size, window = 16, 40
+    batch = _batch(rng, dtype, cache_dtype, block_size=block_size,
+                   mix=([1, 1, 1], [700, 333, 64]))  # fmt: skip
+    expected = dense_attention(batch, sliding_window=window)
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):
+        first_block = (seq_len - window) // block_size
+        batch.kv_cache[:, batch.block_table[i, :first_block].long()] = float("nan")
+    out = _cpu(batch, sliding_window=window)
+    assert rel_err(out, expected) < TOLERANCE[dtype]
