@@ -129,7 +129,7 @@ def _metadata(batch) -> AttentionMetadata:
     )
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_paged_attention_without_options_is_bit_identical_to_plain(rng, backend):
     if backend == "cpu" and not cpu_kernels_available():
         pytest.skip("the C++ CPU kernels cannot be built here")
