@@ -1,4 +1,4 @@
-"""Layer groups of the KV cache: one pool, a block table per group, windows that give blocks back."""
+"""Layer groups of the KV cache: one pool, a table per group, windows that give blocks back."""
 
 from __future__ import annotations
 
