@@ -1,0 +1,113 @@
+"""The mixture-of-experts block (vLLM's ``FusedMoE``): a router, ``E`` gated experts stored
+fused as 3-D tensors, an optional shared expert.
+
+Weights: ``w13_weight`` ``[E, 2I, H]`` (each expert's gate rows, then its up rows) and
+``w2_weight`` ``[E, H, I]``, with ``w13_bias`` / ``w2_bias`` where the experts have biases
+(gpt-oss). Activations: ``"silu"`` (``silu(gate) * up``) and ``"swigluoai"`` (gpt-oss:
+``(up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = gate.clamp(max=limit)``).
+
+A step routes its tokens once, then runs every expert's gate_up and down over the tokens routed
+to it as grouped GEMMs, with no Python loop over experts: on the CPU pagedq's C++ kernel over
+weights packed once at load (``prepack``; ``kernels/cpu_moe.py``), on CUDA a Triton kernel
+(``kernels/triton_moe.py``), elsewhere the torch reference (``torch._grouped_mm``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.models.routers import Router
+from kernels import select_backend
+from kernels.reference import fused_experts_torch
+
+ACTIVATIONS = ("silu", "swigluoai")
+
+
+class FusedMoE(nn.Module):
+    """``out = sum_j weight_j * expert_j(x)`` over each token's ``top_k`` experts (``gate``
+    picks them), plus ``shared_expert(x)`` where one is given, scaled by
+    ``sigmoid(shared_expert_gate(x))`` with ``shared_expert_gate=True`` (Qwen2-MoE)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        gate: Router | None = None,
+        activation: str = "silu",
+        has_bias: bool = False,
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
+        shared_expert: nn.Module | None = None,
+        shared_expert_gate: bool = False,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"activation={activation!r} is not supported: must be one of {ACTIVATIONS}"
+            )
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.activation, self.alpha, self.limit = activation, swiglu_alpha, swiglu_limit
+        self.backend = backend
+        self.gate = gate if gate is not None else Router(hidden_size, num_experts, top_k)
+        self.w13_weight = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
+        self.w13_bias = self.w2_bias = None
+        if has_bias:
+            self.w13_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size))
+            self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (
+            nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
+        )
+        self.packed = None  # the C++ kernel's weights, once `prepack` ran
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[tokens, hidden]`` through the routed experts (and the shared one)."""
+        topk_weights, topk_ids = self.gate(x)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
+    def experts(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum, ``[tokens, hidden]`` in x's dtype."""
+        options = dict(activation=self.activation, alpha=self.alpha, limit=self.limit)
+        if self.packed is not None:
+            from kernels.cpu_moe import fused_moe_cpu
+
+            return fused_moe_cpu(x, self.packed, topk_weights, topk_ids, **options)
+        args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if select_backend(x.device, self.backend) == "triton":
+            from kernels.triton_moe import fused_experts_triton
+
+            return fused_experts_triton(*args, self.w13_bias, self.w2_bias, **options)
+        return fused_experts_torch(*args, self.w13_bias, self.w2_bias, **options)
+
+    def prepack(self) -> bool:
+        """Pack the experts once for the C++ kernel where it runs this dtype (a CPU backend,
+        AVX-512; bf16 AVX512-BF16); the plain 3-D weights are then released. Idempotent; call
+        after loading, with the model on its device and dtype."""
+        if self.packed is not None:
+            return True
+        weight = self.w13_weight
+        if select_backend(weight.device, self.backend) != "cpu":
+            return False
+        from kernels.cpu_moe import fused_moe_available, pack_moe_weights
+
+        if not fused_moe_available(weight.dtype):
+            return False
+        self.packed = pack_moe_weights(weight, self.w2_weight, self.w13_bias, self.w2_bias)
+        # Only the packed copy is used from now on: free the plain one (half the memory).
+        self.w13_weight = self.w2_weight = None
+        self.w13_bias = self.w2_bias = None
+        return True
