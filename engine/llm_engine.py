@@ -108,7 +108,7 @@ class LLMEngine:
         self.model, self.hf_config, self.tokenizer = load_model(
             config.model, self.dtype, self.device, config.attention_backend
         )
-        max_position = self.model.rotary.cos.shape[0]
+        max_position = self.model.max_position
 
         num_blocks = self._num_kv_blocks()
         self.max_model_len = min(max_position, num_blocks * config.block_size)
@@ -173,12 +173,10 @@ class LLMEngine:
 
     # --- set-up -------------------------------------------------------------------------
     def _kv_bytes_per_block(self) -> int:
-        cfg = self.hf_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
         elem = torch.tensor([], dtype=kv_dtype).element_size()
-        return cfg.num_hidden_layers * 2 * self.config.block_size * num_kv_heads * head_dim * elem
+        per_token = sum(heads * dim for heads, dim in self.model.kv_cache_shapes())
+        return 2 * self.config.block_size * per_token * elem
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -198,19 +196,18 @@ class LLMEngine:
         return int(num_blocks)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        attn = self.model.layers[0].self_attn
         kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
         return [
             allocate_kv_cache(
                 num_blocks,
                 self.config.block_size,
-                attn.num_kv_heads,
-                attn.head_dim,
+                num_kv_heads,
+                head_dim,
                 kv_dtype,
                 self.device,
                 self.config.attention_backend,
             )  # fmt: skip
-            for _ in range(self.hf_config.num_hidden_layers)
+            for num_kv_heads, head_dim in self.model.kv_cache_shapes()
         ]
 
     def _make_swap_space(self) -> tuple[SwapSpace | None, PreemptionCostModel | None]:

@@ -251,15 +251,16 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_b
 
     The model holds no per-request state, so engines in one process may share it.
     """
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models import model_class
 
     source = cached_source(resolve_model(model))
     tokenizer = load_tokenizer(source)
     hf_config = load_config(source)
     max_position = int(getattr(hf_config, "max_position_embeddings", 8192))
+    cls = model_class(hf_config)
     with _skip_weight_init():
-        net = LlamaForCausalLM(hf_config, max_position, attention_backend)
+        net = cls(hf_config, max_position, attention_backend)
     net.load_weights(iter_weights(source))
     net = net.to(device=device, dtype=dtype).eval()
-    net.rotary.to_device(device)
+    net.move_rotaries(device)
     return net, hf_config, tokenizer

@@ -6,7 +6,7 @@ import torch
 
 from engine.block_table import BlockTable
 from engine.model_runner import ModelRunner
-from engine.models.layers import RotaryEmbedding
+from engine.models.rotary import RotaryEmbedding
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput

@@ -1,4 +1,4 @@
-"""Small layers of the Llama family, written to match Hugging Face numerics exactly."""
+"""Rotary position embeddings with every scaling type transformers knows, as it computes them."""
 
 from __future__ import annotations
 
@@ -6,26 +6,7 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kernels import rms_norm
 from kernels.reference import rotary_torch
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back, as Hugging Face does.
-
-    ``norm(x)`` gives the normed ``x``; ``norm(x, residual)`` adds first and gives
-    ``(normed, x + residual)`` (one C++ pass on the CPU, which may reuse ``residual``'s memory).
-    """
-
-    def __init__(self, size: int, eps: float, backend: str = "auto") -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-        self.backend = backend
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        normed, summed = rms_norm(x, self.weight, self.eps, residual, backend=self.backend)
-        return normed if residual is None else (normed, summed)
 
 
 def rope_parameters(config) -> dict:
@@ -39,17 +20,29 @@ def rope_parameters(config) -> dict:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding with a cos/sin cache indexed by absolute position."""
+    """Rotary position embedding with a cos/sin cache indexed by absolute position.
 
-    def __init__(self, config, head_dim: int, max_position: int) -> None:
+    ``rotary_dim`` (partial rotary) is the number of leading features of a head that rotate;
+    ``params`` overrides the config's RoPE settings (a layer type's own base, Gemma 3).
+    """
+
+    def __init__(
+        self,
+        config,
+        head_dim: int,
+        max_position: int,
+        rotary_dim: int | None = None,
+        params: dict | None = None,
+    ) -> None:
         super().__init__()
-        params = rope_parameters(config)
+        params = dict(params) if params is not None else rope_parameters(config)
+        params.setdefault("rope_type", params.get("type", "default"))
         rope_type = params["rope_type"]
+        dim = rotary_dim or head_dim
+        self.rotary_dim = dim
         if rope_type == "default":
             base = params["rope_theta"]
-            inv_freq = 1.0 / (
-                base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-            )
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             scaling = 1.0
         elif rope_type in ROPE_INIT_FUNCTIONS:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
