@@ -14,9 +14,12 @@ weights packed once at load (``prepack``; ``kernels/cpu_moe.py``), on CUDA a Tri
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
+from engine.models.causal_lm import CausalLM
 from engine.models.routers import Router
 from kernels import select_backend
 from kernels.reference import fused_experts_torch
@@ -54,12 +57,18 @@ class FusedMoE(nn.Module):
         self.activation, self.alpha, self.limit = activation, swiglu_alpha, swiglu_limit
         self.backend = backend
         self.gate = gate if gate is not None else Router(hidden_size, num_experts, top_k)
-        self.w13_weight = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2_weight = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
+        # Every weight is loaded next (the loader refuses a checkpoint that misses one).
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.w13_bias = self.w2_bias = None
         if has_bias:
-            self.w13_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size))
-            self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden_size))
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+        # Per-expert checkpoint tensors are shards (expert, "gate" | "up" | "down") of these.
+        for param, parts in ((self.w13_weight, ("gate", "up")), (self.w2_weight, ("down",))):
+            param.weight_loader = self._load_expert
+            param.shard_shape = self._expert_shape
+            param.expected_shards = {(e, part) for e in range(num_experts) for part in parts}
         self.shared_expert = shared_expert
         self.shared_expert_gate = (
             nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
@@ -93,6 +102,18 @@ class FusedMoE(nn.Module):
             return fused_experts_triton(*args, self.w13_bias, self.w2_bias, **options)
         return fused_experts_torch(*args, self.w13_bias, self.w2_bias, **options)
 
+    def _expert_shape(self, shard: tuple[int, str]) -> tuple[int, int]:
+        inter, hidden = self.intermediate_size, self.hidden_size
+        return (hidden, inter) if shard[1] == "down" else (inter, hidden)
+
+    def _load_expert(self, param: nn.Parameter, tensor: torch.Tensor, shard) -> None:
+        if shard is None:  # the fused 3-D tensor, whole
+            param.data.copy_(tensor)
+            return
+        expert, part = shard
+        rows = {"gate": slice(0, self.intermediate_size), "up": slice(self.intermediate_size, None)}
+        param.data[expert, rows.get(part, slice(None))].copy_(tensor)
+
     def prepack(self) -> bool:
         """Pack the experts once for the C++ kernel where it runs this dtype (a CPU backend,
         AVX-512; bf16 AVX512-BF16); the plain 3-D weights are then released. Idempotent; call
@@ -111,3 +132,63 @@ class FusedMoE(nn.Module):
         self.w13_weight = self.w2_weight = None
         self.w13_bias = self.w2_bias = None
         return True
+
+
+# Checkpoint names of experts: per expert (``experts.N.gate_proj.weight``; Mixtral's first
+# checkpoints ``experts.N.w1`` gate, ``w3`` up, ``w2`` down) or fused 3-D (transformers 5).
+_PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_FUSED = re.compile(r"^(.*)\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+_PARTS = {
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "down_proj": "down",
+    "w2": "down",
+}
+
+
+def expert_target(name: str) -> tuple[str, object] | None:
+    """``(FusedMoE parameter name, shard)`` of an expert's checkpoint tensor ``name``, or None
+    when ``name`` is not an expert weight."""
+    match = _PER_EXPERT.match(name)
+    if match:
+        prefix, expert, part = match.groups()
+        part = _PARTS[part]
+        target = "w2_weight" if part == "down" else "w13_weight"
+        return f"{prefix}.{target}", (int(expert), part)
+    match = _FUSED.match(name)
+    if match:
+        prefix, which, bias = match.groups()
+        stem = "w13" if which == "gate_up_proj" else "w2"
+        return f"{prefix}.{stem}_{'bias' if bias else 'weight'}", None
+    return None
+
+
+# Checkpoint module names of MoE families -> ours: Mixtral's first checkpoints, gpt-oss's router,
+# GLM-4.5's and DeepSeek-V3's shared experts.
+_RENAMES = (
+    (".block_sparse_moe.", ".mlp."),
+    (".mlp.router.", ".mlp.gate."),
+    (".mlp.shared_experts.", ".mlp.shared_expert."),
+)
+
+
+class MoECausalLM(CausalLM):
+    """A causal LM whose layers may hold ``FusedMoE`` blocks: loads per-expert and fused expert
+    tensors into them and packs them for the CPU kernel."""
+
+    def checkpoint_name(self, name: str) -> str | None:
+        for old, new in _RENAMES:
+            name = name.replace(old, new)
+        return super().checkpoint_name(name)
+
+    def split_target(self, name: str) -> tuple[str, object]:
+        return expert_target(name) or super().split_target(name)
+
+    def prepack(self) -> bool:
+        packed = super().prepack()
+        for module in self.layers.modules():
+            if isinstance(module, FusedMoE):
+                module.prepack()
+        return packed

@@ -104,8 +104,10 @@ class Router(nn.Module):
         self.round_weights, self.fp32_logits = round_weights, fp32_logits
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
-        if scoring == "grouped_topk_sigmoid":
-            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        if scoring == "grouped_topk_sigmoid":  # a parameter, so that checkpoints load it
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(num_experts), requires_grad=False
+            )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fp32_logits:
