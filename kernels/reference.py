@@ -227,9 +227,15 @@ def grouped_mm_torch(
     rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:
     """``rows`` ``[N, K]`` (grouped by expert, ``counts[e]`` rows each) times ``weight[e]``
-    ``[K, out]`` per group, as one grouped op: ``torch._grouped_mm`` where this torch has it,
-    else one bmm over the groups padded to the largest."""
-    if hasattr(torch, "_grouped_mm") and rows.dtype in (torch.float32, torch.bfloat16):
+    ``[K, out]`` per group, as one grouped op: ``torch._grouped_mm`` where this torch has it
+    (and the sizes give it 16-byte strides), else one bmm over the groups padded to the
+    largest."""
+    size = rows.element_size()
+    if (
+        hasattr(torch, "_grouped_mm")
+        and rows.dtype in (torch.float32, torch.bfloat16)
+        and all(n * size % 16 == 0 for n in weight.shape[1:])  # its rows' 16-byte strides
+    ):
         offs = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(rows, weight.to(rows.dtype), offs=offs)
     experts = weight.shape[0]

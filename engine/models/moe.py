@@ -192,3 +192,17 @@ class MoECausalLM(CausalLM):
             if isinstance(module, FusedMoE):
                 module.prepack()
         return packed
+
+
+def from_interleaved_layout(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's expert tensors in ``FusedMoE``'s layout: its ``gate_up_proj`` ``[E, H, 2I]``
+    (gate and up in alternating columns) becomes ``[E, 2I, H]`` (gate rows, then up rows), its
+    ``gate_up_proj_bias`` likewise, its ``down_proj`` ``[E, I, H]`` becomes ``[E, H, I]``."""
+    if name.endswith("experts.gate_up_proj"):
+        tensor = tensor.transpose(1, 2)
+        return torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1).contiguous()
+    if name.endswith("experts.gate_up_proj_bias"):
+        return torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1).contiguous()
+    if name.endswith("experts.down_proj"):
+        return tensor.transpose(1, 2).contiguous()
+    return tensor
