@@ -46,19 +46,22 @@ def pack_moe_weights(
     pack = torch.ops.pagedq.pack_linear_weight
     gate_up = w13.new_zeros(2 * ip, hidden)
     down = w2.new_zeros(hidden, ip)
-    packed13, packed2 = [], []
+    packed13 = packed2 = None
     with torch.no_grad():
-        for e in range(experts):  # once, at load
+        for e in range(experts):  # once, at load; into one tensor (no second copy of all)
             gate_up[:inter], gate_up[ip : ip + inter] = w13[e, :inter], w13[e, inter:]
             down[:, :inter] = w2[e]
-            packed13.append(pack(gate_up))
-            packed2.append(pack(down))
+            one13, one2 = pack(gate_up), pack(down)
+            if packed13 is None:
+                packed13 = one13.new_empty(experts, *one13.shape)
+                packed2 = one2.new_empty(experts, *one2.shape)
+            packed13[e], packed2[e] = one13, one2
         bias13 = None
         if w13_bias is not None:
             bias13 = torch.zeros(experts, 2 * ip)
             bias13[:, :inter], bias13[:, ip : ip + inter] = w13_bias[:, :inter], w13_bias[:, inter:]
         bias2 = None if w2_bias is None else w2_bias.detach().float().contiguous()
-    return torch.stack(packed13), torch.stack(packed2), bias13, bias2
+    return packed13, packed2, bias13, bias2
 
 
 def fused_moe_cpu(
