@@ -1,4 +1,5 @@
-"""Tiny random Llama-family checkpoints written at test time (safetensors + tokenizer)."""
+"""Tiny random checkpoints of any architecture transformers knows, written at test time
+(safetensors + the default model's tokenizer)."""
 
 from __future__ import annotations
 
@@ -23,22 +24,17 @@ TINY = dict(
 
 
 def make_tiny_model(folder: Path, model_type: str, seed: int = 0, **overrides) -> Path:
-    """Save a random ``model_type`` model with the default model's tokenizer into ``folder``."""
-    import transformers
+    """Save a random ``model_type`` model (transformers' own config class and model, built
+    from ``TINY`` and ``overrides``) with the default model's tokenizer into ``folder``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[model_type]
     tokenizer = load_tokenizer(resolve_model("smollm2"))
     kwargs = {**TINY, "vocab_size": len(tokenizer), **overrides}
     if model_type == "qwen3":
         kwargs.setdefault("head_dim", 16)
-    config = cls[0](**kwargs)
+    config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
-    model = cls[1](config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     # Larger weights than the default init spread the logits, so greedy argmax is robust
     # to the last-bit differences between two correct implementations.
     with torch.no_grad():
