@@ -17,6 +17,9 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "qwen2": ("engine.models.llama", "LlamaForCausalLM"),
     "qwen3": ("engine.models.llama", "LlamaForCausalLM"),
     "qwen3_moe": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "mixtral": ("engine.models.mixtral", "MixtralForCausalLM"),
+    "gpt_oss": ("engine.models.gpt_oss", "GptOssForCausalLM"),
+    "glm4_moe": ("engine.models.glm4_moe", "Glm4MoeForCausalLM"),
 }
 
 
