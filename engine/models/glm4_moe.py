@@ -10,7 +10,7 @@ from engine.models.config_fields import head_dim_of, num_kv_heads_of
 from engine.models.decoder import DecoderLayer
 from engine.models.mlp import GatedMLP
 from engine.models.moe import FusedMoE, MoECausalLM
-from engine.models.rotary import RotaryEmbedding
+from engine.models.rotary import RotaryEmbedding, rope_parameters
 from engine.models.routers import Router
 
 
@@ -20,7 +20,11 @@ class Glm4MoeForCausalLM(MoECausalLM):
     def __init__(self, config, max_position: int, backend: str = "auto") -> None:
         super().__init__(config, max_position, backend)
         head_dim = head_dim_of(config)
-        rotary_dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+        # transformers 5 keeps the factor in rope_parameters, older configs beside them.
+        factor = rope_parameters(config).get(
+            "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)
+        )
+        rotary_dim = int(head_dim * factor)
         self.rotaries["default"] = RotaryEmbedding(config, head_dim, max_position, rotary_dim)
         hidden = config.hidden_size
         for i in range(config.num_hidden_layers):
