@@ -214,6 +214,7 @@ def main() -> None:
             result = run_child(engine, dtype, work, args, peers_root)
             if result is not None:
                 runs[engine, dtype].append(result)
+                print(f"  {result['tokens_per_s']:.1f} output tokens/s", flush=True)
     print(f"\nload average {load_before} before, {peers.load_average()} after")
     print_table(work, dtypes, runs)
 
