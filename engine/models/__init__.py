@@ -16,6 +16,11 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "mistral": ("engine.models.llama", "LlamaForCausalLM"),
     "qwen2": ("engine.models.llama", "LlamaForCausalLM"),
     "qwen3": ("engine.models.llama", "LlamaForCausalLM"),
+    "qwen2_moe": ("engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "mixtral": ("engine.models.mixtral", "MixtralForCausalLM"),
+    "gpt_oss": ("engine.models.gpt_oss", "GptOssForCausalLM"),
+    "glm4_moe": ("engine.models.glm4_moe", "Glm4MoeForCausalLM"),
 }
 
 
