@@ -147,18 +147,23 @@ def unified_attention_cpu(
     scale: float,
     out: torch.Tensor | None = None,
     kv_split_size: int = 0,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """C++ twin of ``unified_attention_torch``, reading K/V blocks in place.
 
     ``kv_split_size`` cuts key ranges into chunks of that many tokens (merged exactly afterwards);
-    0 lets the kernel decide from the batch and the thread count.
+    0 lets the kernel decide from the batch and the thread count. The options are
+    ``kernels.attention_options``'s (None: plain causal attention).
     """
     _require()
     if out is None:
         out = torch.empty_like(query)
     torch.ops.pagedq.unified_attention(
-        query, kv_cache, query_start_loc, seq_lens, block_table, float(scale), out, kv_split_size
-    )
+        query, kv_cache, query_start_loc, seq_lens, block_table, float(scale), out, kv_split_size,
+        sliding_window or 0, float(logits_soft_cap or 0.0), sinks,
+    )  # fmt: skip
     return out
 
 

@@ -45,6 +45,9 @@ def unified_attention_torch(
     scale: float,
     out: torch.Tensor | None = None,
     plan: AttentionPlan | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a flat varlen batch of prefill chunks and decodes.
 
@@ -54,16 +57,62 @@ def unified_attention_torch(
     ``build_plan(...)`` of the same metadata, built once per step and shared by every layer;
     without it, the plan is built here. K/V are read in the cache's dtype and upcast to the
     query's (a bf16 cache under an fp32 model).
+
+    The options (``kernels.attention_options``; None leaves plain causal attention, through
+    SDPA): ``sliding_window`` W lets query position q see keys q - W < k <= q; ``sinks``
+    ``[num_heads]`` adds one logit per head to the softmax denominator (with no value);
+    ``logits_soft_cap`` c maps scores to ``c * tanh(scores / c)`` before the mask.
     """
     if out is None:
         out = torch.empty_like(query)
     if plan is None:
         plan = build_plan(query_start_loc, seq_lens, block_table, kv_cache.shape[2])
+    options = _Options(sliding_window, sinks, logits_soft_cap)
     for group in plan.decode_groups:
-        _decode_attention(query, kv_cache, group, scale, out)
+        _decode_attention(query, kv_cache, group, scale, out, options)
     for start, q_len, seq_len, i in plan.prefills:
-        _prefill_attention(query, kv_cache, start, q_len, seq_len, block_table[i], scale, out)
+        _prefill_attention(
+            query, kv_cache, start, q_len, seq_len, block_table[i], scale, out, options
+        )
     return out
+
+
+class _Options:
+    """One call's attention options; ``plain`` when none is set (SDPA's path)."""
+
+    __slots__ = ("window", "sinks", "soft_cap", "plain")
+
+    def __init__(self, window, sinks, soft_cap) -> None:
+        self.window, self.sinks, self.soft_cap = window, sinks, soft_cap
+        self.plain = window is None and sinks is None and soft_cap is None
+
+    def mask(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+        """Visible keys: causal, and within the window when there is one (Hugging Face's
+        ``sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``)."""
+        visible = key_pos <= query_pos
+        if self.window is not None:
+            visible = visible & (key_pos > query_pos - self.window)
+        return visible
+
+
+def _attend(q, k, v, mask, scale, options: _Options) -> torch.Tensor:
+    """``q [B, H, Lq, D]`` over ``k``/``v [B, H_kv, Lk, D]`` under a boolean ``mask``."""
+    if options.sinks is None and options.soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    # Soft-capping and sinks do not fit SDPA: scores, cap, mask, sink column, softmax, in fp32.
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, 1)
+    v = v.float().repeat_interleave(group, 1)
+    s = q.float() @ k.transpose(-1, -2) * scale
+    if options.soft_cap is not None:
+        s = options.soft_cap * torch.tanh(s / options.soft_cap)
+    s = s.masked_fill(~mask, float("-inf"))
+    if options.sinks is not None:
+        sink = options.sinks.float().to(s.device).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1)
+    return (p @ v).to(q.dtype)
 
 
 class AttentionPlan:
@@ -75,7 +124,7 @@ class AttentionPlan:
 class _DecodeGroup:
     """Decodes of similar context length, attended together with padding to ``max_len``."""
 
-    __slots__ = ("rows", "blocks", "mask", "max_len")
+    __slots__ = ("rows", "blocks", "mask", "max_len", "lens")
 
 
 # Decodes are sorted by context length and attended in groups of this many, so a short
@@ -111,13 +160,15 @@ def _decode_group(members, starts, lens, block_table, block_size) -> _DecodeGrou
     num_blocks = -(-group.max_len // block_size)
     idx = torch.tensor(members, device=device)
     group.blocks = block_table[idx, :num_blocks].clamp_min(0)
-    member_lens = torch.tensor([lens[i] for i in members], device=device)
-    mask = torch.arange(group.max_len, device=device)[None, :] < member_lens[:, None]
+    group.lens = torch.tensor([lens[i] for i in members], device=device)
+    mask = torch.arange(group.max_len, device=device)[None, :] < group.lens[:, None]
     group.mask = mask[:, None, None, :]
     return group
 
 
-def _prefill_attention(query, kv_cache, start, q_len, seq_len, block_ids, scale, out) -> None:
+def _prefill_attention(
+    query, kv_cache, start, q_len, seq_len, block_ids, scale, out, options: _Options
+) -> None:
     k, v = _gather_kv(kv_cache, block_ids, seq_len)
     k, v = k.to(query.dtype), v.to(query.dtype)
     q = query[start : start + q_len].transpose(0, 1)
@@ -125,33 +176,37 @@ def _prefill_attention(query, kv_cache, start, q_len, seq_len, block_ids, scale,
     # Query row j sits at absolute position num_context + j and sees keys 0..num_context + j.
     key_pos = torch.arange(seq_len, device=query.device)
     query_pos = torch.arange(num_context, seq_len, device=query.device)
-    mask = key_pos[None, :] <= query_pos[:, None]
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(0),
-        k.unsqueeze(0),
-        v.unsqueeze(0),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=True,
-    )
+    if options.plain:
+        mask = key_pos[None, :] <= query_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+    else:
+        # Keys before the first row's window are seen by no row: leave them out.
+        first = max(0, num_context - options.window + 1) if options.window is not None else 0
+        k, v, key_pos = k[:, first:], v[:, first:], key_pos[first:]
+        mask = options.mask(key_pos[None, :], query_pos[:, None])
+        o = _attend(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, scale, options)
     out[start : start + q_len] = o[0].transpose(0, 1)
 
 
-def _decode_attention(query, kv_cache, group: _DecodeGroup, scale, out) -> None:
+def _decode_attention(query, kv_cache, group: _DecodeGroup, scale, out, options) -> None:
     """A group of single-token queries at once: one gather, one padded masked attention."""
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     batch = group.rows.shape[0]
     kv = kv_cache[:, group.blocks].reshape(2, batch, -1, num_kv_heads, head_dim)
     kv = kv[:, :, : group.max_len].to(query.dtype)
     q = query[group.rows].unsqueeze(2)  # [batch, num_heads, 1, head_dim]
-    o = F.scaled_dot_product_attention(
-        q,
-        kv[0].transpose(1, 2),
-        kv[1].transpose(1, 2),
-        attn_mask=group.mask,
-        scale=scale,
-        enable_gqa=True,
-    )
+    mask = group.mask
+    if options.window is not None:  # each decode sits at position lens - 1
+        key_pos = torch.arange(group.max_len, device=query.device)[None, :]
+        mask = mask & (key_pos > group.lens[:, None] - 1 - options.window)[:, None, None, :]
+    o = _attend(q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), mask, scale, options)
     out[group.rows] = o.squeeze(2)
 
 
