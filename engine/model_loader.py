@@ -252,11 +252,12 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_b
     The model holds no per-request state, so engines in one process may share it.
     """
     from engine.models import model_class
+    from engine.models.config_fields import max_position_of
 
     source = cached_source(resolve_model(model))
     tokenizer = load_tokenizer(source)
     hf_config = load_config(source)
-    max_position = int(getattr(hf_config, "max_position_embeddings", 8192))
+    max_position = max_position_of(hf_config)
     cls = model_class(hf_config)
     with _skip_weight_init():
         net = cls(hf_config, max_position, attention_backend)

@@ -43,6 +43,8 @@ def make_tiny_model(folder: Path, model_type: str, seed: int = 0, **overrides) -
                 p.normal_(0, 0.15)
             elif "bias" in name:
                 p.normal_(0, 0.1)
+            elif "norm" in name:  # around its init: 1 (Llama) or 0 (Gemma's 1 + w)
+                p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder

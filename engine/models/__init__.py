@@ -16,6 +16,11 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "mistral": ("engine.models.llama", "LlamaForCausalLM"),
     "qwen2": ("engine.models.llama", "LlamaForCausalLM"),
     "qwen3": ("engine.models.llama", "LlamaForCausalLM"),
+    "phi3": ("engine.models.llama", "LlamaForCausalLM"),  # fused qkv/gate_up load whole
+    "gemma2": ("engine.models.gemma", "Gemma2ForCausalLM"),
+    "gemma3_text": ("engine.models.gemma", "Gemma3ForCausalLM"),
+    "olmo2": ("engine.models.olmo", "Olmo2ForCausalLM"),
+    "olmo3": ("engine.models.olmo", "Olmo2ForCausalLM"),
 }
 
 

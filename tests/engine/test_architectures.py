@@ -31,6 +31,10 @@ def hf_tokens(folder, prompt, n):
     return out[0, len(prompt) :].tolist()
 
 
+SLIDING_FULL = ["sliding_attention", "full_attention"]
+# Gemma's own head size and softmax scale (query_pre_attn_scalar is not head_dim here).
+GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 24, "layer_types": SLIDING_FULL}
+
 CASES = [
     ("llama", "llama", {}),
     (
@@ -49,6 +53,53 @@ CASES = [
     ("qwen2-bias", "qwen2", {}),
     ("qwen3-qknorm", "qwen3", {}),
     ("mistral-tied", "mistral", {"tie_word_embeddings": True}),
+    ("rope-linear", "llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    (
+        "rope-dynamic",  # past max_position_embeddings (24) the base grows with the length
+        "llama",
+        {"max_position_embeddings": 24, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+    ),
+    (
+        "rope-yarn",  # attention factor 0.1 ln(4) + 1 on cos/sin
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
+    ("gemma2", "gemma2", {**GEMMA, "sliding_window": 8}),
+    (
+        "gemma3-text",  # local base 10k, global 1M with linear scaling, as Gemma 3 ships
+        "gemma3_text",
+        {
+            **GEMMA,
+            "sliding_window": 8,
+            "final_logit_softcapping": 30.0,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+        },
+    ),
+    (
+        "phi3-longrope",  # the 33-token prompt is past 30: long factors; the others short
+        "phi3",
+        {
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.1, 1.3, 1.6],
+                "long_factor": [1.0, 2.0, 4.0, 8.0],
+                "original_max_position_embeddings": 30,
+            },
+        },
+    ),
+    ("olmo2", "olmo2", {}),
+    ("olmo3", "olmo3", {"sliding_window": 8, "layer_types": SLIDING_FULL}),
 ]
 
 
