@@ -7,7 +7,9 @@ from pathlib import Path
 
 import torch
 
-from engine.model_loader import load_tokenizer, resolve_model
+from functools import lru_cache
+
+from engine.model_loader import cached_source, load_tokenizer, resolve_model
 
 TINY = dict(
     hidden_size=64,
@@ -23,12 +25,19 @@ TINY = dict(
 )
 
 
+@lru_cache(maxsize=1)
+def default_tokenizer():
+    """The default model's tokenizer, read once per process (from the model cache's folder:
+    parsing the GGUF file again takes seconds)."""
+    return load_tokenizer(cached_source(resolve_model("smollm2")))
+
+
 def make_tiny_model(folder: Path, model_type: str, seed: int = 0, **overrides) -> Path:
     """Save a random ``model_type`` model (transformers' own config class and model, built
     from ``TINY`` and ``overrides``) with the default model's tokenizer into ``folder``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    tokenizer = load_tokenizer(resolve_model("smollm2"))
+    tokenizer = default_tokenizer()
     kwargs = {**TINY, "vocab_size": len(tokenizer), **overrides}
     if model_type == "qwen3":
         kwargs.setdefault("head_dim", 16)

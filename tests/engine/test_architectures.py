@@ -15,20 +15,46 @@ from engine import LLM, SamplingParams
 PROMPTS = [[1, 504, 3458, 282, 4649, 314], [5, 77, 901, 12, 12, 3000, 45, 8, 9, 10, 11] * 3, [42]]
 
 
-def hf_tokens(folder, prompt, n):
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One thread for both engines: on a shared 2-core host, two threads spend most of these
+    tiny models' time waiting for each other (10x slower measured under load)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def hf_greedy(folder, prompts, n):
+    """Hugging Face ``generate``'s greedy tokens for each prompt (fp32, no EOS stop)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    outs = []
     with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        )
-    return out[0, len(prompt) :].tolist()
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            )
+            outs.append(out[0, len(prompt) :].tolist())
+    return outs
+
+
+def tiny_llm(folder, **kwargs) -> LLM:
+    """An fp32 engine on ``folder`` with a small KV pool, on one thread."""
+    return LLM(
+        str(folder),
+        dtype="float32",
+        kv_cache_memory=kwargs.pop("kv_cache_memory", 2**22),
+        block_size=16,
+        num_threads=1,
+        **kwargs,
+    )
 
 
 SLIDING_FULL = ["sliding_attention", "full_attention"]
@@ -106,10 +132,10 @@ CASES = [
 @pytest.mark.parametrize("model_type,overrides", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_tiny_model_matches_hf(tmp_path, model_type, overrides):
     folder = make_tiny_model(tmp_path / model_type, model_type, **overrides)
-    llm = LLM(str(folder), dtype="float32", kv_cache_memory=2**22, block_size=16)
+    llm = tiny_llm(folder)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    assert got == [hf_tokens(folder, p, 20) for p in PROMPTS]
+    assert got == hf_greedy(folder, PROMPTS, 20)
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
