@@ -114,12 +114,13 @@ CASES = [
         "phi3-longrope",  # the 33-token prompt is past 30: long factors; the others short
         "phi3",
         {
+            "original_max_position_embeddings": 30,
             "rope_parameters": {
                 "rope_type": "longrope",
                 "rope_theta": 10000.0,
                 "partial_rotary_factor": 0.5,
                 "short_factor": [1.0, 1.1, 1.3, 1.6],
-                "long_factor": [1.0, 2.0, 4.0, 8.0],
+                "long_factor": [3.0, 9.0, 27.0, 81.0],
                 "original_max_position_embeddings": 30,
             },
         },
