@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import torch
-
-from functools import lru_cache
 
 from engine.model_loader import cached_source, load_tokenizer, resolve_model
 

@@ -6,12 +6,17 @@ the sliding windows a case sets, and MoE cases route several experts per token."
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from tiny_models import make_tiny_model
 
 from engine import LLM, SamplingParams
+from engine.structured_outputs import StructuredOutputsParams
 
+MAX_TOKENS = 20
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 PROMPTS = [[1, 504, 3458, 282, 4649, 314], [5, 77, 901, 12, 12, 3000, 45, 8, 9, 10, 11] * 3, [42]]
 
 
@@ -130,18 +135,88 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("model_type,overrides", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_tiny_model_matches_hf(tmp_path, model_type, overrides):
-    folder = make_tiny_model(tmp_path / model_type, model_type, **overrides)
+CASE_BY_ID = {case_id: (model_type, overrides) for case_id, model_type, overrides in CASES}
+_BUILT: dict[str, tuple[object, list[list[int]]]] = {}
+
+
+def built(case_id, tmp_path_factory):
+    """``(folder, HF greedy tokens of PROMPTS)`` of a case, made once per module."""
+    if case_id not in _BUILT:
+        model_type, overrides = CASE_BY_ID[case_id]
+        folder = make_tiny_model(tmp_path_factory.mktemp(case_id), model_type, **overrides)
+        _BUILT[case_id] = folder, hf_greedy(folder, PROMPTS, MAX_TOKENS)
+    return _BUILT[case_id]
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("case_id", list(CASE_BY_ID))
+def test_tiny_model_matches_hf(tmp_path_factory, case_id):
+    folder, expected = built(case_id, tmp_path_factory)
     llm = tiny_llm(folder)
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    assert got == hf_greedy(folder, PROMPTS, 20)
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+
+
+# The regimes run on the families whose layers differ most from Llama's: sliding windows with
+# two RoPE bases and soft caps (Gemma 2/3), post-norm with windows (OLMo 3), length-dependent
+# RoPE with partial rotary (Phi-3 longrope).
+REGIME_CASES = ["gemma2", "gemma3-text", "olmo3", "phi3-longrope"]
+
+
+@pytest.mark.parametrize("case_id", REGIME_CASES)
+def test_regimes_match_hf(tmp_path_factory, case_id):
+    """Chunked prefill, preemption (recompute and swap) and prefix-cache hits leave the greedy
+    tokens exact."""
+    folder, expected = built(case_id, tmp_path_factory)
+    chunked = tiny_llm(folder, max_num_batched_tokens=8)
+    assert token_ids(chunked.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    assert chunked.stats.num_chunked_prefills > 0
+
+    per_block = tiny_llm(folder).llm_engine._kv_bytes_per_block()
+    for swap_space, kind in ((0, "recompute"), (0.01, "swap")):
+        small = tiny_llm(folder, kv_cache_memory=5 * per_block, swap_space=swap_space)
+        assert token_ids(small.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+        stats = small.stats
+        assert stats.num_preemptions > 0, kind
+        assert getattr(stats, f"num_preemptions_{kind}") > 0
+
+    cached = tiny_llm(folder)
+    for _ in range(2):  # the second run finds the long prompt's full blocks cached
+        assert token_ids(cached.generate(PROMPTS[1:2], GREEDY, use_tqdm=False)) == expected[1:2]
+    assert cached.stats.prefix_cache_hits >= 32
+
+
+@pytest.mark.parametrize("case_id", ["gemma3-text", "phi3-longrope"])
+def test_seeded_samples_and_json_schema(tmp_path_factory, case_id):
+    """n > 1 with a seed gives the same samples alone and in a batch; a JSON schema holds."""
+    folder, _ = built(case_id, tmp_path_factory)
+    llm = tiny_llm(folder)
+    seeded = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1:2], seeded, use_tqdm=False)[0]
+    batched = llm.generate(PROMPTS, seeded, use_tqdm=False)[1]
+    samples = [c.token_ids for c in alone.outputs]
+    assert len(samples) == 3 and samples == [c.token_ids for c in batched.outputs]
+    assert len({tuple(s) for s in samples}) > 1  # three seeds, not one sample three times
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+        "required": ["color", "ok"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    out = llm.generate(PROMPTS[0:1], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), schema)
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
-    import json
-
     folder = make_tiny_model(tmp_path / "m", "llama")
     cfg = json.loads((folder / "config.json").read_text())
     cfg["model_type"] = "gpt2"
