@@ -60,11 +60,17 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding with a cos/sin cache indexed by absolute position.
 
     ``rotary_dim`` (partial rotary: the leading features of a head that rotate) follows the
-    config's ``partial_rotary_factor``; ``layer_type`` picks that type's settings (Gemma 3).
+    config's ``partial_rotary_factor`` unless given; ``layer_type`` picks that type's settings
+    (Gemma 3).
     """
 
     def __init__(
-        self, config, head_dim: int, max_position: int, layer_type: str | None = None
+        self,
+        config,
+        head_dim: int,
+        max_position: int,
+        rotary_dim: int | None = None,
+        layer_type: str | None = None,
     ) -> None:
         super().__init__()
         params = rope_parameters(config, layer_type)
@@ -74,7 +80,7 @@ class RotaryEmbedding(nn.Module):
             factor = params.get("partial_rotary_factor")
             if factor is None:
                 factor = getattr(config, "partial_rotary_factor", None) or 1.0
-            dim = int(head_dim * factor)
+            dim = rotary_dim or int(head_dim * factor)
             base = params["rope_theta"]
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             self.scaling = 1.0
