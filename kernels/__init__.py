@@ -146,12 +146,13 @@ def unified_attention(
     options = has_options(sliding_window, sinks, logits_soft_cap)
     if options:
         check_options(sliding_window, sinks, logits_soft_cap, query.shape[1])
-    if chosen == "triton" and not options:
+    if chosen == "triton":
         from kernels.triton_attention import unified_attention_triton
 
         return unified_attention_triton(
-            query, kv_cache, query_start_loc, seq_lens, block_table, scale, out
-        )
+            query, kv_cache, query_start_loc, seq_lens, block_table, scale, out,
+            sliding_window=sliding_window, sinks=sinks, logits_soft_cap=logits_soft_cap,
+        )  # fmt: skip
     if chosen == "cpu" and _cpu_fits(query, kv_cache):
         return cpu_attention.unified_attention_cpu(
             query, kv_cache, query_start_loc, seq_lens, block_table, scale, out,

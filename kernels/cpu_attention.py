@@ -29,7 +29,10 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "layers_cpu.cpp", CSRC / "linear_cpu.cpp")
+SOURCES = tuple(
+    CSRC / name
+    for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp", "linear_cpu.cpp", "moe_cpu.cpp")
+)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()

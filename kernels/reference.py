@@ -260,3 +260,76 @@ def rotary_torch(
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
     return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+
+
+# --- mixture of experts -----------------------------------------------------------------------
+def moe_activation_torch(
+    gate_up: torch.Tensor, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0
+) -> torch.Tensor:
+    """An expert's activation of its ``[rows, 2I]`` gate_up output (gate half first):
+    ``silu(gate) * up``, or gpt-oss's clamped SwiGLU (``"swigluoai"``)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation != "swigluoai":
+        raise ValueError(f"activation={activation!r} is not supported: 'silu' or 'swigluoai'")
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def grouped_mm_torch(
+    rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """``rows`` ``[N, K]`` (grouped by expert, ``counts[e]`` rows each) times ``weight[e]``
+    ``[K, out]`` per group, as one grouped op: ``torch._grouped_mm`` where this torch has it
+    (and the sizes give it 16-byte strides), else one bmm over the groups padded to the
+    largest."""
+    size = rows.element_size()
+    if (
+        hasattr(torch, "_grouped_mm")
+        and rows.dtype in (torch.float32, torch.bfloat16)
+        and all(n * size % 16 == 0 for n in weight.shape[1:])  # its rows' 16-byte strides
+    ):
+        offs = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(rows, weight.to(rows.dtype), offs=offs)
+    experts = weight.shape[0]
+    starts = counts.cumsum(0) - counts
+    owner = torch.repeat_interleave(torch.arange(experts, device=rows.device), counts)
+    pos = torch.arange(rows.shape[0], device=rows.device) - starts[owner]
+    padded = rows.new_zeros(experts, int(counts.max()) if rows.shape[0] else 0, rows.shape[1])
+    padded[owner, pos] = rows
+    return torch.bmm(padded, weight.to(rows.dtype))[owner, pos]
+
+
+def fused_experts_torch(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` with ``w13`` ``[E, 2I, H]``
+    (gate rows, then up rows) and ``w2`` ``[E, H, I]``: the (token, slot) pairs sorted by
+    expert, then two grouped GEMMs (no loop over experts); the weighted sum in fp32."""
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    counts = torch.bincount(flat, minlength=w13.shape[0])
+    token = order // top_k
+    gate_up = grouped_mm_torch(x[token], w13.transpose(1, 2), counts)
+    if w13_bias is not None:
+        gate_up = gate_up + w13_bias[expert].to(gate_up.dtype)
+    hidden = moe_activation_torch(gate_up, activation, alpha, limit)
+    y = grouped_mm_torch(hidden, w2.transpose(1, 2), counts)
+    if w2_bias is not None:
+        y = y + w2_bias[expert].to(y.dtype)
+    y = y.float() * topk_weights.reshape(-1)[order, None].float()
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    return out.index_add_(0, token, y).to(x.dtype)

@@ -31,9 +31,12 @@ def default_tokenizer():
     return load_tokenizer(cached_source(resolve_model("smollm2")))
 
 
-def make_tiny_model(folder: Path, model_type: str, seed: int = 0, **overrides) -> Path:
+def make_tiny_model(
+    folder: Path, model_type: str, seed: int = 0, save_original_format: bool = True, **overrides
+) -> Path:
     """Save a random ``model_type`` model (transformers' own config class and model, built
-    from ``TINY`` and ``overrides``) with the default model's tokenizer into ``folder``."""
+    from ``TINY`` and ``overrides``) with the default model's tokenizer into ``folder``;
+    ``save_original_format=False`` writes transformers 5's own layout (fused 3-D experts)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = default_tokenizer()
@@ -47,12 +50,14 @@ def make_tiny_model(folder: Path, model_type: str, seed: int = 0, **overrides) -
     # to the last-bit differences between two correct implementations.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2 and "bias" not in name:  # 3-D: fused experts
                 p.normal_(0, 0.15)
             elif "bias" in name:
                 p.normal_(0, 0.1)
             elif "norm" in name:  # around its init: 1 (Llama) or 0 (Gemma's 1 + w)
                 p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder, safe_serialization=True)
+    model.save_pretrained(
+        folder, safe_serialization=True, save_original_format=save_original_format
+    )
     tokenizer.save_pretrained(folder)
     return folder

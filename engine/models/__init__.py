@@ -21,6 +21,10 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "gemma3_text": ("engine.models.gemma", "Gemma3ForCausalLM"),
     "olmo2": ("engine.models.olmo", "Olmo2ForCausalLM"),
     "olmo3": ("engine.models.olmo", "Olmo2ForCausalLM"),
+    "qwen3_moe": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "mixtral": ("engine.models.mixtral", "MixtralForCausalLM"),
+    "gpt_oss": ("engine.models.gpt_oss", "GptOssForCausalLM"),
+    "glm4_moe": ("engine.models.glm4_moe", "Glm4MoeForCausalLM"),
 }
 
 

@@ -132,7 +132,40 @@ CASES = [
     ),
     ("olmo2", "olmo2", {}),
     ("olmo3", "olmo3", {"sliding_window": 8, "layer_types": SLIDING_FULL}),
-]
+    # Mixtures of experts: several experts per token, per-expert and fused 3-D checkpoints.
+    (
+        "qwen3-moe",
+        "qwen3_moe",
+        {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 48,
+         "head_dim": 16, "mlp_only_layers": [1], "norm_topk_prob": True},
+    ),
+    (
+        "qwen3-moe-fused",
+        "qwen3_moe",
+        {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+         "head_dim": 16, "norm_topk_prob": False, "save_original_format": False},
+    ),
+    (
+        "mixtral-window",
+        "mixtral",
+        {"num_local_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 96,
+         "sliding_window": 8},
+    ),
+    (
+        "gpt-oss",
+        "gpt_oss",
+        {"num_local_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 64,
+         "head_dim": 16, "sliding_window": 8, "num_hidden_layers": 3},
+    ),
+    (
+        "glm4-moe",
+        "glm4_moe",
+        {"n_routed_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+         "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+         "partial_rotary_factor": 0.5, "head_dim": 16, "attention_bias": True,
+         "routed_scaling_factor": 2.0, "num_hidden_layers": 3},
+    ),
+]  # fmt: skip
 
 
 CASE_BY_ID = {case_id: (model_type, overrides) for case_id, model_type, overrides in CASES}

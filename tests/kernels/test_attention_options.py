@@ -262,3 +262,48 @@ def test_cpu_decode_never_reads_blocks_before_the_window(rng, dtype, cache_dtype
         batch.kv_cache[:, batch.block_table[i, :first_block].long()] = float("nan")
     out = _cpu(batch, sliding_window=window)
     assert rel_err(out, expected) < TOLERANCE[dtype]
+
+
+# ---- Triton, under the interpreter (tests/kernels/conftest.py): few and tiny cases -------------
+
+
+def _triton(batch, **kwargs):
+    from kernels.triton_attention import unified_attention_triton
+
+    out = torch.full_like(batch.query, float("nan"))
+    unified_attention_triton(
+        batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
+        batch.scale, out=out, **kwargs,
+    )  # fmt: skip
+    assert not out.isnan().any(), "some output elements were never written"
+    return out
+
+
+@pytest.mark.parametrize("case", ["window", "all"])
+@pytest.mark.parametrize("dtype", [fp32, bf16])
+def test_triton_options_equal_dense(rng, case, dtype):
+    batch = _batch(rng, dtype, mix=([1, 5, 9, 1], [40, 13, 0, 3]))
+    options = OPTION_CASES[case](rng, batch.query.shape[1], dtype)
+    out = _triton(batch, **options)
+    assert rel_err(out, dense_attention(batch, **options)) < TOLERANCE[dtype]
+
+
+def test_triton_softcap_and_sinks_alone(rng):
+    batch = _batch(rng, mix=([1, 6], [30, 9]))
+    for options in ({"logits_soft_cap": 1.5}, {"sinks": _sinks(rng, batch.query.shape[1])}):
+        assert rel_err(_triton(batch, **options), dense_attention(batch, **options)) < 1e-5
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_triton_decode_reads_the_window_only(rng, num_splits):
+    # Unified and split-K decodes: blocks wholly before each window are poisoned with NaN after
+    # the oracle ran; the window's keys are split into segments, the sink joins at the merge.
+    block_size, window = 16, 40
+    batch = _batch(rng, block_size=block_size, mix=([1, 1], [300, 70]))
+    sinks = _sinks(rng, batch.query.shape[1])
+    options = {"sliding_window": window, "sinks": sinks, "logits_soft_cap": 2.0}
+    expected = dense_attention(batch, **options)
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):
+        first_block = (seq_len - window) // block_size
+        batch.kv_cache[:, batch.block_table[i, :first_block].long()] = float("nan")
+    assert rel_err(_triton(batch, num_splits=num_splits, **options), expected) < 1e-5
