@@ -253,6 +253,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_b
     """
     from engine.models import model_class
     from engine.models.config_fields import max_position_of
+    from engine.models.quantized_weights import dequantized
 
     source = cached_source(resolve_model(model))
     tokenizer = load_tokenizer(source)
@@ -261,7 +262,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_b
     cls = model_class(hf_config)
     with _skip_weight_init():
         net = cls(hf_config, max_position, attention_backend)
-    net.load_weights(iter_weights(source))
+    net.load_weights(dequantized(iter_weights(source), hf_config))
     net = net.to(device=device, dtype=dtype).eval()
     net.move_rotaries(device)
     return net, hf_config, tokenizer

@@ -256,3 +256,29 @@ def test_unsupported_architecture_is_refused(tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError):
         LLM(str(folder), dtype="float32", kv_cache_memory=2**22)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ("shape", r"weight 'model\.layers\.1\.mlp\.down_proj\.weight': shape \(64, 64\)"),
+        ("unknown", r"unexpected weight 'model\.layers\.1\.mlp\.extra_proj\.weight'"),
+        ("missing", r"missing weights: \['layers\.1\.mlp\.down_proj\.weight'\]"),
+    ],
+)
+def test_checkpoint_that_does_not_match_its_config_is_refused(tmp_path, change, match):
+    from safetensors.torch import load_file, save_file
+
+    folder = make_tiny_model(tmp_path / "m", "gemma2", **GEMMA, sliding_window=8)
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.1.mlp.down_proj.weight"
+    if change == "shape":
+        tensors[name] = tensors[name][:, :64].contiguous()
+    elif change == "unknown":
+        tensors[name.replace("down_proj", "extra_proj")] = tensors[name].clone()
+    else:
+        del tensors[name]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=match):
+        tiny_llm(folder)
