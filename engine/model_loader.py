@@ -245,6 +245,21 @@ def _skip_weight_init():
             cls.reset_parameters = reset
 
 
+@lru_cache(maxsize=8)
+def generation_eos_token_ids(model: str) -> frozenset[int]:
+    """The ids ``generation_config.json`` stops at (Gemma's ``<end_of_turn>``, gpt-oss's
+    ``<|return|>`` and ``<|call|>``, Llama 3's ``<|eot_id|>``), as Hugging Face's ``generate``
+    does; empty when the checkpoint has none."""
+    folder = Path(cached_source(resolve_model(model)).folder)
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return frozenset()
+    value = json.loads(path.read_text()).get("eos_token_id")
+    if isinstance(value, int):
+        return frozenset({value})
+    return frozenset(v for v in value or () if isinstance(v, int))
+
+
 @lru_cache(maxsize=2)
 def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_backend: str):
     """(model, hf_config, tokenizer), loaded once per process and argument set.
