@@ -23,6 +23,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_reqs + 1]
     seq_lens: torch.Tensor  # [num_reqs] context length including this step's tokens
     block_table: torch.Tensor  # [num_reqs, max_blocks], -1 padded
+    num_prompt_tokens: torch.Tensor | None = None  # [num_reqs] (length-dependent RoPE)
     plan: object | None = None  # the backend's per-step plan, built by the first layer
     plan_backend: str | None = None  # the backend ``plan`` was built for
 

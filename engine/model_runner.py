@@ -48,13 +48,14 @@ class ModelRunner:
         One O(1) pass per request collects its numbers; everything per token is a torch op.
         """
         scheduled = sched.scheduled
-        input_ids, starts, num_new, sample_rows = [], [], [], []
+        input_ids, starts, num_new, sample_rows, prompt_lens = [], [], [], [], []
         for row, s in enumerate(scheduled):
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_new_tokens
             input_ids.extend(req.all_token_ids[start:end])
             starts.append(start)
             num_new.append(s.num_new_tokens)
+            prompt_lens.append(req.num_prompt_tokens)
             # Only a request whose every token is now computed gets a next-token sample.
             if end == req.num_tokens:
                 sample_rows.append(row)
@@ -79,6 +80,10 @@ class ModelRunner:
             self._group_metadata(table, scheduled, positions, token_req, shared)
             for table in self.block_tables
         ]
+        if self.model.uses_prompt_lens:
+            prompt_lens_t = to(torch.tensor(prompt_lens))
+            for meta in metas:
+                meta.num_prompt_tokens = prompt_lens_t
         ids = torch.tensor(input_ids, device=self.device)
         if isinstance(logits_indices, torch.Tensor):
             logits_indices = to(logits_indices)

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from engine.model_loader import load_tokenizer, resolve_model
+from engine.model_loader import cached_source, load_tokenizer, resolve_model
 
 TINY = dict(
     hidden_size=64,
@@ -23,6 +24,13 @@ TINY = dict(
 )
 
 
+@lru_cache(maxsize=1)
+def default_tokenizer():
+    """The default model's tokenizer, read once per process (from the model cache's folder:
+    parsing the GGUF file again takes seconds)."""
+    return load_tokenizer(cached_source(resolve_model("smollm2")))
+
+
 def make_tiny_model(
     folder: Path, model_type: str, seed: int = 0, save_original_format: bool = True, **overrides
 ) -> Path:
@@ -31,7 +39,7 @@ def make_tiny_model(
     ``save_original_format=False`` writes transformers 5's own layout (fused 3-D experts)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    tokenizer = load_tokenizer(resolve_model("smollm2"))
+    tokenizer = default_tokenizer()
     kwargs = {**TINY, "vocab_size": len(tokenizer), **overrides}
     if model_type == "qwen3":
         kwargs.setdefault("head_dim", 16)
@@ -46,6 +54,8 @@ def make_tiny_model(
                 p.normal_(0, 0.15)
             elif "bias" in name:
                 p.normal_(0, 0.1)
+            elif "norm" in name:  # around its init: 1 (Llama) or 0 (Gemma's 1 + w)
+                p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(
         folder, safe_serialization=True, save_original_format=save_original_format
     )

@@ -17,6 +17,11 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "qwen2": ("engine.models.llama", "LlamaForCausalLM"),
     "qwen3": ("engine.models.llama", "LlamaForCausalLM"),
     "qwen2_moe": ("engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "phi3": ("engine.models.llama", "LlamaForCausalLM"),  # fused qkv/gate_up load whole
+    "gemma2": ("engine.models.gemma", "Gemma2ForCausalLM"),
+    "gemma3_text": ("engine.models.gemma", "Gemma3ForCausalLM"),
+    "olmo2": ("engine.models.olmo", "Olmo2ForCausalLM"),
+    "olmo3": ("engine.models.olmo", "Olmo2ForCausalLM"),
     "qwen3_moe": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "mixtral": ("engine.models.mixtral", "MixtralForCausalLM"),
     "gpt_oss": ("engine.models.gpt_oss", "GptOssForCausalLM"),

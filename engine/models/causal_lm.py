@@ -61,13 +61,31 @@ class CausalLM(nn.Module):
         if self.embed_scale is not None:
             # In the model's dtype, as Gemma rounds its normalizer.
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        lengths = self.rope_lengths(positions, meta[0]) if meta else None
         ropes = {
-            key: rotary.cos_sin(positions, hidden.dtype) for key, rotary in self.rotaries.items()
+            key: rotary.cos_sin(positions, hidden.dtype, lengths)
+            for key, rotary in self.rotaries.items()
         }
         residual = None
         for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, meta):
             hidden, residual = layer(ropes[layer.rope_key], hidden, residual, kv_cache, layer_meta)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+
+    @property
+    def uses_prompt_lens(self) -> bool:
+        """True when the model runner must fill ``meta.num_prompt_tokens`` (``rope_lengths``)."""
+        return any(rotary.length_dependent for rotary in self.rotaries.values())
+
+    def rope_lengths(self, positions: torch.Tensor, meta) -> torch.Tensor | None:
+        """For a length-dependent RoPE (dynamic, longrope): the sequence length each token's
+        frequencies are computed for, as Hugging Face's ``generate`` does: a prompt of ``L``
+        tokens rotates for ``L``, a generated token at position ``p`` for ``p + 1``."""
+        prompt_lens = meta.num_prompt_tokens
+        if prompt_lens is None:
+            return None
+        query_lens = meta.query_start_loc.diff()
+        per_token = prompt_lens.repeat_interleave(query_lens, output_size=positions.shape[0])
+        return torch.maximum(per_token, positions + 1)
 
     def kv_cache_specs(self) -> list[FullAttentionSpec]:
         """What each layer keeps per token in the paged KV cache, in layer order."""

@@ -28,3 +28,16 @@ def layer_sliding_window(config, layer_idx: int, max_position: int) -> int | Non
     if window is None or layer_type_of(config, layer_idx) != "sliding_attention":
         return None
     return int(window) if int(window) < max_position else None
+
+
+def max_position_of(config) -> int:
+    """The longest sequence the model runs: ``max_position_embeddings``, stretched by the
+    factor of a dynamic RoPE (which rescales its frequencies past that length, as vLLM
+    counts it)."""
+    from engine.models.rotary import rope_parameters
+
+    max_position = int(getattr(config, "max_position_embeddings", None) or 8192)
+    params = rope_parameters(config)
+    if params.get("rope_type") == "dynamic":
+        max_position = int(max_position * float(params.get("factor", 1.0)))
+    return max_position
