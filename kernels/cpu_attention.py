@@ -29,7 +29,13 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "layers_cpu.cpp", CSRC / "linear_cpu.cpp")
+SOURCES = (
+    CSRC / "paged_attention_cpu.cpp",
+    CSRC / "layers_cpu.cpp",
+    CSRC / "linear_cpu.cpp",
+    CSRC / "gated_delta_cpu.cpp",
+    CSRC / "causal_conv1d_cpu.cpp",
+)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
