@@ -35,6 +35,7 @@ SOURCES = (
     CSRC / "linear_cpu.cpp",
     CSRC / "gated_delta_cpu.cpp",
     CSRC / "causal_conv1d_cpu.cpp",
+    CSRC / "mla_cpu.cpp",
 )
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
