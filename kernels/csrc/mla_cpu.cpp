@@ -4,9 +4,10 @@
 // Each cache row is [latent (L) | rope key (R)]; a query row is [q_latent | q_pe]. The score of
 // a row against a key is one dot product over L + R, and the value is the key's first L values,
 // so one read of a cache row serves every head: it is MQA with a 576-wide key. Work items are
-// (request, tile of query tokens, block of up to 16 heads), at most 32 rows, taken from a shared
+// (request, tile of query tokens, block of up to 16 heads), at most 128 rows, taken from a shared
 // counter longest first; an item walks its visible keys in tiles of 16 with an online softmax
-// in fp32 (bf16 rows are widened once per tile for all the item's rows).
+// in fp32 (bf16 rows are widened once per tile for all the item's rows). Scores and p @ c go
+// 4 rows at a time, so each vector of a key row loaded serves 4 rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -25,22 +26,9 @@ namespace {
 
 using namespace pagedq_vec;
 
-constexpr int64_t kMaxRows = 32;
+constexpr int64_t kMaxRows = 128;
 constexpr int64_t kHeadBlock = 16;
 constexpr int64_t kKeyTile = 16;
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  vfloat acc0 = {}, acc1 = {};
-  int64_t i = 0;
-  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
-    acc0 += loadv(a + i) * loadv(b + i);
-    acc1 += loadv(a + i + kLanes) * loadv(b + i + kLanes);
-  }
-  for (; i + kLanes <= n; i += kLanes) acc0 += loadv(a + i) * loadv(b + i);
-  float sum = sum_lanes(acc0 + acc1);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
 
 struct Item {
   int64_t seq, first, num_tokens, head0, num_heads, cost;
@@ -86,7 +74,7 @@ void run(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& c
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> qbuf(kMaxRows * W), acc(kMaxRows * L), ktile(kKeyTile * W);
-    float m[kMaxRows], l[kMaxRows], s[kMaxRows][kKeyTile];
+    float m[kMaxRows], l[kMaxRows], alpha[kMaxRows], s[kMaxRows][kKeyTile], p[kMaxRows][kKeyTile];
     int64_t qpos[kMaxRows];
     const float* keys[kKeyTile];
     for (int64_t n = next.fetch_add(1); n < num_items; n = next.fetch_add(1)) {
@@ -94,6 +82,13 @@ void run(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& c
       const int64_t q_len = starts[it.seq + 1] - starts[it.seq];
       const int64_t context = lens[it.seq] - q_len;
       const int64_t rows = it.num_tokens * it.num_heads;
+      const int64_t rows4 = (rows + 3) / 4 * 4;  // padded rows: zero queries that see no key
+      for (int64_t r = rows; r < rows4; ++r) {
+        std::fill(qbuf.begin() + r * W, qbuf.begin() + (r + 1) * W, 0.f);
+        qpos[r] = -1;
+        m[r] = kNegInf;
+        l[r] = 0.f;
+      }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t t = starts[it.seq] + it.first + r / it.num_heads;
         const int64_t h = it.head0 + r % it.num_heads;
@@ -106,7 +101,7 @@ void run(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& c
         m[r] = kNegInf;
         l[r] = 0.f;
       }
-      std::fill(acc.begin(), acc.begin() + rows * L, 0.f);
+      std::fill(acc.begin(), acc.begin() + rows4 * L, 0.f);
       const int64_t key_end = context + it.first + it.num_tokens;
       const int64_t* bt_row = table + it.seq * bt0;
       for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
@@ -122,27 +117,81 @@ void run(const at::Tensor& q_latent, const at::Tensor& q_pe, const at::Tensor& c
             keys[j] = dst;
           }
         }
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* q = qbuf.data() + r * W;
+        // Scores of 4 rows at a time: each key vector load serves 4 rows.
+        for (int64_t r0 = 0; r0 < rows4; r0 += 4) {
+          const float* q0 = qbuf.data() + r0 * W;
+          const float *q1 = q0 + W, *q2 = q1 + W, *q3 = q2 + W;
+          for (int64_t j = 0; j < nk; ++j) {
+            const float* kp = keys[j];
+            vfloat a0 = {}, a1 = {}, a2 = {}, a3 = {};
+            int64_t d = 0;
+            for (; d + kLanes <= W; d += kLanes) {
+              const vfloat kv = loadv(kp + d);
+              a0 += loadv(q0 + d) * kv;
+              a1 += loadv(q1 + d) * kv;
+              a2 += loadv(q2 + d) * kv;
+              a3 += loadv(q3 + d) * kv;
+            }
+            float s0 = sum_lanes(a0), s1 = sum_lanes(a1), s2 = sum_lanes(a2), s3 = sum_lanes(a3);
+            for (; d < W; ++d) {
+              s0 += q0[d] * kp[d];
+              s1 += q1[d] * kp[d];
+              s2 += q2[d] * kp[d];
+              s3 += q3[d] * kp[d];
+            }
+            s[r0][j] = s0;
+            s[r0 + 1][j] = s1;
+            s[r0 + 2][j] = s2;
+            s[r0 + 3][j] = s3;
+          }
+        }
+        for (int64_t r = 0; r < rows4; ++r) {
           float mx = m[r];
           for (int64_t j = 0; j < nk; ++j) {
-            s[r][j] = k0 + j <= qpos[r] ? dot(q, keys[j], W) : kNegInf;
+            if (k0 + j > qpos[r]) s[r][j] = kNegInf;  // causal: a later token's key
             mx = std::max(mx, s[r][j]);
           }
-          if (mx == kNegInf) continue;  // no visible key yet for this row
-          const float alpha = std::exp(m[r] - mx);  // 0 while m is -inf
-          float* a = acc.data() + r * L;
-          float sum = l[r] * alpha;
-          for (int64_t d = 0; d < L; ++d) a[d] *= alpha;
+          if (mx == kNegInf) {  // no visible key yet for this row
+            alpha[r] = 1.f;
+            for (int64_t j = 0; j < nk; ++j) p[r][j] = 0.f;
+            continue;
+          }
+          alpha[r] = std::exp(m[r] - mx);  // 0 while m is -inf
+          float sum = l[r] * alpha[r];
           for (int64_t j = 0; j < nk; ++j) {
-            if (s[r][j] == kNegInf) continue;
-            const float p = std::exp(s[r][j] - mx);
-            sum += p;
-            const float* c = keys[j];
-            for (int64_t d = 0; d < L; ++d) a[d] += p * c[d];
+            p[r][j] = std::exp(s[r][j] - mx);
+            sum += p[r][j];
           }
           l[r] = sum;
           m[r] = mx;
+        }
+        // acc = alpha acc + p @ c, 4 rows per key load, a vector of each row's acc in registers.
+        for (int64_t r0 = 0; r0 < rows4; r0 += 4) {
+          float* a = acc.data() + r0 * L;
+          int64_t d = 0;
+          for (; d + kLanes <= L; d += kLanes) {
+            vfloat a0 = loadv(a + d) * alpha[r0], a1 = loadv(a + L + d) * alpha[r0 + 1];
+            vfloat a2 = loadv(a + 2 * L + d) * alpha[r0 + 2];
+            vfloat a3 = loadv(a + 3 * L + d) * alpha[r0 + 3];
+            for (int64_t j = 0; j < nk; ++j) {
+              const vfloat kv = loadv(keys[j] + d);
+              a0 += p[r0][j] * kv;
+              a1 += p[r0 + 1][j] * kv;
+              a2 += p[r0 + 2][j] * kv;
+              a3 += p[r0 + 3][j] * kv;
+            }
+            storev(a + d, a0);
+            storev(a + L + d, a1);
+            storev(a + 2 * L + d, a2);
+            storev(a + 3 * L + d, a3);
+          }
+          for (; d < L; ++d) {
+            for (int64_t i = 0; i < 4; ++i) {
+              float x = a[i * L + d] * alpha[r0 + i];
+              for (int64_t j = 0; j < nk; ++j) x += p[r0 + i][j] * keys[j][d];
+              a[i * L + d] = x;
+            }
+          }
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
