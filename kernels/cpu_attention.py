@@ -31,7 +31,15 @@ import torch
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(
     CSRC / name
-    for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp", "linear_cpu.cpp", "moe_cpu.cpp")
+    for name in (
+        "paged_attention_cpu.cpp",
+        "layers_cpu.cpp",
+        "linear_cpu.cpp",
+        "moe_cpu.cpp",
+        "gated_delta_cpu.cpp",
+        "causal_conv1d_cpu.cpp",
+        "mla_cpu.cpp",
+    )
 )
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
