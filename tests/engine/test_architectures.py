@@ -213,9 +213,15 @@ def test_regimes_match_hf(tmp_path_factory, case_id):
     assert token_ids(chunked.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
     assert chunked.stats.num_chunked_prefills > 0
 
-    per_block = tiny_llm(folder).llm_engine._kv_bytes_per_block()
+    # A pool that holds the longest request alone (every layer group counted), not all three.
+    engine = tiny_llm(folder).llm_engine
+    kv = engine.kv_cache_manager
+    longest = max(len(p) for p in PROMPTS) + MAX_TOKENS
+    num_blocks = kv.num_blocks_for(longest) + (kv.null_block is not None) + 1
     for swap_space, kind in ((0, "recompute"), (0.01, "swap")):
-        small = tiny_llm(folder, kv_cache_memory=5 * per_block, swap_space=swap_space)
+        small = tiny_llm(
+            folder, kv_cache_memory=num_blocks * engine._kv_bytes_per_block(), swap_space=swap_space
+        )
         assert token_ids(small.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
         stats = small.stats
         assert stats.num_preemptions > 0, kind
