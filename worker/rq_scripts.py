@@ -6,6 +6,14 @@ ends or streams a job is fenced: it first checks that the job is still `started`
 caller's execution id (the job hash's `F.execution`), and writes nothing otherwise. Keys come
 from the contract's prefix tables (`K`, `RQ`, `F`: producer/contract/lua.py), arguments by name.
 
+Each call is about one queue shard (producer/contract/shards.py): its KEYS are keys of that
+shard (queues, registries, job hashes), and every other key it touches is named after the
+shard's queues or jobs, so all of them carry the shard's hash tag and hash to one Redis Cluster
+slot. Only the queue heads and expired leases a script finds are not known to the caller; their
+keys are built from the ids found, which carry the tag. The worker's own RQ hash is another
+slot: a call writes its counters only on one Redis, unsharded (`counters` 1, its key the last
+of KEYS).
+
 Which job any worker takes next (`pq_pick`, in DEQUEUE): priority with aging across the queue,
 then tenant fairness. Per base queue (producer/contract/routing.py):
 
@@ -408,15 +416,16 @@ return taken
 """,
 )
 
+# KEYS: the job hashes of the endings (one shard), then the worker's key when `counters` is 1.
 # ARGV after the named ones: endings (ENDING_FIELDS and their entries), one per job.
 # Ends each held job as finished, failed or canceled. Returns per job 1 when ended, 0 when
 # this execution no longer holds it (nothing written for it).
 END = LuaScript(
     "end",
-    keys=("worker",),
-    args=("maxlen",),
+    args=("maxlen", "counters"),
     libraries=_ENDING_LIBS,
     body="""
+local k_worker = a_counters == '1' and KEYS[#KEYS] or ''
 local acc, replies = new_acc(), {}
 local i = REST
 while i <= #ARGV do
@@ -435,16 +444,17 @@ return replies
 """,
 )
 
+# KEYS: the job's hash, then the worker's key when `counters` is 1.
 # ARGV after the named ones: one ending (the failure written when the crash count reaches
 # max_crashes). Puts a held job back at the front of its queue (a graceful stop, or an engine
 # crash that counts against the job). Returns 1 requeued, 2 failed (too many crashes), 0 not
 # held.
 REQUEUE = LuaScript(
     "requeue",
-    keys=("worker",),
-    args=("count_crash", "max_crashes", "maxlen"),
+    args=("count_crash", "max_crashes", "maxlen", "counters"),
     libraries=_ENDING_LIBS,
     body="""
+local k_worker = a_counters == '1' and KEYS[#KEYS] or ''
 local e = ending_at(REST)
 local jkey = RQ.job .. e.job_id
 local s = job_state(jkey)
@@ -466,7 +476,8 @@ return 1
 """,
 )
 
-# ARGV after the named ones, per job: job_id, execution, set_ttl (0/1), n, n field/values.
+# KEYS: the job hashes (one shard). ARGV after the named ones, per job: job_id, execution,
+# set_ttl (0/1), n, n field/values.
 # Appends one step's token entries, each only if its execution still holds the job.
 # Returns the job ids whose entries were refused (the lease was lost).
 STREAM = LuaScript(
@@ -491,13 +502,14 @@ return lost
 """,
 )
 
-# ARGV after the named ones: (queue, member) pairs of every held execution.
-# Renews every lease still in its started registry (one ZMSCORE and one ZADD XX per queue) and
-# the worker's registration. Returns the members whose lease was lost (the entry is gone).
+# KEYS: the started registries of the held executions (one shard), then the worker's key when
+# `counters` is 1. ARGV after the named ones: (queue, member) pairs of every held execution.
+# Renews every lease still in its started registry (one ZMSCORE and one ZADD XX per queue) and,
+# with the worker's key, its registration. Returns the members whose lease was lost (the entry
+# is gone).
 HEARTBEAT = LuaScript(
     "heartbeat",
-    keys=("worker",),
-    args=("lease_deadline", "worker_ttl", "now", "last_heartbeat", "state"),
+    args=("lease_deadline", "worker_ttl", "now", "last_heartbeat", "state", "counters"),
     libraries=(UTIL_LUA,),
     body="""
 local lost, by_queue = {}, {}
@@ -516,14 +528,18 @@ for queue, members in pairs(by_queue) do
     end
     if #renew > 0 then redis.call('ZADD', wip, 'XX', unpack(renew)) end
 end
-redis.call('HSET', k_worker, 'last_heartbeat', a_last_heartbeat, 'pagedq_heartbeat', a_now,
-    'state', a_state)
-redis.call('EXPIRE', k_worker, a_worker_ttl)
+if a_counters == '1' then
+    local k_worker = KEYS[#KEYS]
+    redis.call('HSET', k_worker, 'last_heartbeat', a_last_heartbeat, 'pagedq_heartbeat', a_now,
+        'state', a_state)
+    redis.call('EXPIRE', k_worker, a_worker_ttl)
+end
 return lost
 """,
 )
 
-# KEYS after the named ones: the started registries (RQ.wip .. queue) of the worker's queues.
+# KEYS after the named ones: the started registries (RQ.wip .. queue) of the worker's queues
+# of one shard.
 # Our replacement for RQ's StartedJobRegistry.cleanup: an expired lease means the worker
 # holding it died; its job goes back to the queue front, or fails once it was in flight
 # during max_crashes crashes. Also drops expired finished/failed/canceled registry entries.
@@ -598,14 +614,13 @@ return {requeued, failed}
 """,
 )
 
-# KEYS after the named ones: RQ's per-queue worker sets (RQ.workers_of .. queue).
-# ARGV after the named ones: `n_fields` field/values of the worker hash, then the queue keys to
-# add to RQ's set of queues. Registers the worker like RQ's register_birth, but takes over a
-# registration under the same name whose heartbeat is older than a lease (its process died).
-# Returns 1, or 0 if it is live.
+# ARGV after the named ones: `n_fields` field/values of the worker hash. Writes the worker hash
+# like RQ's register_birth, but takes over a registration under the same name whose heartbeat
+# is older than a lease (its process died). Returns 1, or 0 if it is live. RQ's sets of workers
+# and queues are other slots: the caller adds to them after (RQAdapter.register_calls).
 REGISTER = LuaScript(
     "register",
-    keys=("worker", "workers"),
+    keys=("worker",),
     args=("now", "lease_ttl", "key_ttl", "n_fields"),
     body="""
 if redis.call('EXISTS', k_worker) == 1 then
@@ -618,9 +633,6 @@ redis.call('DEL', k_worker)
 local n = tonumber(a_n_fields)
 redis.call('HSET', k_worker, unpack(ARGV, REST, REST + n - 1))
 redis.call('EXPIRE', k_worker, a_key_ttl)
-redis.call('SADD', k_workers, k_worker)
-for k = KEYS_REST, #KEYS do redis.call('SADD', KEYS[k], k_worker) end
-if #ARGV >= REST + n then redis.call('SADD', RQ.queues, unpack(ARGV, REST + n)) end
 return 1
 """,
 )

@@ -15,7 +15,9 @@ import uuid
 import redis
 import structlog
 
+from producer.connection import is_cluster
 from producer.contract.routing import model_queue
+from producer.contract.shards import QueueShards
 from producer.retry import redact_url
 from producer.tls_failure import tls_failure
 from worker.config import WorkerConfig
@@ -108,7 +110,7 @@ def run_worker(config: WorkerConfig) -> int:
     adapter = RQAdapter(
         connection,
         config.name or uuid.uuid4().hex,
-        [model_queue(config.queue, config.model), config.queue],
+        served_queues(config, is_cluster(connection)),
         lease_ttl=config.lease_ttl,
         result_ttl=config.result_ttl,
         stream_ttl=config.stream_ttl,
@@ -132,6 +134,12 @@ def run_worker(config: WorkerConfig) -> int:
     except WorkerNameTaken:
         _log_name_taken(adapter.name)
         return EXIT_ERROR
+
+
+def served_queues(config: WorkerConfig, cluster: bool) -> list[str]:
+    """The base queues the worker serves: per shard its model's queue, then the generic one."""
+    shards = QueueShards(config.queue, config.queue_shards, tagged=cluster)
+    return [q for shard in shards.names for q in (model_queue(shard, config.model), shard)]
 
 
 def claim_name(adapter: RQAdapter) -> None:
