@@ -329,7 +329,7 @@ class Client:
         job = job_shell(self.redis, job_id)  # never Job.fetch: nothing stored is deserialized
         if job is None:
             return False
-        with self.redis.pipeline() as pipe:
+        with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     pipe.watch(job.key)

@@ -241,12 +241,12 @@ def _own_pool(client: Any, single: bool) -> Any:
 def _cluster_options(url: str, kwargs: dict[str, Any]) -> tuple[ClusterURL, dict[str, Any]]:
     """The parsed URL and the cluster client's options (the URL's win). A cluster client has
     a pool per node, so `single_connection_client` does not apply; its own retries follow a
-    failover (`cluster_error_retry_attempts`), so a `retry` of 0 attempts is raised to 3."""
+    failover (its `retry`'s count), so a `retry` of fewer than 3 attempts is raised to 3."""
     target = parse_cluster_url(url)
     options = {k: v for k, v in kwargs.items() if k != "single_connection_client"}
     options.pop("health_check_interval", None)
     retry = options.pop("retry", None)
-    options["cluster_error_retry_attempts"] = max(3, retry.get_retries() if retry else 3)
+    options["retry"] = Retry(NoBackoff(), max(3, retry.get_retries() if retry else 3))
     options.update(target.options)
     return target, options
 

@@ -78,10 +78,14 @@ class RedisCluster:
         self.url = "redis+cluster://" + ",".join(hosts)
 
     def _ready(self) -> bool:
+        """Every node sees the cluster ok, with half the nodes replicas, each in sync."""
         try:
             for server in self.servers.values():
                 client = server.client()
                 if client.cluster("INFO")["cluster_state"] != "ok":
+                    return False
+                flags = [n["flags"] for n in client.cluster("NODES").values()]
+                if sum("slave" in f for f in flags) != len(self.servers) // 2:
                     return False
                 info = client.info("replication")
                 if info["role"] == "slave" and info.get("master_link_status") != "up":
@@ -95,12 +99,12 @@ class RedisCluster:
         return [s for s in self.servers.values() if s.process.poll() is None]
 
     def primaries(self) -> list[int]:
-        """Ports of the nodes that are primaries now (as a live node sees it)."""
+        """Ports of the nodes serving slots now (as a live node sees it)."""
         nodes = self.live()[0].client().cluster("NODES")
         return sorted(
             int(addr.split("@")[0].rsplit(":", 1)[1])
             for addr, node in nodes.items()
-            if "master" in node["flags"] and "fail" not in node["flags"]
+            if "master" in node["flags"] and "fail" not in node["flags"] and node["slots"]
         )
 
     def primary_of(self, key: str) -> int:

@@ -96,12 +96,12 @@ class SplitCall:
     """One logical call made of several (one per queue shard: each within one hash slot).
 
     The parts run in one batch and `merge` turns their replies into the one reply; with
-    `first`, they run one after another and the first non-empty reply is the reply (a dequeue
-    that tries the next shard when one is empty)."""
+    `then`, the call it returns for their replies runs next, alone, and its reply is the reply
+    (None: no reply; a dequeue that asks each shard first which one to take from)."""
 
     parts: list[ScriptCall | Command]
     merge: Callable[[list[Any]], Any] | None = None
-    first: bool = False
+    then: Callable[[list[Any]], ScriptCall | None] | None = None
 
 
 Call = ScriptCall | Command | SplitCall
@@ -130,11 +130,12 @@ class ScriptRunner:
         """
         if len(calls) == 1 and not isinstance(calls[0], SplitCall):
             return [self._one(calls[0])]
-        if len(calls) == 1 and calls[0].first:
-            return [self._first(calls[0])]
+        if len(calls) == 1 and calls[0].then is not None:
+            after = calls[0].then(self.run([SplitCall(calls[0].parts)])[0])
+            return [None if after is None else self._one(after)]
         flat: list[ScriptCall | Command] = []
         for c in calls:
-            assert not (isinstance(c, SplitCall) and c.first), "a `first` SplitCall runs alone"
+            assert not (isinstance(c, SplitCall) and c.then), "a SplitCall with `then` runs alone"
             flat += c.parts if isinstance(c, SplitCall) else [c]
         with self.connection.pipeline(transaction=self.transaction) as pipe:
             for c in flat:
@@ -155,14 +156,6 @@ class ScriptRunner:
                 out.append(replies[i])
                 i += 1
         return out
-
-    def _first(self, call: SplitCall) -> Any:
-        reply = None
-        for part in call.parts:
-            reply = self._one(part)
-            if reply:
-                return reply
-        return reply
 
     def _sha(self, script: LuaScript) -> str:
         sha = self._shas.get(script.name)

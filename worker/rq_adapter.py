@@ -51,6 +51,7 @@ from worker.rq_scripts import (
     END,
     ENDING_FIELDS,
     HEARTBEAT,
+    PEEK,
     REAP,
     REGISTER,
     REQUEUE,
@@ -268,18 +269,39 @@ class RQAdapter:
 
     def dequeue_call(self, max_jobs: int = 1) -> tuple[ScriptCall | SplitCall, float]:
         """The script popping up to `max_jobs` runnable jobs and marking them started, with the
-        time it starts them at; `claims` reads its reply. Sharded: one script per shard, tried
-        in turn from the shard after the last call's first, until one gives jobs."""
+        time it starts them at; `claims` reads its reply. Sharded: every shard is asked for the
+        best aged priority of its heads (PEEK, one round trip), then jobs are taken from the
+        best shard up to the next best's priority, so priorities and aging hold across shards
+        as on one queue; ties go round-robin."""
         tags = list(self.shards)
+        if len(tags) == 1:
+            return self._dequeue_call(tags[0], max_jobs), time.time()
         start = self._next_shard % len(tags)
         self._next_shard += 1
         order = [tags[(start + i) % len(tags)] for i in range(len(tags))]
-        calls = [self._dequeue_call(tag, max_jobs) for tag in order]
-        if len(calls) == 1:
-            return calls[0], time.time()
-        return SplitCall(calls, first=True), time.time()
+        peeks = [
+            _call(
+                PEEK,
+                args={"aging_s": self.aging_seconds, "max_pops": MAX_POPS_PER_DEQUEUE},
+                rest_keys=[rq_queue_key(q) for q in self.shards[tag]],
+            )
+            for tag in order
+        ]
 
-    def _dequeue_call(self, tag: str, max_jobs: int) -> ScriptCall:
+        def then(replies: list) -> ScriptCall | None:
+            heads = sorted(
+                (float(r[0]), i) for i, r in enumerate(replies) if r
+            )  # stable: ties keep the round-robin order
+            if not heads:
+                return None
+            limit = heads[1][0] if len(heads) > 1 else None
+            return self._dequeue_call(order[heads[0][1]], max_jobs, limit)
+
+        return SplitCall(peeks, then=then), time.time()
+
+    def _dequeue_call(
+        self, tag: str, max_jobs: int, max_priority: float | None = None
+    ) -> ScriptCall:
         self._execution_seq += 1
         t = time.time()
         call = _call(
@@ -295,6 +317,7 @@ class RQAdapter:
                 "max_pops": MAX_POPS_PER_DEQUEUE,
                 "aging_s": self.aging_seconds,
                 "max_wait_s": self.max_wait_seconds,
+                "max_priority": "" if max_priority is None else max_priority,
             },
             rest_keys=[rq_queue_key(q) for q in self.shards[tag]],
         )

@@ -156,8 +156,29 @@ local function pq_start(fair, tenant)
     return fair.F[tenant] or fair.v
 end
 
--- The next job across the picker's sub-queues: {{queue, id, base, tenant, cost, f}}, or nil.
-local function pq_pick(P, aging_s, max_wait_s)
+-- A head's priority after aging: lower runs sooner.
+local function pq_aged(P, sub, h, aging_s)
+    local waited = math.max(0, P.now - (tonumber(h.f[1]) or P.now))
+    if aging_s > 0 then return sub.prio - math.floor(waited / aging_s) end
+    return sub.prio
+end
+
+-- The best aged priority among the heads, or nil when every sub-queue is empty.
+local function pq_best(P, aging_s)
+    local best = nil
+    for _, sub in ipairs(P.subs) do
+        local h = pq_head(P, sub)
+        if h then
+            local prio = pq_aged(P, sub, h, aging_s)
+            if best == nil or prio < best then best = prio end
+        end
+    end
+    return best
+end
+
+-- The next job across the picker's sub-queues: {{queue, id, base, tenant, cost, f}}, or nil
+-- (also when the best head's aged priority is above `limit`, if given).
+local function pq_pick(P, aging_s, max_wait_s, limit)
     local best = nil
     for _, sub in ipairs(P.subs) do
         local h = pq_head(P, sub)
@@ -165,8 +186,7 @@ local function pq_pick(P, aging_s, max_wait_s)
             local enq = tonumber(h.f[1]) or P.now
             local cost = tonumber(h.f[2]) or {DEFAULT_JOB_COST}
             local waited = math.max(0, P.now - enq)
-            local prio = sub.prio
-            if aging_s > 0 then prio = prio - math.floor(waited / aging_s) end
+            local prio = pq_aged(P, sub, h, aging_s)
             local v = sub.fair.v
             local start = pq_start(sub.fair, sub.tenant)
             local finish = start + cost / pq_weight(P, sub.root, sub.tenant)
@@ -178,7 +198,7 @@ local function pq_pick(P, aging_s, max_wait_s)
             end
         end
     end
-    if best == nil then return nil end
+    if best == nil or (limit and best.prio > limit) then return nil end
     local sub = best.sub
     local h = sub.head
     sub.head = nil
@@ -363,9 +383,10 @@ end
 _ENDING_LIBS = (UTIL_LUA, CHARGE_LUA, END_LUA, ENDING_LUA)
 
 # KEYS after the named ones: the base queue keys the worker serves (its model's, the generic).
-# Picks up to `max_jobs` jobs across the sub-queues of those bases, pops them and marks each
-# started under a lease (execution id `execution` .. its number in hex), in one step: a worker
-# killed at any instant leaves each job either queued or visible in the started registry.
+# Picks up to `max_jobs` jobs (none whose aged priority is above `max_priority`, unless '')
+# across the sub-queues of those bases, pops them and marks each started under a lease
+# (execution id `execution` .. its number in hex), in one step: a worker killed at any instant
+# leaves each job either queued or visible in the started registry.
 # Returns per job {queue, job_id, execution, attempt, data, enqueued_at, timeout, canceled,
 # prior status, plain (1: enqueued by a plain RQ producer)}; empty when nothing is queued.
 DEQUEUE = LuaScript(
@@ -380,9 +401,11 @@ DEQUEUE = LuaScript(
         "max_pops",
         "aging_s",
         "max_wait_s",
+        "max_priority",
     ),
     libraries=(UTIL_LUA, PICK_LUA),
     body="""
+local limit = tonumber(a_max_priority)
 local bases = {}
 for i = KEYS_REST, #KEYS do bases[#bases + 1] = string.sub(KEYS[i], string.len(RQ.queue) + 1) end
 local max_jobs = tonumber(a_max_jobs)
@@ -391,7 +414,7 @@ local P = pq_picker(bases, max_jobs, tonumber(a_max_pops))
 local deadline = tonumber(a_now) + tonumber(a_lease_ttl)
 local taken, wip, cancels = {}, {}, {}
 for n = 1, max_jobs do
-    local picked = pq_pick(P, tonumber(a_aging_s), tonumber(a_max_wait_s))
+    local picked = pq_pick(P, tonumber(a_aging_s), tonumber(a_max_wait_s), limit)
     if not picked then break end
     local f, id = picked.f, picked.id
     local execution = a_execution .. string.format('%x', n)
@@ -417,6 +440,22 @@ return taken
 )
 
 # KEYS: the job hashes of the endings (one shard), then the worker's key when `counters` is 1.
+# KEYS: the base queue keys of one shard, as DEQUEUE's. Returns {best aged priority of its
+# queued jobs} (as text), or {} when none is queued: a sharded worker asks every shard, then
+# dequeues from the best one up to the next best's priority (DEQUEUE's `max_priority`).
+PEEK = LuaScript(
+    "peek",
+    args=("aging_s", "max_pops"),
+    libraries=(UTIL_LUA, PICK_LUA),
+    body="""
+local bases = {}
+for i = KEYS_REST, #KEYS do bases[#bases + 1] = string.sub(KEYS[i], string.len(RQ.queue) + 1) end
+local best = pq_best(pq_picker(bases, 1, tonumber(a_max_pops)), tonumber(a_aging_s))
+if best == nil then return {} end
+return {tostring(best)}
+""",
+)
+
 # ARGV after the named ones: endings (ENDING_FIELDS and their entries), one per job.
 # Ends each held job as finished, failed or canceled. Returns per job 1 when ended, 0 when
 # this execution no longer holds it (nothing written for it).
@@ -637,4 +676,4 @@ return 1
 """,
 )
 
-SCRIPTS = (DEQUEUE, END, REQUEUE, STREAM, HEARTBEAT, REAP, REGISTER)
+SCRIPTS = (DEQUEUE, PEEK, END, REQUEUE, STREAM, HEARTBEAT, REAP, REGISTER)
