@@ -16,6 +16,7 @@ MOVED / ASK redirections and failovers itself (docs/OPERATIONS.md, "Redis Cluste
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -342,3 +343,26 @@ def xread(connection: Any, streams: dict[str, str], count: int, block_ms: int | 
         out = connection.xread(part, count=count, block=min(left_ms, CLUSTER_XREAD_SLICE_MS))
         if out:
             return out
+
+
+# An asyncio reader of streams on a cluster polls each slot's streams this often.
+CLUSTER_XREAD_POLL_S = 0.02
+
+
+async def async_xread(connection: Any, streams: dict[str, str], count: int, block_ms: int) -> list:
+    """`xread` for asyncio. On a cluster it reads each slot's streams without blocking, every
+    CLUSTER_XREAD_POLL_S, until an entry comes or `block_ms` has passed (a blocked read there
+    could not be woken by CLIENT UNBLOCK, which goes to one node)."""
+    if not is_cluster(connection):
+        return await connection.xread(streams, count=count, block=block_ms) or []
+    groups: dict[int, dict[str, str]] = {}
+    for key, last in streams.items():
+        groups.setdefault(key_slot(key.encode()), {})[key] = last
+    deadline = time.monotonic() + block_ms / 1000
+    while True:
+        out = []
+        for part in groups.values():
+            out += await connection.xread(part, count=count) or []
+        if out or time.monotonic() >= deadline:
+            return out
+        await asyncio.sleep(CLUSTER_XREAD_POLL_S)

@@ -4,8 +4,11 @@ primary SIGKILLed mid-run, and every job still ends exactly once."""
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from redis_cluster import RedisCluster, wait_until
@@ -279,6 +282,45 @@ def test_tenant_shares_follow_weights_across_shards(fair):
     # backlog: within one call per shard.
     shard = lambda job_id: job_id[: job_id.index("}") + 1]  # noqa: E731
     assert {shard(j) for j in late} == {shard(j) for j in got if j in set(late)}
+
+
+# --- the gateway ------------------------------------------------------------------------------
+
+
+def test_a_gateway_batch_and_a_streamed_chat_complete_on_the_cluster(cluster, workers, tmp_path):
+    sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))
+    from gw_helpers import KEYS, GatewayProcess, batch_file, chat_line, wait_batch
+
+    keys_file = tmp_path / "keys.json"
+    keys_file.write_text(json.dumps(KEYS))
+    gw = GatewayProcess(cluster.url, tmp_path, keys_file, "--queue", QUEUE,
+                        "--queue-shards", str(SHARDS))  # fmt: skip
+    try:
+        oai = gw.openai()
+        lines = [chat_line(f"row-{i}", f"Tell me about {i}.", max_tokens=3) for i in range(12)]
+        lines.append(chat_line("bad-body", "x", max_tokens=0))  # a 400 line: the error file
+        uploaded = oai.files.create(file=("in.jsonl", batch_file(lines)), purpose="batch")
+        batch = oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                   completion_window="24h")  # fmt: skip
+        done = wait_batch(oai, batch.id, ("completed", "failed"))
+        assert done.status == "completed", done
+        counts = done.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (13, 12, 1)
+        out = [json.loads(x) for x in oai.files.content(done.output_file_id).text.splitlines()]
+        assert sorted(x["custom_id"] for x in out) == sorted(f"row-{i}" for i in range(12))
+        usage = sum(x["response"]["body"]["usage"]["completion_tokens"] for x in out)
+        assert done.usage.output_tokens == usage > 0
+        # Its lines were spread over the shards, each counted in its own shard's slot.
+        ids = {x["response"]["body"]["id"].removeprefix("chatcmpl-") for x in out}
+        assert len({j[: j.index("}") + 1] for j in ids}) > 1, ids
+        chunks = oai.chat.completions.create(
+            model="pagedq", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+            temperature=0, stream=True,
+        )  # fmt: skip
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text
+    finally:
+        gw.stop()
 
 
 # --- failover: a primary SIGKILLed mid-run -----------------------------------------------------
