@@ -70,6 +70,9 @@ def run_worker(config: WorkerConfig) -> int:
         error = str(exc).replace(config.redis_url, url)
         log.error("invalid --redis-url", redis_url=url, error=error)
         return EXIT_USAGE
+    except redis.exceptions.RedisClusterException as exc:  # no node answered the slot map
+        log.error("cannot reach Redis", redis_url=url, error=str(exc))
+        return EXIT_ERROR
     try:
         connection.ping()
     except redis.AuthenticationError as exc:
@@ -107,10 +110,15 @@ def run_worker(config: WorkerConfig) -> int:
             )
             return EXIT_ERROR
         log.info("metrics served", host=config.metrics_host, port=config.metrics_port)
+    try:
+        queues = served_queues(config, is_cluster(connection))
+    except ValueError as exc:  # a queue name pagedq cannot tag, or a shard count out of range
+        log.error("invalid --queue / --queue-shards", error=str(exc))
+        return EXIT_USAGE
     adapter = RQAdapter(
         connection,
         config.name or uuid.uuid4().hex,
-        served_queues(config, is_cluster(connection)),
+        queues,
         lease_ttl=config.lease_ttl,
         result_ttl=config.result_ttl,
         stream_ttl=config.stream_ttl,
