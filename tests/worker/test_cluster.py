@@ -5,6 +5,7 @@ primary SIGKILLed mid-run, and every job still ends exactly once."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -34,6 +35,7 @@ from producer.contract.keys import (
 )
 from producer.contract.routing import model_queue, subqueue_name
 from producer.contract.shards import QueueShards, shard_name, slot_of
+from producer.errors import JobCanceledError
 from worker.claim import Claim
 from worker.redis_link import Command, ScriptCall, ScriptRunner, SplitCall
 from worker.rq_adapter import RQAdapter
@@ -212,10 +214,14 @@ def test_a_streamed_job_and_a_cancel(client, workers):
     job_id = client.submit(prompt="stream across the cluster", max_tokens=8, temperature=0)
     text = "".join(client.stream(job_id, timeout=60))
     assert text == client.result(job_id).text and text
-    queued = client.submit(prompt="never runs", max_tokens=4, priority=9, custom_id="cancel-me")
-    with workers[0].paused(), workers[1].paused():
-        assert client.cancel(queued) in (True, False)
-    assert client.status(queued) in ("canceled", "finished")
+    with workers[0].paused(), workers[1].paused():  # nothing is dequeued meanwhile
+        queued = client.submit(prompt="never runs", max_tokens=4, custom_id="cancel-me")
+        assert client.cancel(queued) is True
+    # RQ's cancel and the canceled result, in the job's shard (one WATCH/MULTI slot).
+    with pytest.raises(JobCanceledError):
+        client.result(queued, timeout=10)
+    time.sleep(1.0)
+    assert client.status(queued) == "canceled"
 
 
 # --- priorities and tenants across shards (the real dequeue script, no engine) ----------------
@@ -235,14 +241,20 @@ def _drain(adapter: RQAdapter, runner: ScriptRunner, count: int) -> list[Claim]:
     return taken
 
 
-@pytest.fixture
-def fair(cluster):
-    """A producer and a bare dequeuer on a queue of three shards no worker serves."""
-    connection = redis_client(cluster.url)
-    shards = QueueShards(FAIR_QUEUE, SHARDS, tagged=True)
+@pytest.fixture(params=["cluster", "one-redis"])
+def fair(request):
+    """A producer and a bare dequeuer on a queue of three shards no worker serves, on the
+    cluster and on one Redis (the same shards, the same scripts)."""
+    if request.param == "cluster":
+        url = request.getfixturevalue("cluster").url
+    else:
+        url = request.getfixturevalue("redis_server").url
+    connection = redis_client(url)
+    shards = QueueShards(FAIR_QUEUE, SHARDS, tagged=request.param == "cluster")
     adapter = RQAdapter(connection, "fair", shards.names, lease_ttl=600, result_ttl=60,
                         stream_ttl=60, max_crashes=2)  # fmt: skip
-    with Client(cluster.url, FAIR_QUEUE, queue_shards=SHARDS) as producer:
+    with Client(url, FAIR_QUEUE, queue_shards=SHARDS) as producer:
+        assert producer.shards == shards
         yield producer, adapter, ScriptRunner(connection)
     for name in shards.names:
         connection.delete(rq_queue_key(name), fair_key(name), weights_key(name))
@@ -321,6 +333,27 @@ def test_a_gateway_batch_and_a_streamed_chat_complete_on_the_cluster(cluster, wo
         assert text
     finally:
         gw.stop()
+
+
+def test_pagedq_submit_and_status_on_the_cluster(cluster, workers, tmp_path):
+    lines = [{"custom_id": f"s{i}", "prompt": f"line {i}", "max_tokens": 2} for i in range(40)]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cli = [sys.executable, "-m", "pagedq_cli"]
+    common = ["--redis-url", cluster.url, "--queue", QUEUE, "--queue-shards", str(SHARDS)]
+    repo = Path(__file__).parents[2]
+    run = subprocess.run([*cli, "submit", str(src), "-o", str(out), "--no-progress", *common],
+                         capture_output=True, text=True, timeout=300, cwd=repo)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in rows) == sorted(x["custom_id"] for x in lines)
+    assert all(r["error"] is None and r["response"]["status_code"] == 200 for r in rows), rows
+    status = subprocess.run([*cli, "status", "--json", *common], capture_output=True, text=True,
+                            timeout=60, cwd=repo)  # fmt: skip
+    assert status.returncode == 0, status.stderr[-3000:]
+    report = json.loads(status.stdout)
+    assert report["counts"]["queued"] == 0 and report["counts"]["finished"] >= 40
+    assert report["rq_workers"] == 2 and len(report["workers"]) == 2
 
 
 # --- failover: a primary SIGKILLed mid-run -----------------------------------------------------
