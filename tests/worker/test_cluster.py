@@ -38,7 +38,7 @@ from producer.contract.shards import QueueShards, shard_name, slot_of
 from producer.errors import JobCanceledError
 from worker.claim import Claim
 from worker.redis_link import Command, ScriptCall, ScriptRunner, SplitCall
-from worker.rq_adapter import RQAdapter
+from worker.rq_adapter import MAX_PEEKS, RQAdapter
 
 QUEUE = "q-cluster"
 SHARDS = 3
@@ -178,6 +178,19 @@ def test_every_script_call_declares_keys_of_one_slot():
     # The calls about jobs of every shard are one script per shard.
     [merged] = adapter.merge_ends(ends)
     assert isinstance(merged, SplitCall) and len(merged.parts) == SHARDS
+
+
+def test_a_dequeue_over_many_shards_asks_a_rotating_few():
+    shards = QueueShards(QUEUE, 6)
+    adapter = RQAdapter(None, "w", shards.names, lease_ttl=10, result_ttl=60, stream_ttl=60,
+                        max_crashes=2)  # fmt: skip
+    asked = []
+    for _ in range(3):
+        call = adapter.dequeue_call(4)[0]
+        asked.append([part.keys[0] for part in call.parts])
+    assert [len(a) for a in asked] == [MAX_PEEKS] * 3
+    assert [a[0] for a in asked] == [rq_queue_key(shards.name(i)) for i in range(3)]
+    assert {k for a in asked for k in a} == {rq_queue_key(n) for n in shards.names}
 
 
 # --- a real cluster ---------------------------------------------------------------------------
