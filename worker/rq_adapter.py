@@ -3,9 +3,9 @@
 A worker talks to RQ's state only through `RQAdapter`: each call is one EVALSHA of a fenced
 script (worker/rq_scripts.py), or builds one for a batch (`ScriptCall`). With a sharded queue
 (producer/contract/shards.py) a call about jobs of several shards is one call per shard
-(`SplitCall`), each within one hash slot, and a dequeue tries the shards in turn. Nothing here
-calls RQ code that could import a callback, follow a dependency or send a webhook; from RQ it
-takes only its date format.
+(`SplitCall`), each within one hash slot, and a dequeue first asks the shards which one holds
+the best head. Nothing here calls RQ code that could import a callback, follow a dependency or
+send a webhook; from RQ it takes only its date format.
 """
 
 from __future__ import annotations
