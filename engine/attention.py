@@ -24,6 +24,10 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs] context length including this step's tokens
     block_table: torch.Tensor  # [num_reqs, max_blocks], -1 padded
     num_prompt_tokens: torch.Tensor | None = None  # [num_reqs] (length-dependent RoPE)
+    # The recurrent-state group (linear attention): each request's state slot, and whether it
+    # continues a state (tokens computed before this step) or starts from zeros.
+    state_indices: torch.Tensor | None = None  # [num_reqs]
+    has_initial_state: torch.Tensor | None = None  # [num_reqs] bool
     plan: object | None = None  # the backend's per-step plan, built by the first layer
     plan_backend: str | None = None  # the backend ``plan`` was built for
 

@@ -3,7 +3,8 @@ prefix caching.
 
 Every group takes its blocks from one pool (see engine/kv_cache_spec.py). A full-attention group
 holds a block for every ``block_size`` tokens; a sliding-window group gives back the blocks that
-fell wholly out of its window, keeping the shared null block in their place in the table.
+fell wholly out of its window, keeping the shared null block in their place in the table. A
+recurrent-state group (engine/state_cache.py) holds one state slot per running request instead.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         groups: list[KVCacheGroup] | None = None,
+        state_cache=None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.groups = groups or [KVCacheGroup(FullAttentionSpec(0, 0), [])]
+        self.state_cache = state_cache  # a StateCache: the recurrent-state group, or None
         self.block_pool = BlockPool(num_blocks, enable_caching)
         # The table entry of a block that fell out of a window: never read, never freed.
         self.null_block = None
@@ -54,7 +57,10 @@ class KVCacheManager:
         for blocks in self.req_to_blocks.values():
             for g, group_blocks in enumerate(blocks):
                 held[g] += sum(1 for b in group_blocks if b is not self.null_block)
-        return [(_kind(group), n) for group, n in zip(self.groups, held)]
+        usage = [(_kind(group), n) for group, n in zip(self.groups, held)]
+        if self.state_cache is not None:
+            usage.append(("recurrent_state", self.state_cache.num_used_slots))
+        return usage
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks one sequence of ``num_tokens`` tokens holds at most, over every group."""
@@ -79,6 +85,10 @@ class KVCacheManager:
         if not self.enable_caching:
             return none, 0
         self._update_block_hashes(request)
+        if self.state_cache is not None:
+            # The recurrent state at a hit point is not kept: recompute (never serve wrong).
+            self.prefix_cache_queries += request.num_tokens
+            return none, 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         # A full-attention group serves any prefix of its cached run; a window only the hit
         # lengths whose last window of blocks is cached, so the hit is searched downwards.
@@ -127,6 +137,8 @@ class KVCacheManager:
         or None (and no change but blocks a window had already left) if blocks run out."""
         hits = new_computed_blocks or [[] for _ in self.groups]
         rid = request.request_id
+        if self.state_cache is not None and not self.state_cache.has_room(rid):
+            return None
         blocks = self.req_to_blocks.get(rid) or [[] for _ in self.groups]
         self._skip_out_of_window(blocks, request.num_computed_tokens)
         num_computed = request.num_computed_tokens + len(hits[0]) * self.block_size
@@ -147,6 +159,8 @@ class KVCacheManager:
             group_blocks.extend(new_blocks)
             out.extend(new_blocks)
         self.req_to_blocks[rid] = blocks
+        if self.state_cache is not None:
+            self.state_cache.allocate(rid)
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return out
@@ -178,6 +192,8 @@ class KVCacheManager:
         """Release every block of ``request`` in every group."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        if self.state_cache is not None:
+            self.state_cache.free(request.request_id)
         for group_blocks in blocks:
             # Tail blocks first, so that they are evicted before the shared prefix blocks.
             self.block_pool.free_blocks(

@@ -19,6 +19,7 @@ from engine.cpu_threads import apply_num_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_spec import make_layout
+from engine.state_cache import StateCache, state_bytes_per_slot
 from engine.model_loader import generation_eos_token_ids, load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -113,10 +114,16 @@ class LLMEngine:
         )
         max_position = self.model.max_position
         self.kv_layout = make_layout(self.model.kv_cache_specs())
+        self.state_specs = getattr(self.model, "recurrent_state_specs", list)()
 
         num_blocks = self._num_kv_blocks()
+        self.state_cache = self._make_state_cache()
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, self.kv_layout.groups
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self.kv_layout.groups,
+            self.state_cache,
         )
         self.max_model_len = min(max_position, self._longest_fitting(num_blocks))
         if config.max_model_len is not None:
@@ -131,6 +138,8 @@ class LLMEngine:
         )
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         self.swap_space, self.cost_model = self._make_swap_space()
+        if self.swap_space is not None:
+            self.swap_space.state_cache = self.state_cache
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -161,6 +170,7 @@ class LLMEngine:
             self.eos_token_ids,
             self.structured,
             self.kv_layout.layer_group,
+            self.state_cache,
         )
         self.parents: dict[str, _ParentRequest] = {}
         self.num_steps = 0
@@ -201,6 +211,7 @@ class LLMEngine:
             budget = int(free - total * (1 - cfg.gpu_memory_utilization))
         else:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
+        budget -= self._num_state_slots(budget) * self._state_bytes_per_slot()
         num_blocks = budget // self._kv_bytes_per_block()
         if num_blocks < 1:
             raise ValueError(
@@ -208,6 +219,25 @@ class LLMEngine:
                 f"{self._kv_bytes_per_block()} bytes"
             )
         return int(num_blocks)
+
+    def _state_bytes_per_slot(self) -> int:
+        return state_bytes_per_slot(self.state_specs, self.dtype)
+
+    def _num_state_slots(self, budget: int) -> int:
+        """Recurrent-state slots: one per sequence up to ``max_num_seqs``, taken from the KV
+        budget, at most half of it (0 for a model without linear-attention layers)."""
+        per_slot = self._state_bytes_per_slot()
+        if not self.state_specs:
+            return 0
+        self.num_state_slots = max(1, min(self.config.max_num_seqs, budget // 2 // per_slot))
+        return self.num_state_slots
+
+    def _make_state_cache(self) -> StateCache | None:
+        if not self.state_specs:
+            return None
+        cache = StateCache(self.state_specs, self.num_state_slots, self.dtype, self.device)
+        self.model.bind_state_cache(cache)
+        return cache
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         """Each layer's cache tensor; layers at the same place of their groups share one."""

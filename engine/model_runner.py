@@ -28,6 +28,7 @@ class ModelRunner:
         eos_ids: set[int],
         structured=None,
         layer_group: list[int] | None = None,
+        state_cache=None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -38,6 +39,7 @@ class ModelRunner:
         self.sampler = sampler
         self.eos_ids = eos_ids
         self.structured = structured  # a StructuredOutputManager: masks constrained rows
+        self.state_cache = state_cache  # a StateCache (linear-attention layers), or None
         self.block_tables = [BlockTable(g) for g in range(num_groups)]
         model.prepack()
 
@@ -84,6 +86,12 @@ class ModelRunner:
             prompt_lens_t = to(torch.tensor(prompt_lens))
             for meta in metas:
                 meta.num_prompt_tokens = prompt_lens_t
+        if self.state_cache is not None:
+            slots = [self.state_cache.slot(s.request.request_id) for s in scheduled]
+            state_indices = to(torch.tensor(slots, dtype=torch.long))
+            has_initial = to(starts_t > 0)
+            for meta in metas:
+                meta.state_indices, meta.has_initial_state = state_indices, has_initial
         ids = torch.tensor(input_ids, device=self.device)
         if isinstance(logits_indices, torch.Tensor):
             logits_indices = to(logits_indices)

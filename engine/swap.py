@@ -65,6 +65,7 @@ class SwapSpace:
         self.bytes_per_block = bytes_per_block(kv_caches)
         self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))
         self.req_to_host_blocks: dict[str, list[int]] = {}
+        self.state_cache = None  # a StateCache whose slots move with the blocks, or None
 
     @classmethod
     def from_budget(cls, kv_caches: list[torch.Tensor], num_bytes: int) -> SwapSpace | None:
@@ -89,19 +90,23 @@ class SwapSpace:
         host_ids = [self.free_ids.pop() for _ in block_ids]
         self.req_to_host_blocks[request_id] = host_ids
         self._copy(self.kv_caches, block_ids, self.host_caches, host_ids)
-        return len(block_ids) * self.bytes_per_block
+        state_bytes = self.state_cache.swap_out(request_id) if self.state_cache else 0
+        return len(block_ids) * self.bytes_per_block + state_bytes
 
     def swap_in(self, request_id: str, block_ids: list[int]) -> int:
         """Copy a request's host blocks into these device blocks and free the host blocks."""
         host_ids = self.req_to_host_blocks[request_id]
         assert len(block_ids) == len(host_ids), (block_ids, host_ids)
         self._copy(self.host_caches, host_ids, self.kv_caches, block_ids)
+        state_bytes = self.state_cache.swap_in(request_id) if self.state_cache else 0
         self.free(request_id)
-        return len(block_ids) * self.bytes_per_block
+        return len(block_ids) * self.bytes_per_block + state_bytes
 
     def free(self, request_id: str) -> None:
         """Drop a request's host blocks (swap-in done, or the request was aborted)."""
         self.free_ids.extend(reversed(self.req_to_host_blocks.pop(request_id, [])))
+        if self.state_cache is not None:
+            self.state_cache.drop_swapped(request_id)
 
     @staticmethod
     def _copy(src: list[torch.Tensor], src_ids, dst: list[torch.Tensor], dst_ids) -> None:

@@ -26,6 +26,8 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "mixtral": ("engine.models.mixtral", "MixtralForCausalLM"),
     "gpt_oss": ("engine.models.gpt_oss", "GptOssForCausalLM"),
     "glm4_moe": ("engine.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "qwen3_5_text": ("engine.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe_text": ("engine.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
 }
 
 

@@ -1,5 +1,6 @@
 """The shared self-attention layer: merged QKV, GQA, rotary, the paged KV cache, and the options
-today's families add (biases, QK-norm, partial rotary, sliding windows, sinks, soft-capping)."""
+today's families add (biases, QK-norm, partial rotary, sliding windows, sinks, soft-capping, an
+output gate)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ class AttentionOptions:
     sliding_window: int | None = None  # attend to the last W positions only
     sinks: bool = False  # a learned per-head logit in the softmax (gpt-oss)
     logits_soft_cap: float | None = None  # cap * tanh(scores / cap) (Gemma 2)
+    # Qwen3.5 / Qwen3-Next: q_proj also gives a gate per head (``[q_h, gate_h]`` per head) and
+    # the attention output is scaled by sigmoid(gate) before o_proj.
+    output_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.qk_norm not in QK_NORMS:
@@ -55,8 +59,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
+        self.output_gate = opts.output_gate
+        q_out = self.q_size * (2 if opts.output_gate else 1)
         self.qkv_proj = MergedLinear(
-            hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, opts.qkv_bias
+            hidden_size, {"q": q_out, "k": self.kv_size, "v": self.kv_size}, opts.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=opts.o_bias)
         self.qk_norm = opts.qk_norm
@@ -85,6 +91,12 @@ class Attention(nn.Module):
         """``rope`` is the step's ``(cos, signed_sin)`` from ``RotaryEmbedding.cos_sin``."""
         num_tokens, heads = hidden.shape[0], self.num_heads
         qkv = self.qkv_proj(hidden)
+        gate = None
+        if self.output_gate:
+            q_gate = qkv[:, : 2 * self.q_size].view(num_tokens, heads, 2, self.head_dim)
+            gate = q_gate[:, :, 1].reshape(num_tokens, self.q_size)
+            q = q_gate[:, :, 0].reshape(num_tokens, self.q_size)
+            qkv = torch.cat((q, qkv[:, 2 * self.q_size :]), dim=1)
         qk_size = self.q_size + self.kv_size
         if self.qk_norm == "proj":
             qkv = torch.cat(
@@ -107,4 +119,7 @@ class Attention(nn.Module):
             part.copy_(apply_rotary(part, *rope, backend=self.backend))
         v = qkv[:, qk_size:].view(num_tokens, -1, self.head_dim)
         out = self.attn(qk[:, :heads], qk[:, heads:], v, kv_cache, meta)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = out.reshape(num_tokens, self.q_size)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)

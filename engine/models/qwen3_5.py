@@ -1,0 +1,215 @@
+"""Qwen3.5 / Qwen3.6 text models (``qwen3_5_text``, ``qwen3_5_moe_text``): hybrid linear
+attention. ``layer_types`` (every ``full_attention_interval``-th layer full, the rest linear)
+mixes two token mixers:
+
+- Gated DeltaNet (``linear_attention``): ``in_proj_qkv`` -> a short causal depthwise conv with
+  SiLU -> the gated delta rule over a per-sequence fp32 state (kernels/gated_delta.py), then an
+  RMSNorm gated by ``silu(in_proj_z(x))`` and ``out_proj``. No KV cache: the convolution window
+  and the recurrent state live in a state slot per sequence (engine/state_cache.py).
+- Gated full attention: q_proj gives a gate per head (output scaled by its sigmoid), per-head
+  QK-norm with ``1 + w``, partial rotary (``partial_rotary_factor``, 0.25).
+
+Every RMSNorm but the gated one scales by ``1 + w``. The MoE variant routes softmax top-k
+(renormalised) experts plus a sigmoid-gated shared expert in every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kv_cache_spec import FullAttentionSpec
+from engine.models.attention import Attention, AttentionOptions
+from engine.models.causal_lm import PACKED_MODULES
+from engine.models.config_fields import head_dim_of, num_kv_heads_of
+from engine.models.decoder import DecoderLayer
+from engine.models.linear import MergedLinear
+from engine.models.mlp import GatedMLP
+from engine.models.moe import FusedMoE, MoECausalLM
+from engine.models.rotary import RotaryEmbedding, rope_parameters
+from engine.models.routers import Router
+from engine.state_cache import RecurrentStateSpec
+from kernels.causal_conv1d import causal_conv1d
+from kernels.gated_delta import gated_delta_rule, gdn_gating
+
+LINEAR = "linear_attention"
+
+
+class RMSNormGated(nn.Module):
+    """``w * rmsnorm(x) * silu(gate)`` as transformers' Qwen3.5 computes it (plain ``w``)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * normed.to(dtype)
+        return (out * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer over a flat varlen batch; its conv and recurrent states are
+    the slots ``meta.state_indices`` of the pools bound by ``bind_state``."""
+
+    sliding_window = None
+
+    def __init__(self, config, backend: str) -> None:
+        super().__init__()
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_size = self.num_k_heads * self.k_dim
+        self.value_size = self.num_v_heads * self.v_dim
+        self.conv_dim = 2 * self.key_size + self.value_size
+        self.kernel_size = config.linear_conv_kernel_dim
+        hidden = config.hidden_size
+        # One GEMM for the four input projections (the checkpoint splits them).
+        self.in_proj = MergedLinear(
+            hidden,
+            {"qkv": self.conv_dim, "z": self.value_size, "b": self.num_v_heads,
+             "a": self.num_v_heads},
+        )  # fmt: skip
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, self.kernel_size, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = RMSNormGated(self.v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_size, hidden, bias=False)
+        self.backend = backend
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+
+    def state_spec(self) -> RecurrentStateSpec:
+        """What this layer keeps per sequence."""
+        return RecurrentStateSpec(
+            (self.conv_dim, self.kernel_size - 1), (self.num_v_heads, self.k_dim, self.v_dim)
+        )
+
+    def bind_state(self, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+        """Use these pools ``[num_slots, ...]`` for the layer's states."""
+        self.conv_state, self.ssm_state = conv_state, ssm_state
+
+    def forward(self, rope, hidden, kv_cache, meta) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        proj = self.in_proj(hidden)
+        mixed, z, b, a = proj.split(
+            [self.conv_dim, self.value_size, self.num_v_heads, self.num_v_heads], dim=1
+        )
+        mixed = causal_conv1d(
+            mixed.contiguous(), self.conv1d.weight.squeeze(1), None, self.conv_state,
+            meta.query_start_loc, meta.state_indices, meta.has_initial_state, "silu",
+            backend=self.backend,
+        )  # fmt: skip
+        q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=1)
+        q = q.reshape(num_tokens, self.num_k_heads, self.k_dim)
+        k = k.reshape(num_tokens, self.num_k_heads, self.k_dim)
+        v = v.reshape(num_tokens, self.num_v_heads, self.v_dim)
+        g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
+        out = gated_delta_rule(
+            q, k, v, g, beta, self.ssm_state, meta.query_start_loc, meta.state_indices,
+            meta.has_initial_state, backend=self.backend,
+        )  # fmt: skip
+        out = self.norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
+        return self.out_proj(out.reshape(num_tokens, self.value_size))
+
+
+class Qwen3_5ForCausalLM(MoECausalLM):
+    """Qwen3.5's hybrid stack (dense MLPs); the MoE variant overrides ``make_mlp``."""
+
+    packed_modules = {
+        **PACKED_MODULES,
+        "in_proj_qkv": ("in_proj", "qkv"),
+        "in_proj_z": ("in_proj", "z"),
+        "in_proj_b": ("in_proj", "b"),
+        "in_proj_a": ("in_proj", "a"),
+    }
+
+    def __init__(self, config, max_position: int, backend: str = "auto") -> None:
+        super().__init__(config, max_position, backend)
+        head_dim = head_dim_of(config)
+        factor = rope_parameters(config).get(
+            "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)
+        )
+        rotary_dim = int(head_dim * factor)
+        self.rotaries["default"] = RotaryEmbedding(config, head_dim, max_position, rotary_dim)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_types = list(config.layer_types)
+        for i, layer_type in enumerate(self.layer_types):
+            if layer_type == LINEAR:
+                mixer = GatedDeltaNet(config, backend)
+            else:
+                bias = bool(getattr(config, "attention_bias", False))
+                opts = AttentionOptions(
+                    qkv_bias=bias, o_bias=bias, qk_norm="head", norm_eps=eps,
+                    norm_unit_offset=True, rotary_dim=rotary_dim, output_gate=True,
+                )  # fmt: skip
+                mixer = Attention(
+                    hidden, config.num_attention_heads, num_kv_heads_of(config), head_dim,
+                    backend, opts,
+                )  # fmt: skip
+            layer = DecoderLayer(mixer, self.make_mlp(config, i), hidden, eps, backend,
+                                 unit_offset=True)  # fmt: skip
+            layer.rope_key = "default"
+            self.layers.append(layer)
+        self.norm = self.make_norm(unit_offset=True)
+
+    def make_mlp(self, config, i: int) -> nn.Module:
+        """Layer ``i``'s feed-forward block."""
+        return GatedMLP(config.hidden_size, config.intermediate_size, self.backend)
+
+    def _linear_layers(self) -> list[GatedDeltaNet]:
+        return [layer.self_attn for layer in self.layers if isinstance(layer.self_attn, GatedDeltaNet)]  # fmt: skip
+
+    def kv_cache_specs(self) -> list[FullAttentionSpec]:
+        """The full-attention layers' specs only: ``kv_caches`` and ``meta`` hold one entry per
+        full-attention layer, in order."""
+        return [
+            FullAttentionSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
+            for layer in self.layers
+            if not isinstance(layer.self_attn, GatedDeltaNet)
+        ]
+
+    def recurrent_state_specs(self) -> list[RecurrentStateSpec]:
+        """The linear-attention layers' per-sequence states, in order."""
+        return [mixer.state_spec() for mixer in self._linear_layers()]
+
+    def bind_state_cache(self, cache) -> None:
+        """Point every linear layer at its pools of ``cache`` (an engine StateCache)."""
+        for j, mixer in enumerate(self._linear_layers()):
+            mixer.bind_state(cache.conv_states[j], cache.ssm_states[j])
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        caches, metas = iter(kv_caches), iter(meta)
+        first = meta[0]
+        layer_caches, layer_meta = [], []
+        for layer in self.layers:
+            if isinstance(layer.self_attn, GatedDeltaNet):
+                layer_caches.append(None)
+                layer_meta.append(first)
+            else:
+                layer_caches.append(next(caches))
+                layer_meta.append(next(metas))
+        return super().forward(input_ids, positions, layer_caches, layer_meta)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        return super().checkpoint_name(name.replace(".linear_attn.", ".self_attn."))
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE / Qwen3.6-35B-A3B: routed experts and a gated shared expert in every layer."""
+
+    def make_mlp(self, config, i: int) -> nn.Module:
+        hidden = config.hidden_size
+        shared = GatedMLP(hidden, config.shared_expert_intermediate_size, self.backend)
+        gate = Router(hidden, config.num_experts, config.num_experts_per_tok, renormalize=True,
+                      round_weights=True)  # fmt: skip
+        return FusedMoE(
+            config.num_experts, config.num_experts_per_tok, hidden, config.moe_intermediate_size,
+            gate, backend=self.backend, shared_expert=shared, shared_expert_gate=True,
+        )  # fmt: skip

@@ -1,0 +1,115 @@
+"""The recurrent-state layer group: layers that keep no KV per token but one fixed-size state per
+sequence (Gated DeltaNet's convolution window and fp32 recurrent state, Qwen3.5 / Qwen3-Next).
+
+A pool of state slots beside the paged KV blocks, as vLLM's hybrid manager keeps a Mamba group:
+a running request holds one slot (every linear layer's state at that index) from its first
+scheduled token until it finishes or is preempted; admission needs a free slot as well as free
+blocks. What a slot costs is flat in the context length. Preemption by recompute drops the
+state; swap copies it to host memory and back into whatever slot the request gets on return.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class RecurrentStateSpec:
+    """One linear-attention layer's state per sequence: ``conv_shape`` ``(conv_dim,
+    kernel_size - 1)`` in the model's dtype and ``state_shape`` ``(num_v_heads, k_dim, v_dim)``
+    in fp32."""
+
+    conv_shape: tuple[int, int]
+    state_shape: tuple[int, int, int]
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one sequence's state of this layer."""
+        conv = self.conv_shape[0] * self.conv_shape[1] * torch.tensor([], dtype=dtype).element_size()
+        a, b, c = self.state_shape
+        return conv + a * b * c * 4
+
+
+def state_bytes_per_slot(specs: list[RecurrentStateSpec], dtype: torch.dtype) -> int:
+    """Bytes of one slot: every linear layer's state of one sequence."""
+    return sum(spec.nbytes(dtype) for spec in specs)
+
+
+class StateCache:
+    """``num_slots`` slots of every linear layer's state, and which request holds which."""
+
+    def __init__(
+        self,
+        specs: list[RecurrentStateSpec],
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots={num_slots} is invalid: must be >= 1")
+        self.specs = specs
+        self.num_slots = num_slots
+        self.conv_states = [
+            torch.zeros(num_slots, *s.conv_shape, dtype=dtype, device=device) for s in specs
+        ]
+        self.ssm_states = [
+            torch.zeros(num_slots, *s.state_shape, dtype=torch.float32, device=device)
+            for s in specs
+        ]
+        self.bytes_per_slot = state_bytes_per_slot(specs, dtype)
+        self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
+        self.req_to_slot: dict[str, int] = {}
+        self.swapped: dict[str, list[torch.Tensor]] = {}  # request id -> host copies
+
+    @property
+    def num_free_slots(self) -> int:
+        """Slots no request holds."""
+        return len(self.free_slots)
+
+    @property
+    def num_used_slots(self) -> int:
+        """Slots held by running requests."""
+        return len(self.req_to_slot)
+
+    def has_room(self, request_id: str) -> bool:
+        """True when ``request_id`` holds a slot or one is free."""
+        return request_id in self.req_to_slot or bool(self.free_slots)
+
+    def allocate(self, request_id: str) -> int:
+        """The request's slot, taking a free one the first time (its state is then unread:
+        the kernels start a sequence with nothing computed from zeros)."""
+        slot = self.req_to_slot.get(request_id)
+        if slot is None:
+            slot = self.req_to_slot[request_id] = self.free_slots.pop()
+        return slot
+
+    def free(self, request_id: str) -> None:
+        """Give the request's slot back (finished, aborted or preempted)."""
+        slot = self.req_to_slot.pop(request_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+
+    def slot(self, request_id: str) -> int:
+        """The slot a scheduled request holds."""
+        return self.req_to_slot[request_id]
+
+    def swap_out(self, request_id: str) -> int:
+        """Copy the request's state to host memory and free its slot; returns the bytes."""
+        slot = self.req_to_slot[request_id]
+        self.swapped[request_id] = [
+            t[slot].to("cpu", copy=True) for t in (*self.conv_states, *self.ssm_states)
+        ]
+        self.free(request_id)
+        return self.bytes_per_slot
+
+    def swap_in(self, request_id: str) -> int:
+        """Copy a swapped request's state into the slot it holds now; returns the bytes."""
+        slot = self.req_to_slot[request_id]
+        for dst, src in zip((*self.conv_states, *self.ssm_states), self.swapped.pop(request_id)):
+            dst[slot].copy_(src)
+        return self.bytes_per_slot
+
+    def drop_swapped(self, request_id: str) -> None:
+        """Forget a swapped request's host copy (aborted, or to be recomputed)."""
+        self.swapped.pop(request_id, None)
