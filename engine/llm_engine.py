@@ -19,7 +19,6 @@ from engine.cpu_threads import apply_num_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_spec import make_layout
-from engine.state_cache import StateCache, state_bytes_per_slot
 from engine.model_loader import generation_eos_token_ids, load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -28,6 +27,7 @@ from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.state_cache import StateCache, state_bytes_per_slot
 from engine.step_isolation import StepIsolation
 from engine.structured_outputs.manager import StructuredOutputManager
 from engine.swap import INITIAL_PREFILL_TOKENS_PER_S, PreemptionCostModel, SwapSpace

@@ -26,7 +26,8 @@ class RecurrentStateSpec:
 
     def nbytes(self, dtype: torch.dtype) -> int:
         """Bytes of one sequence's state of this layer."""
-        conv = self.conv_shape[0] * self.conv_shape[1] * torch.tensor([], dtype=dtype).element_size()
+        elem = torch.tensor([], dtype=dtype).element_size()
+        conv = self.conv_shape[0] * self.conv_shape[1] * elem
         a, b, c = self.state_shape
         return conv + a * b * c * 4
 

@@ -164,7 +164,8 @@ class Qwen3_5ForCausalLM(MoECausalLM):
         return GatedMLP(config.hidden_size, config.intermediate_size, self.backend)
 
     def _linear_layers(self) -> list[GatedDeltaNet]:
-        return [layer.self_attn for layer in self.layers if isinstance(layer.self_attn, GatedDeltaNet)]  # fmt: skip
+        mixers = [layer.self_attn for layer in self.layers]
+        return [m for m in mixers if isinstance(m, GatedDeltaNet)]
 
     def kv_cache_specs(self) -> list[FullAttentionSpec]:
         """The full-attention layers' specs only: ``kv_caches`` and ``meta`` hold one entry per
