@@ -66,6 +66,13 @@ SLIDING_FULL = ["sliding_attention", "full_attention"]
 # Gemma's own head size and softmax scale (query_pre_attn_scalar is not head_dim here).
 GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 24, "layer_types": SLIDING_FULL}
 
+QWEN3_5 = {
+    "head_dim": 16, "num_hidden_layers": 3,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}  # fmt: skip
+
 CASES = [
     ("llama", "llama", {}),
     (
@@ -170,6 +177,14 @@ CASES = [
          "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
          "partial_rotary_factor": 0.5, "head_dim": 16, "attention_bias": True,
          "routed_scaling_factor": 2.0, "num_hidden_layers": 3},
+    ),
+    # Hybrid linear attention: Gated DeltaNet layers first and last, a gated full-attention one.
+    ("qwen3.5", "qwen3_5_text", QWEN3_5),
+    (
+        "qwen3.5-moe",
+        "qwen3_5_moe_text",
+        {**QWEN3_5, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48},
     ),
 ]  # fmt: skip
 

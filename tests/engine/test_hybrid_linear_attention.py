@@ -1,0 +1,111 @@
+"""Hybrid linear attention (Qwen3.5 / Qwen3.6: Gated DeltaNet layers with a per-sequence state
+slot, gated full-attention layers with paged KV) through the engine's regimes: chunked prefill
+carries the state from chunk to chunk, preemption drops it (recompute) or moves it (swap),
+prefix caching never serves a prefix whose state it does not have, n > 1 and JSON schemas, and
+the state memory per sequence does not grow with the context."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from engine import SamplingParams
+from engine.structured_outputs import StructuredOutputsParams
+from tests.engine.test_architectures import (
+    MAX_TOKENS,
+    PROMPTS,
+    built,
+    hf_greedy,
+    one_thread,  # noqa: F401
+    tiny_llm,
+    token_ids,
+)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# Longer than the delta rule's 64-token chunk and than two 16-token blocks.
+LONG = [[(7 * i + 3) % 4000 + 5 for i in range(90)]]
+
+
+@pytest.mark.parametrize("case_id", ["qwen3.5", "qwen3.5-moe"])
+def test_regimes_match_hf(tmp_path_factory, case_id):
+    """Chunked prefill on a small token budget, preemption by recompute and by swap on a small
+    pool, and a repeated prompt give Hugging Face's greedy tokens."""
+    folder, expected = built(case_id, tmp_path_factory)
+    prompts = PROMPTS + LONG
+    expected = expected + hf_greedy(folder, LONG, MAX_TOKENS)
+    chunked = tiny_llm(folder, max_num_batched_tokens=8)
+    assert token_ids(chunked.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert chunked.stats.num_chunked_prefills > 0
+
+    engine = tiny_llm(folder).llm_engine
+    kv = engine.kv_cache_manager
+    longest = max(len(p) for p in prompts) + MAX_TOKENS
+    num_blocks = kv.num_blocks_for(longest) + 1
+    # Two state slots (two running requests) and blocks for the longest request alone.
+    state_bytes = 2 * engine.state_cache.bytes_per_slot
+    for swap_space, kind in ((0, "recompute"), (0.01, "swap")):
+        small = tiny_llm(
+            folder,
+            kv_cache_memory=num_blocks * engine._kv_bytes_per_block() + state_bytes,
+            swap_space=swap_space,
+            max_num_seqs=2,
+        )
+        assert small.llm_engine.state_cache.num_slots == 2
+        assert token_ids(small.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        stats = small.stats
+        assert stats.num_preemptions > 0, kind
+        assert getattr(stats, f"num_preemptions_{kind}") > 0
+        assert dict(stats.kv_blocks_by_group)["recurrent_state"] == 0  # all given back
+
+    cached = tiny_llm(folder)
+    for _ in range(2):
+        assert token_ids(cached.generate(LONG, GREEDY, use_tqdm=False)) == expected[-1:]
+
+
+def test_seeded_samples_and_json_schema(tmp_path_factory):
+    """n > 1 with a seed gives the same samples alone and in a batch; a JSON schema holds."""
+    folder, _ = built("qwen3.5", tmp_path_factory)
+    llm = tiny_llm(folder)
+    seeded = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1:2], seeded, use_tqdm=False)[0]
+    batched = llm.generate(PROMPTS, seeded, use_tqdm=False)[1]
+    samples = [c.token_ids for c in alone.outputs]
+    assert len(samples) == 3 and samples == [c.token_ids for c in batched.outputs]
+    assert len({tuple(s) for s in samples}) > 1
+
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+        "required": ["color", "ok"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    out = llm.generate(PROMPTS[0:1], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_state_memory_per_sequence_is_flat_in_context_length(tmp_path_factory):
+    """A running sequence holds one state slot whatever its length; the full-attention layer's
+    blocks grow with it."""
+    folder, _ = built("qwen3.5", tmp_path_factory)
+    engine = tiny_llm(folder).llm_engine
+    state = engine.state_cache
+    pool_bytes = sum(t.nbytes for t in (*state.conv_states, *state.ssm_states))
+    assert pool_bytes == state.num_slots * state.bytes_per_slot
+    held = {}
+    for length in (8, 200):
+        engine.add_request(f"r{length}", list(range(5, 5 + length)),
+                           SamplingParams(max_tokens=2, ignore_eos=True))  # fmt: skip
+        engine.step()
+        held[length] = dict(engine.get_stats().kv_blocks_by_group)
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert held[8]["recurrent_state"] == held[200]["recurrent_state"] == 1
+    assert held[8]["full_attention"] == 1 and held[200]["full_attention"] == 13
+    assert sum(t.nbytes for t in (*state.conv_states, *state.ssm_states)) == pool_bytes
+    assert engine.get_stats().kv_blocks_by_group[-1] == ("recurrent_state", 0)
