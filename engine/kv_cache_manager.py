@@ -85,10 +85,6 @@ class KVCacheManager:
         if not self.enable_caching:
             return none, 0
         self._update_block_hashes(request)
-        if self.state_cache is not None:
-            # The recurrent state at a hit point is not kept: recompute (never serve wrong).
-            self.prefix_cache_queries += request.num_tokens
-            return none, 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         # A full-attention group serves any prefix of its cached run; a window only the hit
         # lengths whose last window of blocks is cached, so the hit is searched downwards.
@@ -101,6 +97,11 @@ class KVCacheManager:
             for g, group in enumerate(self.groups)
             if isinstance(group.spec, SlidingWindowSpec)
         ):
+            num_hit -= 1
+        # A recurrent state is only known where a snapshot was kept; elsewhere, recompute.
+        while self.state_cache is not None and num_hit > 0:
+            if self.state_cache.has_snapshot(request.block_hashes[num_hit - 1]):
+                break
             num_hit -= 1
         hits = [self._hit_blocks(g, request, num_hit) for g in range(len(self.groups))]
         num_hit_tokens = num_hit * self.block_size
@@ -161,9 +162,37 @@ class KVCacheManager:
         self.req_to_blocks[rid] = blocks
         if self.state_cache is not None:
             self.state_cache.allocate(rid)
+            if hits[0]:
+                self.state_cache.restore(rid, request.block_hashes[len(hits[0]) - 1])
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return out
+
+    def _state_snapshot_tokens(self, request: Request) -> int:
+        # The end of the prompt's last block that a later hit can use (a hit leaves at least
+        # one token to compute): a repeated prompt, or a shared system prompt followed by less
+        # than a block, starts from here.
+        return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def cap_at_state_snapshot(self, request: Request, num_computed: int, num_new: int) -> int:
+        """``num_new`` cut so that a hybrid model's prefill stops at the block boundary whose
+        state is snapshotted (with prefix caching on), else unchanged."""
+        if self.state_cache is None or not self.enable_caching:
+            return num_new
+        point = self._state_snapshot_tokens(request)
+        return point - num_computed if num_computed < point < num_computed + num_new else num_new
+
+    def save_state_snapshots(self, scheduled) -> None:
+        """After a step: snapshot the state of every request whose computed tokens now end at
+        its snapshot point, keyed by the hash of the block ending there."""
+        if self.state_cache is None or not self.enable_caching:
+            return
+        for s in scheduled:
+            request = s.request
+            point = self._state_snapshot_tokens(request)
+            if point > 0 and request.num_computed_tokens + s.num_new_tokens == point:
+                key = request.block_hashes[point // self.block_size - 1]
+                self.state_cache.save_snapshot(request.request_id, key)
 
     def _skip_out_of_window(self, blocks: GroupBlocks, first_query_pos: int) -> None:
         # Blocks wholly before a window give way to the null block; a table that does not reach

@@ -224,18 +224,27 @@ class LLMEngine:
         return state_bytes_per_slot(self.state_specs, self.dtype)
 
     def _num_state_slots(self, budget: int) -> int:
-        """Recurrent-state slots: one per sequence up to ``max_num_seqs``, taken from the KV
-        budget, at most half of it (0 for a model without linear-attention layers)."""
+        """Recurrent-state slots taken from the KV budget: one per sequence up to
+        ``max_num_seqs`` (at most half the budget), and a quarter as many prefix-cache
+        snapshots (0 for a model without linear-attention layers)."""
         per_slot = self._state_bytes_per_slot()
         if not self.state_specs:
             return 0
-        self.num_state_slots = max(1, min(self.config.max_num_seqs, budget // 2 // per_slot))
-        return self.num_state_slots
+        slots = max(1, min(self.config.max_num_seqs, budget // 2 // per_slot))
+        snapshots = max(1, slots // 4) if self.config.enable_prefix_caching else 0
+        self.num_state_slots, self.num_state_snapshots = slots, snapshots
+        return slots + snapshots
 
     def _make_state_cache(self) -> StateCache | None:
         if not self.state_specs:
             return None
-        cache = StateCache(self.state_specs, self.num_state_slots, self.dtype, self.device)
+        cache = StateCache(
+            self.state_specs,
+            self.num_state_slots,
+            self.dtype,
+            self.device,
+            self.num_state_snapshots,
+        )
         self.model.bind_state_cache(cache)
         return cache
 
@@ -427,6 +436,7 @@ class LLMEngine:
             raise InjectedFault("injected test fault (PAGEDQ_TEST_FAULTS)")
         t0 = time.perf_counter()
         sampled = self.model_runner.execute_model(sched_out)
+        self.kv_cache_manager.save_state_snapshots(sched_out.scheduled)
         self.scheduler.update_after_step(sched_out, sampled, time.perf_counter() - t0)
         self.num_steps += 1
         touched: dict[str, _ParentRequest] = {}

@@ -171,6 +171,7 @@ class Scheduler:
 
     def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
         num_new = min(request.num_tokens - num_computed, token_budget)
+        num_new = self.kv_cache_manager.cap_at_state_snapshot(request, num_computed, num_new)
         if num_new < request.num_tokens - num_computed:
             self.num_chunked_prefills += 1
         return num_new

@@ -6,10 +6,16 @@ a running request holds one slot (every linear layer's state at that index) from
 scheduled token until it finishes or is preempted; admission needs a free slot as well as free
 blocks. What a slot costs is flat in the context length. Preemption by recompute drops the
 state; swap copies it to host memory and back into whatever slot the request gets on return.
+
+Prefix caching keeps snapshots: extra slots holding the state at a block boundary, keyed by that
+block's hash (the hash chains over every token before it), least recently used evicted first.
+A hit on a hybrid model is allowed only where a snapshot is kept (engine/kv_cache_manager.py);
+a snapshot whose blocks were evicted is never reached, as the hit stops at the blocks first.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -46,18 +52,21 @@ class StateCache:
         num_slots: int,
         dtype: torch.dtype,
         device: torch.device,
+        num_snapshots: int = 0,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots={num_slots} is invalid: must be >= 1")
         self.specs = specs
-        self.num_slots = num_slots
+        self.num_slots, self.num_snapshots = num_slots, num_snapshots
+        total = num_slots + num_snapshots
         self.conv_states = [
-            torch.zeros(num_slots, *s.conv_shape, dtype=dtype, device=device) for s in specs
+            torch.zeros(total, *s.conv_shape, dtype=dtype, device=device) for s in specs
         ]
         self.ssm_states = [
-            torch.zeros(num_slots, *s.state_shape, dtype=torch.float32, device=device)
-            for s in specs
+            torch.zeros(total, *s.state_shape, dtype=torch.float32, device=device) for s in specs
         ]
+        self.free_snapshot_slots = list(range(total - 1, num_slots - 1, -1))
+        self.snapshots: OrderedDict[object, int] = OrderedDict()  # block hash -> slot, LRU first
         self.bytes_per_slot = state_bytes_per_slot(specs, dtype)
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
         self.req_to_slot: dict[str, int] = {}
@@ -110,6 +119,30 @@ class StateCache:
         for dst, src in zip((*self.conv_states, *self.ssm_states), self.swapped.pop(request_id)):
             dst[slot].copy_(src)
         return self.bytes_per_slot
+
+    def has_snapshot(self, key) -> bool:
+        """True when the state after the block hashed ``key`` is kept."""
+        return key in self.snapshots
+
+    def save_snapshot(self, request_id: str, key) -> None:
+        """Keep a copy of the request's state as the state after the block hashed ``key``."""
+        if self.num_snapshots == 0 or key in self.snapshots:
+            return
+        if self.free_snapshot_slots:
+            dst = self.free_snapshot_slots.pop()
+        else:
+            _, dst = self.snapshots.popitem(last=False)
+        self.snapshots[key] = dst
+        self._copy_slot(self.req_to_slot[request_id], dst)
+
+    def restore(self, request_id: str, key) -> None:
+        """Start the request's slot from the snapshot ``key`` (a prefix-cache hit)."""
+        self.snapshots.move_to_end(key)
+        self._copy_slot(self.snapshots[key], self.req_to_slot[request_id])
+
+    def _copy_slot(self, src: int, dst: int) -> None:
+        for pool in (*self.conv_states, *self.ssm_states):
+            pool[dst].copy_(pool[src])
 
     def drop_swapped(self, request_id: str) -> None:
         """Forget a swapped request's host copy (aborted, or to be recomputed)."""

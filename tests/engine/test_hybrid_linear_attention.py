@@ -43,8 +43,8 @@ def test_regimes_match_hf(tmp_path_factory, case_id):
     kv = engine.kv_cache_manager
     longest = max(len(p) for p in prompts) + MAX_TOKENS
     num_blocks = kv.num_blocks_for(longest) + 1
-    # Two state slots (two running requests) and blocks for the longest request alone.
-    state_bytes = 2 * engine.state_cache.bytes_per_slot
+    # Two state slots (two running requests), one snapshot, blocks for the longest request.
+    state_bytes = 3 * engine.state_cache.bytes_per_slot
     for swap_space, kind in ((0, "recompute"), (0.01, "swap")):
         small = tiny_llm(
             folder,
@@ -59,9 +59,24 @@ def test_regimes_match_hf(tmp_path_factory, case_id):
         assert getattr(stats, f"num_preemptions_{kind}") > 0
         assert dict(stats.kv_blocks_by_group)["recurrent_state"] == 0  # all given back
 
+
+@pytest.mark.parametrize("case_id", ["qwen3.5"])
+def test_prefix_hit_on_shared_system_prompt(tmp_path_factory, case_id):
+    """Two prompts sharing a two-block system prompt: the second starts from the first's
+    state snapshot at the block boundary (the hit counted), and both give HF's tokens."""
+    folder, _ = built(case_id, tmp_path_factory)
+    system = [(11 * i + 5) % 3000 + 7 for i in range(32)]
+    prompts = [system + [101, 102, 103, 104, 105], system + [201, 202, 203, 204, 205, 206, 207]]
+    expected = hf_greedy(folder, prompts, MAX_TOKENS)
     cached = tiny_llm(folder)
-    for _ in range(2):
-        assert token_ids(cached.generate(LONG, GREEDY, use_tqdm=False)) == expected[-1:]
+    got = [token_ids(cached.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+    assert got == expected
+    stats = cached.stats
+    assert stats.prefix_cache_hits == 32
+    assert cached.llm_engine.state_cache.snapshots  # kept at the system prompt's end
+    # A repeated prompt hits its own snapshot too; the long one's chunked prefill as well.
+    again = token_ids(cached.generate(prompts[1:], GREEDY, use_tqdm=False))
+    assert again == expected[1:] and cached.stats.prefix_cache_hits == 64
 
 
 def test_seeded_samples_and_json_schema(tmp_path_factory):
@@ -96,7 +111,7 @@ def test_state_memory_per_sequence_is_flat_in_context_length(tmp_path_factory):
     engine = tiny_llm(folder).llm_engine
     state = engine.state_cache
     pool_bytes = sum(t.nbytes for t in (*state.conv_states, *state.ssm_states))
-    assert pool_bytes == state.num_slots * state.bytes_per_slot
+    assert pool_bytes == (state.num_slots + state.num_snapshots) * state.bytes_per_slot
     held = {}
     for length in (8, 200):
         engine.add_request(f"r{length}", list(range(5, 5 + length)),
@@ -106,6 +121,6 @@ def test_state_memory_per_sequence_is_flat_in_context_length(tmp_path_factory):
         while engine.has_unfinished_requests():
             engine.step()
     assert held[8]["recurrent_state"] == held[200]["recurrent_state"] == 1
-    assert held[8]["full_attention"] == 1 and held[200]["full_attention"] == 13
+    assert held[200]["full_attention"] > 10 * held[8]["full_attention"]
     assert sum(t.nbytes for t in (*state.conv_states, *state.ssm_states)) == pool_bytes
     assert engine.get_stats().kv_blocks_by_group[-1] == ("recurrent_state", 0)
