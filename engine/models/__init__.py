@@ -28,6 +28,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "glm4_moe": ("engine.models.glm4_moe", "Glm4MoeForCausalLM"),
     "qwen3_5_text": ("engine.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "qwen3_5_moe_text": ("engine.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
+    "qwen3_next": ("engine.models.qwen3_5", "Qwen3NextForCausalLM"),
 }
 
 

@@ -10,7 +10,10 @@ mixes two token mixers:
   QK-norm with ``1 + w``, partial rotary (``partial_rotary_factor``, 0.25).
 
 Every RMSNorm but the gated one scales by ``1 + w``. The MoE variant routes softmax top-k
-(renormalised) experts plus a sigmoid-gated shared expert in every layer.
+(renormalised) experts plus a sigmoid-gated shared expert in every layer. Qwen3-Next
+(``qwen3_next``) is the same stack with its input projections fused per key-head group
+(``in_proj_qkvz``, ``in_proj_ba``: reordered at load into ours) and MoE every
+``decoder_sparse_step``-th layer outside ``mlp_only_layers``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from engine.models.decoder import DecoderLayer
 from engine.models.linear import MergedLinear
 from engine.models.mlp import GatedMLP
 from engine.models.moe import FusedMoE, MoECausalLM
+from engine.models.qwen3_moe import is_sparse_layer
 from engine.models.rotary import RotaryEmbedding, rope_parameters
 from engine.models.routers import Router
 from engine.state_cache import RecurrentStateSpec
@@ -58,7 +62,7 @@ class GatedDeltaNet(nn.Module):
 
     sliding_window = None
 
-    def __init__(self, config, backend: str) -> None:
+    def __init__(self, config, backend: str, fused_projections: bool = False) -> None:
         super().__init__()
         self.num_k_heads = config.linear_num_key_heads
         self.num_v_heads = config.linear_num_value_heads
@@ -68,12 +72,13 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_size + self.value_size
         self.kernel_size = config.linear_conv_kernel_dim
         hidden = config.hidden_size
-        # One GEMM for the four input projections (the checkpoint splits them).
-        self.in_proj = MergedLinear(
-            hidden,
-            {"qkv": self.conv_dim, "z": self.value_size, "b": self.num_v_heads,
-             "a": self.num_v_heads},
-        )  # fmt: skip
+        # One GEMM for the four input projections, laid out [q | k | v | z | b | a].
+        if fused_projections:  # Qwen3-Next: two checkpoint tensors, reordered at load
+            shards = {"qkvz": self.conv_dim + self.value_size, "ba": 2 * self.num_v_heads}
+        else:
+            shards = {"qkv": self.conv_dim, "z": self.value_size, "b": self.num_v_heads,
+                      "a": self.num_v_heads}  # fmt: skip
+        self.in_proj = MergedLinear(hidden, shards)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, self.kernel_size, groups=self.conv_dim, bias=False
         )
@@ -130,6 +135,8 @@ class Qwen3_5ForCausalLM(MoECausalLM):
         "in_proj_a": ("in_proj", "a"),
     }
 
+    fused_projections = False
+
     def __init__(self, config, max_position: int, backend: str = "auto") -> None:
         super().__init__(config, max_position, backend)
         head_dim = head_dim_of(config)
@@ -142,7 +149,7 @@ class Qwen3_5ForCausalLM(MoECausalLM):
         self.layer_types = list(config.layer_types)
         for i, layer_type in enumerate(self.layer_types):
             if layer_type == LINEAR:
-                mixer = GatedDeltaNet(config, backend)
+                mixer = GatedDeltaNet(config, backend, self.fused_projections)
             else:
                 bias = bool(getattr(config, "attention_bias", False))
                 opts = AttentionOptions(
@@ -214,3 +221,43 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
             config.num_experts, config.num_experts_per_tok, hidden, config.moe_intermediate_size,
             gate, backend=self.backend, shared_expert=shared, shared_expert_gate=True,
         )  # fmt: skip
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3-Next: fused per-group input projections; MoE where ``is_sparse_layer``."""
+
+    fused_projections = True
+    packed_modules = {
+        **PACKED_MODULES,
+        "in_proj_qkvz": ("in_proj", "qkvz"),
+        "in_proj_ba": ("in_proj", "ba"),
+    }
+
+    def make_mlp(self, config, i: int) -> nn.Module:
+        if not is_sparse_layer(config, i):
+            return super().make_mlp(config, i)
+        hidden = config.hidden_size
+        shared = GatedMLP(hidden, config.shared_expert_intermediate_size, self.backend)
+        gate = Router(hidden, config.num_experts, config.num_experts_per_tok,
+                      renormalize=config.norm_topk_prob, round_weights=True)  # fmt: skip
+        return FusedMoE(
+            config.num_experts, config.num_experts_per_tok, hidden, config.moe_intermediate_size,
+            gate, backend=self.backend, shared_expert=shared, shared_expert_gate=True,
+        )  # fmt: skip
+
+    def load_weights(self, weights) -> None:
+        super().load_weights((name, self._reorder(name, t)) for name, t in weights)
+
+    def _reorder(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Per key-head group ``[q, k, v, z]`` / ``[b, a]`` rows -> ours, ``[q | k | v | z]`` /
+        ``[b | a]`` over all heads (transformers' ``fix_query_key_value_ordering``)."""
+        c = self.config
+        groups, r = c.linear_num_key_heads, c.linear_num_value_heads // c.linear_num_key_heads
+        if name.endswith("in_proj_qkvz.weight"):
+            kd, vd = c.linear_key_head_dim, r * c.linear_value_head_dim
+            parts = tensor.view(groups, 2 * kd + 2 * vd, -1).split([kd, kd, vd, vd], dim=1)
+        elif name.endswith("in_proj_ba.weight"):
+            parts = tensor.view(groups, 2 * r, -1).split([r, r], dim=1)
+        else:
+            return tensor
+        return torch.cat([p.reshape(-1, tensor.shape[-1]) for p in parts])

@@ -186,6 +186,12 @@ CASES = [
         {**QWEN3_5, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
          "shared_expert_intermediate_size": 48},
     ),
+    (
+        "qwen3-next",  # in_proj_qkvz / in_proj_ba fused per key-head group; a dense layer
+        "qwen3_next",
+        {**QWEN3_5, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]},
+    ),
 ]  # fmt: skip
 
 
