@@ -6,7 +6,8 @@
 1. Decode tokens/s of a small random ``qwen3_5_text`` checkpoint (hidden 256, 8 layers: 6 Gated
    DeltaNet + 2 gated full attention) at contexts 512 and 4,096, 4 sequences, 32 decode steps
    timed after the prefill (after a short warm-up run), fp32, one thread. The same config with
-   every layer full attention is the contrast: its step cost grows with the context, the linear layers' does not.
+   every layer full attention is the contrast: its step cost grows with the context, the
+   linear layers' does not.
 2. The largest batch of 1,024-token sequences that fits a fixed KV budget (8 MiB) for a small
    random ``gemma3_text`` (5 of 6 layers with a 128-token window), read from the engine's own
    block accounting: "before" is the layout where every layer is full-attention grouped (the
