@@ -380,8 +380,8 @@ class LLMEngine:
         return len(self.parents)
 
     def can_admit(self, num_prompt_tokens: int | None = None, num_requests: int = 1) -> bool:
-        """Would `num_requests` more requests run soon? Below max_num_seqs, with blocks for
-        their prompts (`num_prompt_tokens` in all; four blocks each when not given).
+        """Would `num_requests` more requests run soon? Below max_num_seqs (and the state
+        slots of a hybrid model), with blocks for their prompts (`num_prompt_tokens` in all; four blocks each when not given).
 
         Counts the blocks the waiting and swapped requests will need, plus a reserve so that
         running requests can still grow without preemption.
@@ -391,6 +391,8 @@ class LLMEngine:
         busy = len(sched.running) + sched.num_waiting + len(held)
         if busy + num_requests > self.config.max_num_seqs:
             return False
+        if self.state_cache is not None and busy + num_requests > self.state_cache.num_slots:
+            return False  # every running request of a hybrid model holds a state slot
         if num_prompt_tokens is None:
             num_prompt_tokens = 4 * self.config.block_size
             needed = num_requests * kv.num_blocks_for(num_prompt_tokens)

@@ -124,3 +124,28 @@ def test_state_memory_per_sequence_is_flat_in_context_length(tmp_path_factory):
     assert held[200]["full_attention"] > 10 * held[8]["full_attention"]
     assert sum(t.nbytes for t in (*state.conv_states, *state.ssm_states)) == pool_bytes
     assert engine.get_stats().kv_blocks_by_group[-1] == ("recurrent_state", 0)
+
+
+def test_admission_waits_for_a_free_state_slot(tmp_path_factory):
+    """With one state slot, requests run one at a time though blocks and max_num_seqs would
+    admit more; each still gives HF's tokens and gives its slot back when it finishes."""
+    folder, expected = built("qwen3.5", tmp_path_factory)
+    probe = tiny_llm(folder).llm_engine
+    per_slot = probe.state_cache.bytes_per_slot
+    # Half the budget holds one slot and not two; the rest is 5 blocks, enough for every
+    # prompt at once (1 + 3 + 1 blocks).
+    budget = per_slot + 5 * probe._kv_bytes_per_block()
+    llm = tiny_llm(folder, kv_cache_memory=budget, max_num_seqs=4, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    assert engine.state_cache.num_slots == 1 and engine.kv_cache_manager.num_free_blocks == 5
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    most_running, outputs = 0, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        most_running = max(most_running, len(engine.scheduler.running))
+    assert most_running == 1
+    assert [outputs[str(i)] for i in range(len(PROMPTS))] == expected
+    assert engine.get_stats().kv_blocks_by_group[-1] == ("recurrent_state", 0)
