@@ -381,7 +381,8 @@ class LLMEngine:
 
     def can_admit(self, num_prompt_tokens: int | None = None, num_requests: int = 1) -> bool:
         """Would `num_requests` more requests run soon? Below max_num_seqs (and the state
-        slots of a hybrid model), with blocks for their prompts (`num_prompt_tokens` in all; four blocks each when not given).
+        slots of a hybrid model), with blocks for their prompts (`num_prompt_tokens` in all;
+        four blocks each when not given).
 
         Counts the blocks the waiting and swapped requests will need, plus a reserve so that
         running requests can still grow without preemption.
