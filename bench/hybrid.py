@@ -6,7 +6,7 @@
 1. Decode tokens/s of a small random ``qwen3_5_text`` checkpoint (hidden 256, 8 layers: 6 Gated
    DeltaNet + 2 gated full attention) at contexts 512 and 4,096, 4 sequences, 32 decode steps
    timed one by one after the prefill (after a short warm-up run; tokens/s of the median step),
-   fp32, one thread. The same config with
+   fp32, one thread, and the time spent inside the linear layers per step. The same config with
    every layer full attention is the contrast: its step cost grows with the context, the
    linear layers' does not.
 2. The largest batch of 1,024-token sequences that fits a fixed KV budget (8 MiB) for a small
@@ -58,11 +58,15 @@ def checkpoint(folder: Path, model_type: str, config: dict) -> Path:
     return folder
 
 
-def decode_tokens_per_s(folder: Path, context: int, batch: int = 4, steps: int = 32) -> float:
-    """Decode tokens/s of ``batch`` sequences of ``context`` prompt tokens (prefill untimed)."""
+def decode_tokens_per_s(
+    folder: Path, context: int, batch: int = 4, steps: int = 32
+) -> tuple[float, float]:
+    """Decode tokens/s of ``batch`` sequences of ``context`` prompt tokens (prefill untimed),
+    and the median step's milliseconds inside the Gated DeltaNet layers (0 without any)."""
     import random
 
     from engine import LLM, SamplingParams
+    from engine.models.qwen3_5 import GatedDeltaNet
 
     llm = LLM(str(folder), dtype="float32", kv_cache_memory="256MiB", num_threads=1,
               enable_prefix_caching=False)  # fmt: skip
@@ -75,13 +79,28 @@ def decode_tokens_per_s(folder: Path, context: int, batch: int = 4, steps: int =
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):
         engine.step()
-    times = []
+    linear, starts = [0.0], {}
+
+    def start(module, args):
+        starts[module] = time.perf_counter()
+
+    def stop(module, args, out):
+        linear[0] += time.perf_counter() - starts[module]
+
+    for module in engine.model.modules():
+        if isinstance(module, GatedDeltaNet):
+            module.register_forward_pre_hook(start)
+            module.register_forward_hook(stop)
+    times, linear_times = [], []
     while engine.has_unfinished_requests():
+        linear[0] = 0.0
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
+        linear_times.append(linear[0])
     # The median step: the shared host's stalls hit a few steps, not the typical one.
-    return batch / sorted(times)[len(times) // 2]
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return batch / median(times), 1000 * median(linear_times)
 
 
 def largest_batch(folder: Path, length: int, budget: str, full_layout: bool) -> tuple[int, int]:
@@ -157,9 +176,15 @@ def main() -> None:
     )
     for name, folder in (("hybrid (6 linear + 2 full)", hybrid), ("all full attention", full)):
         decode_tokens_per_s(folder, 64, steps=4)  # warm-up: kernel builds, GEMM probes
-        short, long = decode_tokens_per_s(folder, 512), decode_tokens_per_s(folder, 4096)
-        print(f"{name}: decode {short:.1f} tok/s at 512, {long:.1f} at 4096: "
-              f"ratio 4096/512 = {long / short:.2f}")  # fmt: skip
+        (short, lin_short), (long, lin_long) = (
+            decode_tokens_per_s(folder, 512), decode_tokens_per_s(folder, 4096)
+        )  # fmt: skip
+        line = (f"{name}: decode {short:.1f} tok/s at 512, {long:.1f} at 4096: "
+                f"ratio 4096/512 = {long / short:.2f}")  # fmt: skip
+        if lin_short:
+            line += (f"; linear layers {lin_short:.2f} ms/step at 512, {lin_long:.2f} at 4096 "
+                     f"(ratio {lin_long / lin_short:.2f})")  # fmt: skip
+        print(line)
 
     windowed = checkpoint(args.model_dir / "gemma3", "gemma3_text", WINDOWED)
     before, blocks_before = largest_batch(windowed, 1024, "8MiB", full_layout=True)
