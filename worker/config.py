@@ -59,8 +59,9 @@ class WorkerConfig:
     stream_interval: float = field(
         default=0.05,
         metadata=_doc(
-            "seconds between two token entries of a job that streams, at least (the tokens "
-            "between are coalesced); 0: one entry per engine step",
+            "seconds a streamed token may wait to be written: the new tokens of all the jobs "
+            "that stream go in one call per window, one entry per job (a job's first token "
+            "and its end are written at once); 0: every step writes its tokens",
             min=0,
         ),
     )
