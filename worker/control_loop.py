@@ -12,6 +12,7 @@ it. While Redis is unreachable the engine keeps stepping and the writes wait in 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue as queue_mod
 import signal
@@ -21,6 +22,7 @@ from typing import Any
 import structlog
 
 from producer.contract.models import canonical_model
+from producer.refusal import RedisRefusedError
 from worker.cancels import CancelListener
 from worker.claim import Claim, JobRejected, parse_claim
 from worker.coalesce import AdmissionGate, EndCoalescer, StreamWindow
@@ -38,7 +40,13 @@ from worker.engine_loop import (
 from worker.inflight import InFlight, StreamState
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
-from worker.redis_link import FIRST_BACKOFF_S, MAX_BACKOFF_S, UNAVAILABLE, RedisLink
+from worker.redis_link import (
+    FIRST_BACKOFF_S,
+    MAX_BACKOFF_S,
+    UNAVAILABLE,
+    RedisLink,
+    raise_if_refused,
+)
 from worker.rq_adapter import RQAdapter
 from worker.status import StatusPublisher
 
@@ -167,14 +175,17 @@ class ControlLoop:
                     log.info("burst done: queue empty, nothing in flight", worker=self.name)
                     break
         finally:
-            if self.endings.pending:
-                self._write_ends([])
-            self._requeue_all("worker stopping", count_crash=False)
+            # Redis refusing this worker (credentials, ACL) takes nothing more: leases expire.
+            with contextlib.suppress(RedisRefusedError):
+                if self.endings.pending:
+                    self._write_ends([])
+                self._requeue_all("worker stopping", count_crash=False)
             self.loop.stop()
             self.cancels.stop()
-            if self.link.up:
-                self.status.clear()
-            self._unregister()
+            with contextlib.suppress(RedisRefusedError):
+                if self.link.up:
+                    self.status.clear()
+                self._unregister()
             log.info("worker stopped", worker=self.name, jobs_ended=self.ender.num_ended)
         return self.exit_code
 
@@ -201,6 +212,7 @@ class ControlLoop:
                 self.adapter.set_tenant_weights(self.config.engine.tenant_weights)
                 return bool(self.link.scripts.call(self.adapter.register_call()))
             except UNAVAILABLE as exc:
+                raise_if_refused(exc)
                 log.warning("redis unreachable, retrying", retry_in_s=backoff, error=str(exc))
                 time.sleep(backoff)
                 backoff = min(MAX_BACKOFF_S, backoff * 2)

@@ -125,6 +125,8 @@ class PrivateRedis:
             try:
                 client.ping()
                 return
+            except redis.AuthenticationError:
+                return  # started with --requirepass: it answers
             except redis.ConnectionError:
                 time.sleep(0.05)
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout}s")
