@@ -1,6 +1,7 @@
 """Every token stream a gateway follows, read with one blocking XREAD on one connection.
 
-A request follows its job's stream through a `Follow` (an asyncio queue of entries). New
+A request follows its job's stream through a `Follow` (an asyncio queue of entries). Reads
+that find entries are paced (READ_INTERVAL_S), so one read takes the windows of many workers. New
 follows wake the blocked XREAD with CLIENT UNBLOCK, so their first entries come at once; every
 CHECK_S the followed jobs are also looked up, because some ends write no stream entry (a queued
 job canceled through RQ) and streams expire before results do.
@@ -23,6 +24,11 @@ from producer.results import decode_entry, is_final
 log = logging.getLogger("pagedq.gateway.streams")
 
 BLOCK_MS = 1000
+# Shortest time between two reads that found entries. Each XREAD costs Redis about 3.6 us per
+# stream it names (bench/redis_capacity.py), and every worker's stream window would otherwise
+# wake the hub on its own: paced, one read takes the windows of many workers at once, and the
+# hub's cost stops growing with the number of workers. Adds at most this much latency.
+READ_INTERVAL_S = 0.02
 CHECK_S = 2.0
 COUNT = 512
 POOL_SIZE = 64
@@ -109,7 +115,9 @@ class StreamHub:
                 if loop.time() >= self._next_check:
                     self._next_check = loop.time() + CHECK_S
                     await self._check_ended()
-                await self._read()
+                started = loop.time()
+                if await self._read():
+                    await asyncio.sleep(max(0.0, started + READ_INTERVAL_S - loop.time()))
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
@@ -117,15 +125,18 @@ class StreamHub:
                 self._reader_id = None
                 await asyncio.sleep(1.0)
 
-    async def _read(self) -> None:
+    async def _read(self) -> bool:
+        """One XREAD of every followed stream (blocking until one has entries); True when
+        entries came."""
         self._changed.clear()
         streams = {stream_key(j): self._last_id(j) for j in self._follows}
         if not streams:  # every follow ended while the check above ran
-            return
+            return False
         reply = await self._reader.xread(streams, count=COUNT, block=BLOCK_MS)
         for key, entries in reply or []:
             job_id = key.decode().split(":", 2)[2]
             self._deliver(job_id, entries)
+        return bool(reply)
 
     def _last_id(self, job_id: str) -> str:
         return min((f.last_id for f in self._follows[job_id]), key=_entry_order)
