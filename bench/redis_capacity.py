@@ -111,7 +111,7 @@ MODEL = "sim"
 # The worker's defaults (worker/config.py: WorkerConfig, worker/limits.py: JobLimits), and its
 # control loop's timings (worker/control_loop.py); importing those modules would load torch.
 LEASE_TTL = 60
-STREAM_INTERVAL_S = 0.05
+STREAM_INTERVAL_S = 0.1
 MAX_CRASHES = 2
 JOB_TIMEOUT_S = 3600.0
 MAX_PAYLOAD_BYTES = 1 << 20
