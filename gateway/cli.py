@@ -8,10 +8,13 @@ import os
 import sys
 from collections.abc import Sequence
 
+from redis.exceptions import RedisError
+
 from gateway.config import DEFAULT_BATCH_PRIORITY, GatewayConfig, Tenant, load_api_keys
 from producer.cli import add_replica_ack_flags
-from producer.connection import check_url
-from producer.contract.keys import DEFAULT_QUEUE, DEFAULT_REDIS_URL
+from producer.connection import check_url, redis_client
+from producer.contract.keys import DEFAULT_QUEUE, DEFAULT_REDIS_URL, rq_queue_key
+from producer.refusal import refusal
 from producer.retry import redact_url
 
 
@@ -130,6 +133,10 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"pagedq serve: {exc}", file=sys.stderr)
         return 2
+    refused = redis_refusal(config.redis_url, config.queue)
+    if refused is not None:
+        print(f"pagedq serve: {refused}", file=sys.stderr)
+        return 1
     import uvicorn
 
     from gateway.app import create_app
@@ -158,3 +165,19 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(serve_main())
+
+
+def redis_refusal(url: str, queue: str) -> str | None:
+    """One line when Redis refuses the gateway (credentials, ACL, certificate): a setting to
+    fix, so the gateway stops at once. None otherwise, an unreachable Redis included: the
+    gateway starts and answers 503 until it is back."""
+    client = redis_client(url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        client.ping()
+        client.llen(rq_queue_key(queue))  # a key the ACL must allow
+    except RedisError as exc:
+        found = refusal(exc)
+        return None if found is None else found.message(at=f" at {redact_url(url)}")
+    finally:
+        client.close()
+    return None

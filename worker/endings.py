@@ -17,6 +17,7 @@ import structlog
 
 from producer.contract.keys import result_key
 from producer.contract.schema import Choice, GenerationRequest, GenerationResult, Timings, Usage
+from producer.contract.stream import done_entry, error_entry
 from worker.claim import Claim
 from worker.inflight import InFlight
 from worker.logs import log_job_end
@@ -175,7 +176,7 @@ class JobEnder:
             "usage": result.usage.model_dump(),
             "result_key": result_key(item.job_id),
         }
-        final = _final(item, {"event": "done", "finish_reason": str(result.finish_reason)})
+        final = _final(item, done_entry(result.finish_reason))
         call = self._ending(
             item.claim,
             result,
@@ -188,7 +189,7 @@ class JobEnder:
     def fail(self, item: InFlight, message: str) -> None:
         """End a job as failed for good (the error is in the job, not the worker)."""
         result = self._result(item, item.last_output, "failed", error=message)
-        call = self._ending(item.claim, result, _final(item, {"event": "error", "error": message}))
+        call = self._ending(item.claim, result, _final(item, error_entry(message)))
         self.run(Ending(item.job_id, "failed", call, result, item.last_output, item.enqueued_at))
 
     def fail_claim(self, claim: Claim, message: str) -> None:
@@ -203,13 +204,13 @@ class JobEnder:
             timings=Timings(),
             error=message,
         )
-        call = self._ending(claim, result, {"event": "error", "error": message})
+        call = self._ending(claim, result, error_entry(message))
         self.run(Ending(claim.job_id, "failed", call, result))
 
     def cancel(self, item: InFlight) -> None:
         """End a job as canceled (RQ's canceled registry, error=canceled)."""
         result = self._result(item, item.last_output, "canceled", error="canceled")
-        final = _final(item, {"event": "error", "error": "canceled"})
+        final = _final(item, error_entry("canceled"))
         call = self._ending(item.claim, result, final)
         self.run(Ending(item.job_id, "canceled", call, result, item.last_output, item.enqueued_at))
 
