@@ -8,9 +8,8 @@ from collections.abc import Callable
 from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from redis.exceptions import ClusterDownError, SlotNotCoveredError, TryAgainError
+from redis.exceptions import ClusterDownError, NoPermissionError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.refusal import refused_error
