@@ -19,6 +19,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "phi3": ("engine.models.llama", "LlamaForCausalLM"),  # fused qkv/gate_up load whole
     "gemma2": ("engine.models.gemma", "Gemma2ForCausalLM"),
     "gemma3_text": ("engine.models.gemma", "Gemma3ForCausalLM"),
+    "gemma4_text": ("engine.models.gemma4", "Gemma4ForCausalLM"),
     "olmo2": ("engine.models.olmo", "Olmo2ForCausalLM"),
     "olmo3": ("engine.models.olmo", "Olmo2ForCausalLM"),
     "qwen3_moe": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),

@@ -65,7 +65,8 @@ class CausalLM(nn.Module):
             for key, rotary in self.rotaries.items()
         }
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, cache_index in zip(self.layers, self.kv_cache_indices()):
+            kv_cache = kv_caches[cache_index]
             hidden, residual = layer(ropes[layer.rope_key], hidden, residual, kv_cache, meta)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
@@ -86,8 +87,27 @@ class CausalLM(nn.Module):
         return torch.maximum(per_token, positions + 1)
 
     def kv_cache_shapes(self) -> list[tuple[int, int]]:
-        """``(num_kv_heads, head_dim)`` of each layer's paged KV cache, in layer order."""
-        return [(layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in self.layers]
+        """``(num_kv_heads, head_dim)`` of each paged KV cache, in layer order: one per layer,
+        except that a layer reading another's cache (``kv_shared_from``, Gemma 4) has none."""
+        return [
+            (layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
+            for layer in self.layers
+            if getattr(layer, "kv_shared_from", None) is None
+        ]
+
+    def kv_cache_indices(self) -> list[int]:
+        """For each layer, the index of the cache it uses in ``kv_cache_shapes()``'s list."""
+        indices = getattr(self, "_kv_cache_indices", None)
+        if indices is None:
+            own: dict[int, int] = {}
+            indices = []
+            for i, layer in enumerate(self.layers):
+                source = getattr(layer, "kv_shared_from", None)
+                if source is None:
+                    own[i] = len(own)
+                indices.append(own[i if source is None else source])
+            self._kv_cache_indices = indices
+        return indices
 
     def move_rotaries(self, device: torch.device) -> None:
         """Move every fp32 cos/sin cache to ``device``."""
