@@ -18,7 +18,7 @@ from engine.config import (
 from engine.cpu_threads import apply_num_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_loader import generation_eos_token_ids, load_model
+from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.prompts import ProcessedPrompt, Prompt, PromptProcessor
@@ -220,7 +220,7 @@ class LLMEngine:
         return swap, PreemptionCostModel(swap.measure_copy_bandwidth(), initial)
 
     def _eos_token_ids(self) -> set[int]:
-        ids: set[int] = set(generation_eos_token_ids(self.model_name))
+        ids: set[int] = set(getattr(self.model, "generation_eos_token_ids", ()))
         for value in (getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
             if isinstance(value, int):
                 ids.add(value)

@@ -48,6 +48,8 @@ class CausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_lm_head = None
+        # Set by the loader from generation_config.json: where generation also stops.
+        self.generation_eos_token_ids: frozenset[int] = frozenset()
 
     def make_norm(self, unit_offset: bool = False) -> RMSNorm:
         """The final norm (and any hidden-size norm) of this config."""
