@@ -10,7 +10,11 @@
   gives each layer a small input, gated into its output; a learned ``layer_scalar``;
 - final logit soft-capping.
 
-The mixture-of-experts block beside the dense MLP (``enable_moe_block``) is not run yet.
+- a mixture of experts beside the dense MLP (``enable_moe_block``, 26B-A4B): its router reads
+  the block's input (a scale-free RMSNorm, a learned scale, softmax, top k renormalised, a
+  per-expert scale), its GeGLU experts run as grouped GEMMs over the routed tokens (the torch
+  reference's ``grouped_mm_torch``: no loop over experts), and its output joins the MLP's
+  between their own norms.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from engine.models.mlp import GatedMLP
 from engine.models.norm import RMSNorm
 from engine.models.rotary import RotaryEmbedding
 from kernels import apply_rotary
+from kernels.reference import grouped_mm_torch
 
 
 class Gemma4Attention(nn.Module):
@@ -74,6 +79,51 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
+class Gemma4Router(nn.Module):
+    """``(topk_weights fp32, topk_ids)`` ``[tokens, top_k]`` of Gemma 4's router."""
+
+    def __init__(self, config, backend: str) -> None:
+        super().__init__()
+        hidden, experts = config.hidden_size, config.num_experts
+        self.top_k = config.top_k_experts
+        self.norm = RMSNorm(hidden, config.rms_norm_eps, backend, with_scale=False)
+        self.proj = nn.Linear(hidden, experts, bias=False)
+        self.proj.no_prepack = True  # a few columns: the plain GEMM is as fast
+        self.scale = nn.Parameter(torch.ones(hidden))
+        self.per_expert_scale = nn.Parameter(torch.ones(experts))
+
+    def forward(self, x: torch.Tensor):
+        scores = self.proj(self.norm(x) * self.scale * x.shape[-1] ** -0.5)
+        weights, ids = torch.topk(torch.softmax(scores, dim=-1, dtype=torch.float32), self.top_k)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[ids], ids
+
+
+class Gemma4Experts(nn.Module):
+    """GeGLU experts ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up) and ``down_proj``
+    ``[E, H, I]``, as transformers stores them."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        experts, hidden = config.num_experts, config.hidden_size
+        inter = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        token = order // top_k
+        gate, up = grouped_mm_torch(x[token], self.gate_up_proj.transpose(1, 2), counts).chunk(
+            2, dim=-1
+        )
+        y = grouped_mm_torch(F.gelu(gate, approximate="tanh") * up, self.down_proj.mT, counts)
+        y = y * weights.reshape(-1)[order, None].to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+
 class Gemma4DecoderLayer(DecoderLayer):
     """The sandwich block, then the layer's per-layer input gated in, then ``layer_scalar``."""
 
@@ -88,6 +138,14 @@ class Gemma4DecoderLayer(DecoderLayer):
         attn = Gemma4Attention(config, layer_idx, max_position, backend)
         super().__init__(attn, mlp, config.hidden_size, config.rms_norm_eps, backend, "sandwich")
         self.layer_scalar = nn.Parameter(torch.ones(1))
+        self.has_moe = bool(getattr(config, "enable_moe_block", False))
+        if self.has_moe:
+            eps, size = config.rms_norm_eps, config.hidden_size
+            self.router = Gemma4Router(config, backend)
+            self.experts = Gemma4Experts(config)
+            self.pre_feedforward_layernorm_2 = RMSNorm(size, eps, backend)
+            self.post_feedforward_layernorm_1 = RMSNorm(size, eps, backend)
+            self.post_feedforward_layernorm_2 = RMSNorm(size, eps, backend)
         self.per_layer_size = config.hidden_size_per_layer_input
         if self.per_layer_size:
             size = self.per_layer_size
@@ -98,7 +156,13 @@ class Gemma4DecoderLayer(DecoderLayer):
             )
 
     def forward_with_input(self, rope, hidden, per_layer_input, kv_cache, meta):
-        hidden, _ = super().forward(rope, hidden, None, kv_cache, meta)
+        attn = self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        if self.has_moe:  # the experts read the block's input, beside the dense MLP
+            routed = self.experts(self.pre_feedforward_layernorm_2(hidden), *self.router(hidden))
+            mlp = self.post_feedforward_layernorm_1(mlp) + self.post_feedforward_layernorm_2(routed)
+        hidden = hidden + self.post_feedforward_layernorm(mlp)
         if self.per_layer_size:
             gate = F.gelu(self.per_layer_input_gate(hidden), approximate="tanh")
             extra = self.per_layer_projection(gate * per_layer_input)
@@ -110,11 +174,6 @@ class Gemma4ForCausalLM(CausalLM):
     """Gemma 4 (text)."""
 
     def __init__(self, config, max_position: int, backend: str = "auto") -> None:
-        if getattr(config, "enable_moe_block", False):
-            raise ValueError(
-                "enable_moe_block=True (Gemma 4's mixture of experts) is not supported yet: "
-                "pagedq runs the dense Gemma 4 models"
-            )
         if getattr(config, "use_bidirectional_attention", None) == "all":
             raise ValueError(
                 "use_bidirectional_attention='all' (an embedding model) is not supported: "

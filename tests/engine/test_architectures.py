@@ -148,6 +148,21 @@ CASES = [
             "final_logit_softcapping": 30.0,
         },
     ),
+    (
+        "gemma4-moe",  # 26B-A4B's block: routed GeGLU experts beside the dense MLP
+        "gemma4_text",
+        {
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "layer_types": SLIDING_FULL,
+            "sliding_window": 8,
+            "hidden_size_per_layer_input": 8,
+            "enable_moe_block": True,
+            "num_experts": 6,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+        },
+    ),
     ("olmo2", "olmo2", {}),
     ("olmo3", "olmo3", {"sliding_window": 8, "layer_types": SLIDING_FULL}),
     # Mixtures of experts: several experts per token, per-expert and fused 3-D checkpoints.
