@@ -31,6 +31,8 @@ class ModelRunner:
         self.eos_ids = eos_ids
         self.structured = structured  # a StructuredOutputManager: masks constrained rows
         self.block_table = BlockTable()
+        # A length-dependent RoPE needs each request's prompt length (CausalLM.rope_lengths).
+        self.uses_prompt_lens = bool(getattr(model, "uses_prompt_lens", False))
         model.prepack()
 
     def prepare_inputs(self, sched: SchedulerOutput):
@@ -77,7 +79,7 @@ class ModelRunner:
             seq_lens=to(starts_t + num_new_t),
             block_table=to(block_table),
         )
-        if self.model.uses_prompt_lens:
+        if self.uses_prompt_lens:
             meta.num_prompt_tokens = to(torch.tensor(prompt_lens))
         ids = torch.tensor(input_ids, device=self.device)
         if isinstance(logits_indices, torch.Tensor):
