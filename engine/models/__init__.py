@@ -22,6 +22,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "gemma4_text": ("engine.models.gemma4", "Gemma4ForCausalLM"),
     "olmo2": ("engine.models.olmo", "Olmo2ForCausalLM"),
     "olmo3": ("engine.models.olmo", "Olmo2ForCausalLM"),
+    "qwen2_moe": ("engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "mixtral": ("engine.models.mixtral", "MixtralForCausalLM"),
     "gpt_oss": ("engine.models.gpt_oss", "GptOssForCausalLM"),

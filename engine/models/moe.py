@@ -103,6 +103,10 @@ class FusedMoE(nn.Module):
         return fused_experts_torch(*args, self.w13_bias, self.w2_bias, **options)
 
     def _expert_shape(self, shard: tuple[int, str]) -> tuple[int, int]:
+        if not 0 <= shard[0] < self.num_experts:
+            raise ValueError(
+                f"checkpoint has expert {shard[0]}, but the config has {self.num_experts} experts"
+            )
         inter, hidden = self.intermediate_size, self.hidden_size
         return (hidden, inter) if shard[1] == "down" else (inter, hidden)
 

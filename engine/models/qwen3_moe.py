@@ -1,9 +1,12 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder): Qwen3's attention (per-head
 QK-norm) and a mixture of experts in every ``decoder_sparse_step``-th layer outside
 ``mlp_only_layers`` (softmax over the experts, the top k, renormalised with
-``norm_topk_prob``), dense SwiGLU elsewhere."""
+``norm_topk_prob``), dense SwiGLU elsewhere. Qwen2-MoE (``qwen2_moe.py``) differs only in its
+attention and a gated shared expert."""
 
 from __future__ import annotations
+
+from torch import nn
 
 from engine.models.attention import Attention, AttentionOptions
 from engine.models.config_fields import head_dim_of, layer_sliding_window, num_kv_heads_of
@@ -30,31 +33,35 @@ class Qwen3MoeForCausalLM(MoECausalLM):
         self.rotaries["default"] = RotaryEmbedding(config, head_dim, max_position)
         hidden = config.hidden_size
         for i in range(config.num_hidden_layers):
-            options = AttentionOptions(
-                qkv_bias=bool(getattr(config, "attention_bias", False)),
-                qk_norm="head",
-                norm_eps=config.rms_norm_eps,
-                sliding_window=layer_sliding_window(config, i, max_position),
-            )
             attn = Attention(
-                hidden,
-                config.num_attention_heads,
-                num_kv_heads_of(config),
-                head_dim,
-                backend,
-                options,
-            )
+                hidden, config.num_attention_heads, num_kv_heads_of(config), head_dim, backend,
+                self.attention_options(config, i, max_position),
+            )  # fmt: skip
             if is_sparse_layer(config, i):
-                experts, top_k = config.num_experts, config.num_experts_per_tok
-                gate = Router(
-                    hidden, experts, top_k, renormalize=config.norm_topk_prob, round_weights=True
-                )
-                mlp = FusedMoE(
-                    experts, top_k, hidden, config.moe_intermediate_size, gate, backend=backend
-                )
+                mlp = self.make_moe(config, backend)
             else:
                 mlp = GatedMLP(hidden, config.intermediate_size, backend)
             layer = DecoderLayer(attn, mlp, hidden, config.rms_norm_eps, backend)
             layer.rope_key = "default"
             self.layers.append(layer)
         self.norm = self.make_norm()
+
+    @staticmethod
+    def attention_options(config, i: int, max_position: int) -> AttentionOptions:
+        """Qwen3's: per-head QK-norm, q/k/v biases where ``attention_bias``."""
+        return AttentionOptions(
+            qkv_bias=bool(getattr(config, "attention_bias", False)),
+            qk_norm="head",
+            norm_eps=config.rms_norm_eps,
+            sliding_window=layer_sliding_window(config, i, max_position),
+        )
+
+    @staticmethod
+    def make_moe(config, backend: str, shared_expert: nn.Module | None = None) -> FusedMoE:
+        """The routed experts (weights rounded to the model's dtype, as Qwen rounds them)."""
+        hidden, experts, top_k = config.hidden_size, config.num_experts, config.num_experts_per_tok
+        gate = Router(hidden, experts, top_k, renormalize=config.norm_topk_prob, round_weights=True)
+        return FusedMoE(
+            experts, top_k, hidden, config.moe_intermediate_size, gate, backend=backend,
+            shared_expert=shared_expert, shared_expert_gate=shared_expert is not None,
+        )  # fmt: skip

@@ -179,6 +179,12 @@ CASES = [
          "head_dim": 16, "norm_topk_prob": False, "save_original_format": False},
     ),
     (
+        "qwen2-moe-shared",
+        "qwen2_moe",
+        {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48, "norm_topk_prob": False},
+    ),
+    (
         "mixtral-window",
         "mixtral",
         {"num_local_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 96,

@@ -82,7 +82,7 @@ def _our_block(kind: str, config, hf, backend: str) -> FusedMoE:
             )  # fmt: skip
             shared.down_proj.weight.copy_(state["shared_experts.down_proj.weight"])
     else:
-        gate = Router(HIDDEN, EXPERTS, TOP_K, renormalize=kind == "mixtral" or False)
+        gate = Router(HIDDEN, EXPERTS, TOP_K, renormalize=kind == "mixtral")
     block = FusedMoE(
         EXPERTS, TOP_K, HIDDEN, INTER, gate,
         activation="swigluoai" if kind == "gpt_oss" else "silu",
