@@ -160,7 +160,7 @@ class LLMEngine:
             Sampler(self.device, config.seed, config.attention_backend),
             self.eos_token_ids,
             self.structured,
-            self.kv_layout.layer_group,
+            [self.kv_layout.layer_group[c] for c in self.model.kv_cache_indices()],
         )
         self.parents: dict[str, _ParentRequest] = {}
         self.num_steps = 0
@@ -210,7 +210,7 @@ class LLMEngine:
         return int(num_blocks)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        """Each layer's cache tensor; layers at the same place of their groups share one."""
+        """Each layer's cache tensor: layers at the same place of their groups share one."""
         kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
         self.kv_tensors = [
             allocate_kv_cache(
@@ -224,7 +224,10 @@ class LLMEngine:
             )  # fmt: skip
             for num_kv_heads, head_dim in self.kv_layout.tensor_shapes
         ]
-        return [self.kv_tensors[t] for t in self.kv_layout.layer_tensor]
+        # A layer that reads another's cache (Gemma 4) gets that layer's tensor.
+        return [
+            self.kv_tensors[self.kv_layout.layer_tensor[c]] for c in self.model.kv_cache_indices()
+        ]
 
     def _make_swap_space(self) -> tuple[SwapSpace | None, PreemptionCostModel | None]:
         if not self.config.swap_space:
@@ -236,7 +239,7 @@ class LLMEngine:
         return swap, PreemptionCostModel(swap.measure_copy_bandwidth(), initial)
 
     def _eos_token_ids(self) -> set[int]:
-        ids: set[int] = set(generation_eos_token_ids(self.model_name))
+        ids: set[int] = set(getattr(self.model, "generation_eos_token_ids", ()))
         for value in (getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
             if isinstance(value, int):
                 ids.add(value)

@@ -39,6 +39,8 @@ class ModelRunner:
         self.eos_ids = eos_ids
         self.structured = structured  # a StructuredOutputManager: masks constrained rows
         self.block_tables = [BlockTable(g) for g in range(num_groups)]
+        # A length-dependent RoPE needs each request's prompt length (CausalLM.rope_lengths).
+        self.uses_prompt_lens = bool(getattr(model, "uses_prompt_lens", False))
         model.prepack()
 
     def prepare_inputs(self, sched: SchedulerOutput):
@@ -80,7 +82,7 @@ class ModelRunner:
             self._group_metadata(table, scheduled, positions, token_req, shared)
             for table in self.block_tables
         ]
-        if self.model.uses_prompt_lens:
+        if self.uses_prompt_lens:
             prompt_lens_t = to(torch.tensor(prompt_lens))
             for meta in metas:
                 meta.num_prompt_tokens = prompt_lens_t
