@@ -19,7 +19,7 @@ from engine.cpu_threads import apply_num_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_spec import make_layout
-from engine.model_loader import generation_eos_token_ids, load_model
+from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.prompts import ProcessedPrompt, Prompt, PromptProcessor
