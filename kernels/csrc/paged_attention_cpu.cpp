@@ -823,11 +823,13 @@ void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
     const TileRows far = prefetch_ahead(st, L, D, block_table, k_cache, v_cache, key - w.key_begin, n);
     float* s = S + (key - w.key_begin);
     if constexpr (kPairs && kDotBf16) {
+#if defined(__AVX512BF16__)  // a discarded branch still needs the name declared (AVX2 builds)
       const uint16_t* kb = reinterpret_cast<const uint16_t*>(kp);
       const int64_t slot = L.cache_slot;
       score_tile_dp<D>(q_hi, q_lo, rows, s, stride, n,
                        [kb, slot, n](int j) { return kb + std::min(j, n - 1) * slot; }, far,
                        far_per_row);
+#endif
     } else if constexpr (!std::is_same_v<cache_t, float>) {
       // bf16: widen the tile's rows once into k_tile (rows past n repeat the last one), not
       // once per query row: 0.92-0.95x the time of a decode, cold or cache-resident.

@@ -19,10 +19,10 @@ TOLERANCE = {fp32: 1e-5, bf16: 1e-2}
 
 # (query_lens, context_lens) in one varlen batch: a decode deep in its context, a chunk with
 # cached context (a prefix-cache hit or chunked prefill), a whole prompt, a short decode, and a
-# chunk that starts mid-context. Windows 5 and 13 are shorter than most contexts and no multiple
-# of the block size; 20 covers some requests whole; 1000 is longer than every context.
+# chunk that starts mid-context. Window 1 sees each token alone; 5 and 13 are shorter than most
+# contexts and no multiple of the block size; 1000 is longer than every context.
 MIX = ([1, 7, 20, 1, 3], [70, 13, 0, 4, 40])
-WINDOWS = [5, 13, 1000]
+WINDOWS = [1, 5, 13, 1000]
 
 
 def dense_attention(batch, sliding_window=None, sinks=None, logits_soft_cap=None):
@@ -129,7 +129,7 @@ def _metadata(batch) -> AttentionMetadata:
     )
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_paged_attention_without_options_is_bit_identical_to_plain(rng, backend):
     if backend == "cpu" and not cpu_kernels_available():
         pytest.skip("the C++ CPU kernels cannot be built here")
