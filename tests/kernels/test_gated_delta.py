@@ -56,8 +56,10 @@ NAMES = [pytest.param(n, marks=needs_cpu) if n == "cpu" else n for n in FORMS]
 
 @pytest.mark.parametrize("name", NAMES)
 def test_forms_match_transformers(rng, name):
-    """One sequence of 80 tokens (two chunks, the last partial) from a non-zero state."""
-    q, k, v, g, beta, pool = _inputs(rng, 80)
+    """One sequence of 80 tokens (two chunks, the last partial) from a non-zero state; 24 on
+    Triton's interpreter (slow per token; the kernel has one form for every length)."""
+    n = 24 if name == "triton" else 80
+    q, k, v, g, beta, pool = _inputs(rng, n)
     batch = [x[None] for x in (q, k, v, g, beta)]
     kwargs = dict(initial_state=pool[3:4].clone(), output_final_state=True)
     want_c, state_c = torch_chunk_gated_delta_rule(*batch, **kwargs, use_qk_l2norm_in_kernel=True)
@@ -65,7 +67,7 @@ def test_forms_match_transformers(rng, name):
         *batch, **kwargs, use_qk_l2norm_in_kernel=True
     )
     torch.testing.assert_close(want_c, want_r, atol=1e-5, rtol=0)  # transformers' two agree
-    got = FORMS[name](q, k, v, g, beta, pool, _loc([80]), torch.tensor([3]))
+    got = FORMS[name](q, k, v, g, beta, pool, _loc([n]), torch.tensor([3]))
     torch.testing.assert_close(got, want_c[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(pool[3], state_c[0], atol=1e-5, rtol=0)
 
