@@ -24,9 +24,21 @@ FP32 = ("g_ptr", "beta_ptr", "state_ptr")  # the recurrent state is fp32 whateve
 FLOATS = ("scale", "qk_scale")
 KERNELS = {
     "gated_delta": (
-        gated_delta._gated_delta_kernel,
+        gated_delta._recurrent_kernel,
         dict(HAS_INITIAL_MASK=True, USE_QK_L2NORM=True, BLOCK_K=128, BLOCK_V=64, INTERPRET=False),
     ),  # fmt: skip
+    "gated_delta_chunked": (
+        gated_delta._chunked_kernel,
+        # small tiles: the front end is what this checks; at 128 x 64 x 64 ptxas takes minutes
+        dict(
+            HAS_INITIAL_MASK=True,
+            USE_QK_L2NORM=True,
+            BLOCK_K=32,
+            BLOCK_V=16,
+            BLOCK_T=16,
+            INTERPRET=False,
+        ),
+    ),
     "causal_conv1d": (
         conv._causal_conv1d_kernel,
         dict(

@@ -25,6 +25,6 @@ def test_hybrid_kernels_compile_for_cuda():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == 4 * 3
+    assert len(results) == 5 * 3
     failures = {r["case"]: r["error"] for r in results if r["error"]}
     assert not failures, json.dumps(failures, indent=1)

@@ -117,6 +117,18 @@ def test_varlen_batch_with_slots(rng, name):
     assert torch.equal(pool[[0, 5, 6]], before[[0, 5, 6]])
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_batch(rng, name):
+    """One token for each of four sequences (the decode step), slots out of order."""
+    q, k, v, g, beta, pool = _inputs(rng, 4)
+    slots = torch.tensor([3, 0, 4, 1])
+    want_pool = pool.clone()
+    want = gated_delta_rule_chunked_torch(q, k, v, g, beta, want_pool, _loc([1] * 4), slots)
+    got = FORMS[name](q, k, v, g, beta, pool, _loc([1] * 4), slots)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=0)
+
+
 def test_fp32_forms_against_float64(rng):
     """The float64 reference is the oracle: both fp32 forms stay within 1e-5 of it."""
     q, k, v, g, beta, pool = _inputs(rng, 200)
