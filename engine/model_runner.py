@@ -46,8 +46,9 @@ class ModelRunner:
             input_ids.extend(req.all_token_ids[start:end])
             starts.append(start)
             num_new.append(s.num_new_tokens)
-            # Only a request whose every token is now computed gets a next-token sample.
-            if end == req.num_tokens:
+            # Only a request whose every token is now computed gets a next-token sample; an
+            # embedding request never samples.
+            if end == req.num_tokens and req.pooling is None:
                 sample_rows.append(row)
         rows, max_blocks = self.block_table.update(scheduled)
         block_table = self.block_table.table[:, :max_blocks].index_select(0, torch.tensor(rows))
@@ -89,6 +90,7 @@ class ModelRunner:
         # The grammars' mask is filled while the model runs, and applied before any sampling.
         mask = self.structured.start_bitmask(requests) if self.structured else None
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self._pool(sched, hidden, meta.query_start_loc)
         if not sample_rows:
             return {}
         hidden = hidden[logits_indices]
@@ -102,3 +104,16 @@ class ModelRunner:
             self.structured.apply_bitmask(logits, mask)
         token_ids, logprobs = self.sampler(logits, requests, self.eos_ids)
         return {row: (tok, lp) for row, tok, lp in zip(sample_rows, token_ids, logprobs)}
+
+    @staticmethod
+    def _pool(sched: SchedulerOutput, hidden: torch.Tensor, query_start_loc) -> None:
+        """Give each embedding request's slice of final hidden states to its pooling state."""
+        bounds = None
+        for row, s in enumerate(sched.scheduled):
+            req = s.request
+            if req.pooling is None:
+                continue
+            if bounds is None:
+                bounds = query_start_loc.tolist()
+            chunk = hidden[bounds[row] : bounds[row + 1]]
+            req.pooling.add_chunk(chunk, req.num_computed_tokens, req.num_prompt_tokens)
