@@ -20,9 +20,10 @@ from gateway.keys import (
     batches_index_key,
     file_key,
 )
+from producer.openai_endpoints import OTHER_URLS
 from producer.openai_output import CHAT_URL, COMPLETIONS_URL
 
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, *OTHER_URLS)
 # OpenAI takes "24h" only; shorter windows ("90s", "30m", "2h") are a pagedq extension.
 WINDOW_RE = re.compile(r"^(\d{1,7})([smhd])$")
 WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}

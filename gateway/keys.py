@@ -10,6 +10,7 @@
 | `batch_lease_key(id)` | string | the gateway working on it (expires: another takes over) |
 | `batches_index_key(owner)` | zset | the owner's batch ids by creation time (us) |
 | `ACTIVE_BATCHES` | set | batches still needing work (validating to finalizing) |
+| `response_key(id)` | string | a stored Responses object and its conversation (JSON, TTL) |
 
 The names themselves live in producer/contract/keys.py.
 """
@@ -25,6 +26,7 @@ from producer.contract.keys import (
     file_data_key,
     file_key,
     files_index_key,
+    response_key,
 )
 
 __all__ = [
@@ -36,4 +38,5 @@ __all__ = [
     "file_data_key",
     "file_key",
     "files_index_key",
+    "response_key",
 ]

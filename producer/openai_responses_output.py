@@ -1,0 +1,180 @@
+"""A finished job as OpenAI's Responses object (`object: "response"`), online and in batch
+output lines: output items (a `reasoning` item when the model thought, `function_call` items
+when it called tools, else one assistant `message` with an `output_text` part), usage, and the
+request's echoed fields.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from producer.contract.schema import GenerationRequest, GenerationResult
+from producer.openai_responses import ResponseOptions, forced_calls
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def response_id(job_id: str) -> str:
+    """The Responses id of a job."""
+    return f"resp_{job_id}"
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """(thinking, answer) of a text that opens with `<think>` (Qwen3, DeepSeek-R1); the
+    reasoning parsers of the chat tool-call work replace this where they know the family."""
+    stripped = text.lstrip()
+    if not stripped.startswith(THINK_OPEN):
+        return None, text
+    inner = stripped[len(THINK_OPEN) :]
+    thinking, closed, answer = inner.partition(THINK_CLOSE)
+    if not closed:
+        return thinking, ""
+    return thinking.strip("\n"), answer.lstrip("\n")
+
+
+def tool_calls(text: str, options: ResponseOptions) -> list[tuple[str, str]] | None:
+    """(name, arguments JSON) of each function the answer calls, or None for a text answer.
+
+    The one place a tool-call parser plugs in: today the calls of a forced tool_choice
+    (the JSON-schema constraint of producer/openai_responses.py) when the job schema has no
+    `tools`; with `tools` in the schema, the chat tool-call parser goes here."""
+    if "tools" in GenerationRequest.model_fields:
+        return None
+    return forced_calls(text, options.forced)
+
+
+def output_items(job_id: str, text: str, options: ResponseOptions) -> list[dict[str, Any]]:
+    """The output items of a finished answer `text`."""
+    items: list[dict[str, Any]] = []
+    thinking, answer = split_reasoning(text)
+    if thinking is not None:
+        items.append(reasoning_item(job_id, thinking))
+    calls = tool_calls(answer, options) if options.tools else None
+    if calls:
+        for k, (name, arguments) in enumerate(calls):
+            items.append(function_call_item(job_id, k, name, arguments))
+        return items
+    items.append(message_item(job_id, answer))
+    return items
+
+
+def reasoning_item(job_id: str, thinking: str, status: str = "completed") -> dict[str, Any]:
+    """A `reasoning` item holding the model's thinking as reasoning_text."""
+    return {
+        "type": "reasoning",
+        "id": f"rs_{job_id}",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": thinking}],
+        "status": status,
+    }
+
+
+def function_call_item(job_id: str, k: int, name: str, arguments: str) -> dict[str, Any]:
+    """A `function_call` item (call_id is what the function_call_output answers)."""
+    return {
+        "type": "function_call",
+        "id": f"fc_{job_id}_{k}",
+        "call_id": f"call_{job_id}_{k}",
+        "name": name,
+        "arguments": arguments,
+        "status": "completed",
+    }
+
+
+def output_text_part(text: str) -> dict[str, Any]:
+    """An `output_text` content part."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_item(job_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """The assistant `message` item with one output_text part."""
+    content = [output_text_part(text)] if status == "completed" else []
+    return {
+        "type": "message",
+        "id": f"msg_{job_id}",
+        "role": "assistant",
+        "status": status,
+        "content": content,
+    }
+
+
+def response_object(
+    job_id: str,
+    options: ResponseOptions,
+    model: str,
+    created_at: int | None = None,
+    result: GenerationResult | None = None,
+    status: str | None = None,
+) -> dict[str, Any]:
+    """The Response of a job: in progress (no result yet), or from its finished result."""
+    output: list[dict[str, Any]] = []
+    usage = None
+    incomplete = None
+    error = None
+    if result is not None:
+        choice = result.all_choices()[0]
+        if result.status == "finished":
+            output = output_items(job_id, choice.text, options)
+            status = status or "completed"
+            if choice.finish_reason == "length":
+                status = "incomplete"
+                incomplete = {"reason": "max_output_tokens"}
+        else:
+            status = "failed"
+            error = {"code": "server_error", "message": result.error or "the job failed"}
+        u = result.usage
+        usage = {
+            "input_tokens": u.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": u.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u.total_tokens,
+        }
+    return {
+        "id": response_id(job_id),
+        "object": "response",
+        "created_at": created_at if created_at is not None else int(time.time()),
+        "status": status or "in_progress",
+        "error": error,
+        "incomplete_details": incomplete,
+        "instructions": options.instructions,
+        "max_output_tokens": options.max_output_tokens,
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": options.parallel_tool_calls,
+        "previous_response_id": options.previous_response_id,
+        "reasoning": options.reasoning or {"effort": None, "summary": None},
+        "store": options.store,
+        "temperature": options.temperature if options.temperature is not None else 1.0,
+        "text": options.text,
+        "tool_choice": options.tool_choice,
+        "tools": options.tools,
+        "top_p": options.top_p if options.top_p is not None else 1.0,
+        "truncation": "disabled",
+        "usage": usage,
+        "user": None,
+        "metadata": options.metadata or {},
+    }
+
+
+def output_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat turns an answer's output items add to its conversation (for
+    `previous_response_id`): its text, or its function calls; reasoning is left out."""
+    messages: list[dict[str, Any]] = []
+    calls = []
+    for item in items:
+        if item["type"] == "message":
+            text = "".join(p.get("text", "") for p in item["content"])
+            messages.append({"role": "assistant", "content": text})
+        elif item["type"] == "function_call":
+            calls.append(
+                {
+                    "id": item["call_id"],
+                    "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]},
+                }
+            )
+    if calls:
+        messages.append({"role": "assistant", "content": None, "tool_calls": calls})
+    return messages
