@@ -100,7 +100,9 @@ def test_response_whole_equals_chat(oai: OpenAI) -> None:
     assert resp.object == "response" and resp.id.startswith("resp_")
     assert resp.output[0].type == "message"
     assert resp.output_text == chat.choices[0].message.content
-    assert resp.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert resp.status == (
+        "incomplete" if chat.choices[0].finish_reason == "length" else "completed"
+    )
     assert resp.usage.input_tokens == chat.usage.prompt_tokens
     assert resp.usage.output_tokens == chat.usage.completion_tokens
     assert oai.responses.retrieve(resp.id).output_text == resp.output_text
@@ -145,7 +147,9 @@ def test_response_json_schema(oai: OpenAI) -> None:
     resp = oai.responses.create(
         model=MODEL,
         input="Is Paris in France?",
-        text={"format": {"type": "json_schema", "name": "verdict", "schema": schema, "strict": True}},
+        text={
+            "format": {"type": "json_schema", "name": "verdict", "schema": schema, "strict": True}
+        },
         max_output_tokens=40,
         temperature=0,
     )
@@ -234,7 +238,9 @@ def test_embeddings_float_and_base64_match_hf(oai: OpenAI, hf) -> None:
     for text_ids, f, p in zip(ids, floats.data, packed.data):
         expected = hf_last_token(hf, text_ids)
         np.testing.assert_allclose(np.array(f.embedding), expected, atol=1e-5, rtol=0)
-        np.testing.assert_array_equal(np.array(p.embedding, dtype=np.float32), np.float32(f.embedding))
+        np.testing.assert_array_equal(
+            np.array(p.embedding, dtype=np.float32), np.float32(f.embedding)
+        )
 
 
 def test_embeddings_token_ids_and_dimensions(oai: OpenAI, served, hf) -> None:
@@ -243,15 +249,19 @@ def test_embeddings_token_ids_and_dimensions(oai: OpenAI, served, hf) -> None:
     many = oai.embeddings.create(model=MODEL, input=[ids, ids[:3]], encoding_format="float")
     assert len(one.data) == 1 and len(one.data[0].embedding) == 16
     np.testing.assert_allclose(one.data[0].embedding, hf_last_token(hf, ids, 16), atol=1e-5, rtol=0)
-    np.testing.assert_allclose(many.data[1].embedding, hf_last_token(hf, ids[:3]), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        many.data[1].embedding, hf_last_token(hf, ids[:3]), atol=1e-5, rtol=0
+    )
     with pytest.raises(openai.BadRequestError) as err:
         oai.embeddings.create(model=MODEL, input="x", dimensions=65)
     assert err.value.body["param"] == "dimensions" and "hidden size 64" in err.value.body["message"]
     with pytest.raises(openai.BadRequestError) as err:
         oai.embeddings.create(model=MODEL, input="x", extra_body={"truncate_prompt_tokens": 3})
     assert err.value.body["param"] == "truncate_prompt_tokens"
-    raw = served[0].openai().embeddings.with_raw_response.create(
-        model=MODEL, input="x", encoding_format="base64"
+    raw = (
+        served[0]
+        .openai()
+        .embeddings.with_raw_response.create(model=MODEL, input="x", encoding_format="base64")
     )
     vector = np.frombuffer(base64.b64decode(json.loads(raw.text)["data"][0]["embedding"]), "<f4")
     assert vector.shape == (64,) and abs(float(np.linalg.norm(vector)) - 1) < 1e-5
@@ -323,3 +333,20 @@ def test_batches_api_responses_and_embeddings(oai: OpenAI, endpoint: str, make) 
         assert all(b["object"] == "response" and b["output"] for b in bodies)
     else:
         assert all(b["object"] == "list" and len(b["data"]) == 1 for b in bodies)
+
+
+def test_the_documented_example_runs(served, tmp_path, monkeypatch) -> None:
+    """docs/GATEWAY.md's responses and embeddings example, as written (only the URL swapped)."""
+    import contextlib
+    import io
+    import re
+
+    doc = (REPO / "docs" / "GATEWAY.md").read_text()
+    pattern = r"<!-- gateway-example: responses -->\s*```python\n(.*?)```"
+    code = re.findall(pattern, doc, re.S)[0].replace(
+        "http://localhost:8000/v1", served[0].url + "/v1"
+    )
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "GATEWAY.md:responses", "exec"), {})
+    assert out.getvalue().splitlines()[-1].split()[:2] == ["2", "64"]
