@@ -190,6 +190,28 @@ def test_forced_function_call_and_its_output(oai: OpenAI) -> None:
         temperature=0,
     )  # fmt: skip
     assert follow.output[0].type == "message"
+    events = list(
+        oai.responses.create(
+            model=MODEL,
+            input="Weather in Paris?",
+            tools=tools,
+            tool_choice="required",
+            max_output_tokens=30,
+            temperature=0,
+            stream=True,
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[2:] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    done = events[-1].response.output[0]
+    assert done.type == "function_call" and events[3].delta == done.arguments
+    jsonschema.validate(json.loads(done.arguments), parameters)
 
 
 def test_previous_response_id_continues(oai: OpenAI, served, hf) -> None:
