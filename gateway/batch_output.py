@@ -69,7 +69,9 @@ def _line(
         return BatchOutputLine(
             id=f"batch_req_{job_id}", custom_id=parsed.custom_id, response=None, error=error
         )
-    line = result_line(parsed.custom_id, parsed.url, result, parsed.top_logprobs, parsed.options)
+    line = result_line(
+        parsed.custom_id, parsed.url, result, parsed.top_logprobs, options=parsed.options
+    )
     if line.response is not None and isinstance(line.response.body, ChatCompletion | Completion):
         line.response.body.created = created
     elif line.response is not None and isinstance(line.response.body, dict):

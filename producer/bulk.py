@@ -297,7 +297,11 @@ class BulkRun:
                 self.summary.failed += 1
             self._write(
                 result_line(
-                    parsed.custom_id, parsed.url, result, parsed.top_logprobs, parsed.options
+                    parsed.custom_id,
+                    parsed.url,
+                    result,
+                    parsed.top_logprobs,
+                    options=parsed.options,
                 )
             )
 

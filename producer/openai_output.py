@@ -269,6 +269,7 @@ def result_line(
     url: str,
     result: GenerationResult,
     top_k: int | None = None,
+    *,
     options: dict | None = None,
 ) -> BatchOutputLine:
     """The output line of an ended job.
