@@ -73,6 +73,9 @@ def output_items(
 ) -> list[dict[str, Any]]:
     """The output items of a finished answer `text` (`result`: the formats its worker's chat
     template speaks, when it says)."""
+    parts = chat_parts(job_id, text, options, result)
+    if parts is not None:
+        return parts
     items: list[dict[str, Any]] = []
     thinking, answer = split_reasoning(text, getattr(result, "reasoning_parser", None))
     if thinking is not None:
@@ -84,6 +87,42 @@ def output_items(
             items.append(function_call_item(job_id, k, name, arguments))
         return items
     items.append(message_item(job_id, answer))
+    return items
+
+
+def chat_parts(
+    job_id: str, text: str, options: ResponseOptions, result: GenerationResult | None
+) -> list[dict[str, Any]] | None:
+    """The items of an answer cut by the chat tool-call work's `AnswerFormat` (reasoning,
+    content, tool calls: the same cut as chat completions), None before that work is in."""
+    try:
+        from producer.chat_answer import AnswerFormat
+    except ImportError:
+        return None
+    if options.forced == "required":
+        mode = "required"
+    elif options.forced is not None:
+        mode = "named"
+    else:
+        mode = "auto" if options.tools and options.tool_choice != "none" else "none"
+    answer = AnswerFormat(
+        mode=mode,
+        function=options.forced if mode == "named" else None,
+        parallel_tool_calls=options.parallel_tool_calls,
+        tool_call_parser=getattr(result, "tool_call_parser", None),
+        reasoning_parser=getattr(result, "reasoning_parser", None),
+    )
+    finish = result.all_choices()[0].finish_reason if result is not None else None
+    parts = answer.parts(text, finish, job_id, 0)
+    items: list[dict[str, Any]] = []
+    if parts.reasoning is not None:
+        items.append(reasoning_item(job_id, parts.reasoning))
+    if (parts.content or "").strip() or not parts.tool_calls:
+        items.append(message_item(job_id, parts.content or ""))
+    for k, call in enumerate(parts.tool_calls):
+        function = call["function"]
+        item = function_call_item(job_id, k, function["name"], function["arguments"])
+        items.append({**item, "call_id": call["id"]})
     return items
 
 
