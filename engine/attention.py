@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import plan_attention, select_backend, unified_attention, write_kv
+from kernels.attention_options import check_options
 
 
 @dataclass(slots=True)
@@ -22,6 +23,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_reqs + 1]
     seq_lens: torch.Tensor  # [num_reqs] context length including this step's tokens
     block_table: torch.Tensor  # [num_reqs, max_blocks], -1 padded
+    num_prompt_tokens: torch.Tensor | None = None  # [num_reqs] (length-dependent RoPE)
     plan: object | None = None  # the backend's per-step plan, built by the first layer
     plan_backend: str | None = None  # the backend ``plan`` was built for
 
@@ -36,11 +38,31 @@ class AttentionMetadata:
 
 
 class PagedAttention:
-    """Writes this step's K/V into the layer's cache, then attends over cached context."""
+    """Writes this step's K/V into the layer's cache, then attends over cached context.
 
-    def __init__(self, scale: float, backend: str = "auto") -> None:
+    ``scale`` multiplies q . k (``head_dim ** -0.5``, or Gemma's ``query_pre_attn_scalar **
+    -0.5``). The options default to None, plain causal attention, and every backend runs them
+    (``kernels.attention_options``): ``sliding_window`` W (query position q sees keys
+    q - W < k <= q, Hugging Face's ``config.sliding_window`` of that layer), ``sinks``
+    ``[num_heads]`` (gpt-oss's per-head sink logits; the tensor is read at each call, so a
+    parameter filled in place by the loader is seen), ``logits_soft_cap`` c (Gemma 2's
+    ``attn_logit_softcapping``: scores become ``c * tanh(scores / c)``).
+    """
+
+    def __init__(
+        self,
+        scale: float,
+        backend: str = "auto",
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        check_options(sliding_window, sinks, logits_soft_cap)
         self.scale = scale
         self.backend = backend
+        self.sliding_window = sliding_window
+        self.sinks = sinks
+        self.logits_soft_cap = logits_soft_cap
         self._resolved: dict[torch.device, str] = {}
 
     def resolve(self, device: torch.device) -> str:
@@ -69,4 +91,7 @@ class PagedAttention:
             self.scale,
             backend=backend,
             plan=meta.plan_for(backend, kv_cache.shape[2]),
+            sliding_window=self.sliding_window,
+            sinks=self.sinks,
+            logits_soft_cap=self.logits_soft_cap,
         )

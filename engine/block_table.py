@@ -1,4 +1,5 @@
-"""The block tables of the running requests, kept as one int32 tensor between steps."""
+"""The block tables of the running requests in one layer group, kept as one int32 tensor
+between steps."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ class BlockTable:
     """One row per request scheduled in the last step; rows change only where blocks were added.
 
     A request keeps its row while it is scheduled step after step; its blocks then only grow
-    (a request loses blocks only by preemption or finishing, and is not scheduled in that step),
-    so only the new block ids are written. A request that was not scheduled in a step gives its
-    row back; when it returns its whole block list is written again. The tensor grows (doubling)
-    when more rows or columns are needed.
+    (a request loses blocks only by preemption or finishing, and is not scheduled in that step;
+    a window's blocks give way to the null block, but the kernels never read blocks before a
+    window, so the old ids may stay), so only the new block ids are written. A request that was
+    not scheduled in a step gives its row back; when it returns its whole block list is written
+    again. The tensor grows (doubling) when more rows or columns are needed.
     """
 
-    def __init__(self, num_rows: int = 64, num_cols: int = 64) -> None:
+    def __init__(self, group: int = 0, num_rows: int = 64, num_cols: int = 64) -> None:
+        self.group = group
         self.table = torch.full((num_rows, num_cols), -1, dtype=torch.int32)
         self.free_rows = list(range(num_rows - 1, -1, -1))
         # request_id -> [row, num_blocks written, the Request]: an id may be reused at once by a
@@ -30,7 +33,7 @@ class BlockTable:
         rows, max_blocks = [], 1
         upd_rows, upd_cols, upd_ids = [], [], []
         for s in scheduled:
-            rid, block_ids = s.request.request_id, s.block_ids
+            rid, block_ids = s.request.request_id, s.block_ids[self.group]
             entry = previous.pop(rid, None)
             if entry is not None and entry[2] is not s.request:
                 previous[f"{rid}\0stale"] = entry  # freed below, with the unscheduled ones

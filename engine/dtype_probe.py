@@ -123,7 +123,7 @@ def measure_projections() -> tuple[float, float, bool, str, str]:
     of each (oneDNN builds its kernels then), the ways take turns, so a change in the host's
     load weighs on all alike.
     """
-    from engine.models.packed_linear import pagedq_gemm_available
+    from kernels.packed_linear import pagedq_gemm_available
 
     runs = {
         "float32": _projections(torch.float32, gemm="onednn"),
@@ -160,7 +160,7 @@ def measure_projections() -> tuple[float, float, bool, str, str]:
 def _projections(dtype: torch.dtype, widen: bool = False, gemm: str = "onednn") -> Callable:
     """A call that runs every probe projection at every token count, as the engine runs
     ``dtype`` (bf16: `widen` or not) on `gemm`'s kernels, and returns the seconds per count."""
-    from engine.models.packed_linear import PackedLinear, prepack_supported
+    from kernels.packed_linear import PackedLinear, prepack_supported
 
     gen = torch.Generator().manual_seed(0)
     packed = prepack_supported(torch.device("cpu"), dtype)

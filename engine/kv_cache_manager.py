@@ -1,20 +1,40 @@
-"""Per-request block tables on top of the block pool, with automatic prefix caching."""
+"""Per-request block tables on top of the block pool, one per layer group, with automatic
+prefix caching.
+
+Every group takes its blocks from one pool (see engine/kv_cache_spec.py). A full-attention group
+holds a block for every ``block_size`` tokens; a sliding-window group gives back the blocks that
+fell wholly out of its window, keeping the shared null block in their place in the table.
+"""
 
 from __future__ import annotations
 
 from engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from engine.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from engine.request import Request
+
+GroupBlocks = list[list[KVCacheBlock]]
 
 
 class KVCacheManager:
-    """Allocates, shares and frees the blocks of each request."""
+    """Allocates, shares and frees the blocks of each request, in every layer group."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        groups: list[KVCacheGroup] | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.groups = groups or [KVCacheGroup(FullAttentionSpec(0, 0), [])]
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.num_cached_blocks: dict[str, int] = {}
+        # The table entry of a block that fell out of a window: never read, never freed.
+        self.null_block = None
+        if any(isinstance(g.spec, SlidingWindowSpec) for g in self.groups):
+            self.null_block = self.block_pool.get_new_blocks(1)[0]
+        self.req_to_blocks: dict[str, GroupBlocks] = {}
+        self.num_cached_blocks: dict[str, list[int]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -28,9 +48,17 @@ class KVCacheManager:
         """Fraction of the pool held by requests."""
         return self.block_pool.get_usage()
 
+    def usage_by_group(self) -> list[tuple[str, int]]:
+        """``(kind, blocks held)`` of each layer group, in group order."""
+        held = [0] * len(self.groups)
+        for blocks in self.req_to_blocks.values():
+            for g, group_blocks in enumerate(blocks):
+                held[g] += sum(1 for b in group_blocks if b is not self.null_block)
+        return [(_kind(group), n) for group, n in zip(self.groups, held)]
+
     def num_blocks_for(self, num_tokens: int) -> int:
-        """Blocks needed to hold ``num_tokens`` tokens."""
-        return -(-num_tokens // self.block_size)
+        """Blocks one sequence of ``num_tokens`` tokens holds at most, over every group."""
+        return sum(g.spec.max_blocks(num_tokens, self.block_size) for g in self.groups)
 
     def _update_block_hashes(self, request: Request) -> None:
         hashes, bs = request.block_hashes, self.block_size
@@ -40,73 +68,140 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block_tokens(parent, tokens[start : start + bs]))
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest run of cached full blocks at the start of ``request``'s tokens.
+    def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
+        """The longest run of cached full blocks at the start of ``request``'s tokens that
+        every group can serve, as each group's blocks (null where a window needs none).
 
         The hit stops at least one token short of the whole sequence: the last token must be
         recomputed to produce the logits the next sample needs.
         """
+        none: GroupBlocks = [[] for _ in self.groups]
         if not self.enable_caching:
-            return [], 0
+            return none, 0
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
+        # A full-attention group serves any prefix of its cached run; a window only the hit
+        # lengths whose last window of blocks is cached, so the hit is searched downwards.
+        num_hit = max_hit_blocks
+        for g, group in enumerate(self.groups):
+            if not isinstance(group.spec, SlidingWindowSpec):
+                num_hit = min(num_hit, self._cached_run(g, request, num_hit))
+        while num_hit > 0 and not all(
+            self._window_cached(g, request, num_hit)
+            for g, group in enumerate(self.groups)
+            if isinstance(group.spec, SlidingWindowSpec)
+        ):
+            num_hit -= 1
+        hits = [self._hit_blocks(g, request, num_hit) for g in range(len(self.groups))]
+        num_hit_tokens = num_hit * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
         return hits, num_hit_tokens
+
+    def _cached(self, g: int, request: Request, i: int) -> KVCacheBlock | None:
+        return self.block_pool.get_cached_block((g, request.block_hashes[i]))
+
+    def _cached_run(self, g: int, request: Request, limit: int) -> int:
+        n = 0
+        while n < limit and self._cached(g, request, n) is not None:
+            n += 1
+        return n
+
+    def _window_cached(self, g: int, request: Request, num_hit: int) -> bool:
+        first = self.groups[g].spec.first_needed_block(num_hit * self.block_size, self.block_size)
+        return all(self._cached(g, request, i) is not None for i in range(first, num_hit))
+
+    def _hit_blocks(self, g: int, request: Request, num_hit: int) -> list[KVCacheBlock]:
+        first = self.groups[g].spec.first_needed_block(num_hit * self.block_size, self.block_size)
+        return [self.null_block] * first + [
+            self._cached(g, request, i) for i in range(first, num_hit)
+        ]
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: GroupBlocks | None = None,
     ) -> list[KVCacheBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens; None (and no change) if blocks run out."""
-        new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_required = self.num_blocks_for(num_computed + num_new_tokens)
-        num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
+        """Make room for ``num_new_tokens`` more tokens in every group; returns the new blocks,
+        or None (and no change but blocks a window had already left) if blocks run out."""
+        hits = new_computed_blocks or [[] for _ in self.groups]
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid) or [[] for _ in self.groups]
+        self._skip_out_of_window(blocks, request.num_computed_tokens)
+        num_computed = request.num_computed_tokens + len(hits[0]) * self.block_size
+        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new = [num_required - len(b) - len(h) for b, h in zip(blocks, hits)]
         # Touching a cached block that is free takes it out of the free queue too.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.num_free_blocks - num_evictable_hits:
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
+        real_hits = [b for h in hits for b in h if b is not self.null_block]
+        num_evictable_hits = sum(1 for b in real_hits if b.ref_cnt == 0)
+        if sum(max(n, 0) for n in num_new) > self.num_free_blocks - num_evictable_hits:
+            if not any(blocks):
+                self.req_to_blocks.pop(rid, None)
             return None
-        self.block_pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
-        blocks.extend(new_blocks)
+        self.block_pool.touch(real_hits)
+        out = []
+        for group_blocks, group_hits, n in zip(blocks, hits, num_new):
+            group_blocks.extend(group_hits)
+            new_blocks = self.block_pool.get_new_blocks(max(n, 0))
+            group_blocks.extend(new_blocks)
+            out.extend(new_blocks)
+        self.req_to_blocks[rid] = blocks
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
-        return new_blocks
+        return out
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int):
+    def _skip_out_of_window(self, blocks: GroupBlocks, first_query_pos: int) -> None:
+        # Blocks wholly before a window give way to the null block; a table that does not reach
+        # the window yet (a swapped request coming back) starts with nulls up to it.
+        for group, group_blocks in zip(self.groups, blocks):
+            first = group.spec.first_needed_block(first_query_pos, self.block_size)
+            if first == 0:
+                continue
+            gone = [b for b in group_blocks[:first] if b is not self.null_block]
+            group_blocks[:first] = [self.null_block] * first
+            self.block_pool.free_blocks(reversed(gone))
+
+    def _cache_full_blocks(self, request: Request, blocks: GroupBlocks, num_tokens: int):
         # Hashes are published at schedule time: the KV of every scheduled token is written
         # before any attention of the same layer reads it, so a sibling in the same step may hit.
         self._update_block_hashes(request)
-        start = self.num_cached_blocks.get(request.request_id, 0)
+        starts = self.num_cached_blocks.setdefault(request.request_id, [0] * len(self.groups))
         end = min(num_tokens // self.block_size, len(request.block_hashes))
-        for i in range(start, end):
-            self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
-        self.num_cached_blocks[request.request_id] = max(start, end)
+        for g, group_blocks in enumerate(blocks):
+            for i in range(starts[g], end):
+                if group_blocks[i] is not self.null_block:
+                    self.block_pool.cache_full_block(group_blocks[i], (g, request.block_hashes[i]))
+            starts[g] = max(starts[g], end)
 
     def free(self, request: Request) -> None:
-        """Release every block of ``request``."""
+        """Release every block of ``request`` in every group."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        # Tail blocks first, so that they are evicted before the shared prefix blocks.
-        self.block_pool.free_blocks(reversed(blocks))
+        for group_blocks in blocks:
+            # Tail blocks first, so that they are evicted before the shared prefix blocks.
+            self.block_pool.free_blocks(
+                b for b in reversed(group_blocks) if b is not self.null_block
+            )
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The block table of one request."""
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        """The block table of one request in each group."""
+        return [[b.block_id for b in group] for group in self.req_to_blocks.get(request_id, [])]
+
+    def computed_block_ids(self, request: Request) -> list[int]:
+        """The blocks holding ``request``'s computed tokens that it still reads, every group's
+        in turn: what a swap copies out, and in again after the same allocation."""
+        num_blocks = -(-request.num_computed_tokens // self.block_size)
+        out = []
+        for group, group_blocks in zip(self.groups, self.req_to_blocks.get(request.request_id, [])):
+            first = group.spec.first_needed_block(request.num_computed_tokens, self.block_size)
+            out.extend(b.block_id for b in group_blocks[first:num_blocks])
+        return out
+
+    def num_computed_blocks(self, request: Request) -> int:
+        """How many blocks ``computed_block_ids`` gives, without a request's table."""
+        n, bs = request.num_computed_tokens, self.block_size
+        return sum(-(-n // bs) - g.spec.first_needed_block(n, bs) for g in self.groups)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -114,3 +209,9 @@ class KVCacheManager:
         return (
             self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
         )
+
+
+def _kind(group: KVCacheGroup) -> str:
+    if isinstance(group.spec, SlidingWindowSpec):
+        return f"sliding_window={group.spec.sliding_window}"
+    return "full_attention"

@@ -18,7 +18,8 @@ from engine.config import (
 from engine.cpu_threads import apply_num_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_loader import load_model, resolve_model
+from engine.kv_cache_spec import make_layout
+from engine.model_loader import generation_eos_token_ids, load_model, resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import (
     CompletionOutput,
@@ -72,6 +73,8 @@ class EngineStats:
     num_swapped: int = 0  # requests in the swap pool now
     swapped_out_bytes: int = 0  # since start
     swap_space_usage: float = 0.0  # fraction of the swap pool held
+    # (kind, blocks held) of each KV layer group: "full_attention", "sliding_window=W"
+    kv_blocks_by_group: list[tuple[str, int]] = field(default_factory=list)
     tenant_generated_tokens: dict[str, int] = field(default_factory=dict)
     mean_queue_time_s: float = 0.0  # arrival in the engine to first scheduling
     num_scheduled_requests: int = 0  # requests scheduled at least once (queue-time samples)
@@ -115,10 +118,14 @@ class LLMEngine:
         self.model, self.hf_config, self.tokenizer = load_model(
             config.model, self.dtype, self.device, config.attention_backend
         )
-        max_position = self.model.rotary.cos.shape[0]
+        max_position = self.model.max_position
+        self.kv_layout = make_layout(self.model.kv_cache_specs())
 
         num_blocks = self._num_kv_blocks()
-        self.max_model_len = min(max_position, num_blocks * config.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, self.kv_layout.groups
+        )
+        self.max_model_len = min(max_position, self._longest_fitting(num_blocks))
         if config.max_model_len is not None:
             if config.max_model_len > self.max_model_len:
                 raise ValueError(
@@ -130,9 +137,6 @@ class LLMEngine:
             self.tokenizer, self.hf_config.vocab_size, self.max_model_len
         )
         self.kv_caches = self._allocate_kv_caches(num_blocks)
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
-        )
         self.swap_space, self.cost_model = self._make_swap_space()
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -163,6 +167,7 @@ class LLMEngine:
             Sampler(self.device, config.seed, config.attention_backend),
             self.eos_token_ids,
             self.structured,
+            self.kv_layout.layer_group,
         )
         self.parents: dict[str, _ParentRequest] = {}
         self.num_steps = 0
@@ -181,12 +186,19 @@ class LLMEngine:
 
     # --- set-up -------------------------------------------------------------------------
     def _kv_bytes_per_block(self) -> int:
-        cfg = self.hf_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
         elem = torch.tensor([], dtype=kv_dtype).element_size()
-        return cfg.num_hidden_layers * 2 * self.config.block_size * num_kv_heads * head_dim * elem
+        return self.config.block_size * self.kv_layout.block_elems * elem
+
+    def _longest_fitting(self, num_blocks: int) -> int:
+        """The longest sequence whose blocks, over every layer group, fit the pool."""
+        kv, bs = self.kv_cache_manager, self.config.block_size
+        usable = kv.num_free_blocks
+        lo, hi = 0, num_blocks * bs
+        while lo < hi:  # num_blocks_for grows with the length: bisect
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if kv.num_blocks_for(mid) <= usable else (lo, mid - 1)
+        return lo
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -206,32 +218,33 @@ class LLMEngine:
         return int(num_blocks)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        attn = self.model.layers[0].self_attn
+        """Each layer's cache tensor; layers at the same place of their groups share one."""
         kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
-        return [
+        self.kv_tensors = [
             allocate_kv_cache(
                 num_blocks,
                 self.config.block_size,
-                attn.num_kv_heads,
-                attn.head_dim,
+                num_kv_heads,
+                head_dim,
                 kv_dtype,
                 self.device,
                 self.config.attention_backend,
             )  # fmt: skip
-            for _ in range(self.hf_config.num_hidden_layers)
+            for num_kv_heads, head_dim in self.kv_layout.tensor_shapes
         ]
+        return [self.kv_tensors[t] for t in self.kv_layout.layer_tensor]
 
     def _make_swap_space(self) -> tuple[SwapSpace | None, PreemptionCostModel | None]:
         if not self.config.swap_space:
             return None, None
-        swap = SwapSpace.from_budget(self.kv_caches, int(self.config.swap_space * 2**30))
+        swap = SwapSpace.from_budget(self.kv_tensors, int(self.config.swap_space * 2**30))
         if swap is None:
             return None, None
         initial = INITIAL_PREFILL_TOKENS_PER_S.get(self.device.type, 500.0)
         return swap, PreemptionCostModel(swap.measure_copy_bandwidth(), initial)
 
     def _eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
+        ids: set[int] = set(generation_eos_token_ids(self.model_name))
         for value in (getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
             if isinstance(value, int):
                 ids.add(value)
@@ -651,6 +664,7 @@ class LLMEngine:
             num_swapped=sched.num_swapped,
             swapped_out_bytes=sched.swapped_out_bytes,
             swap_space_usage=1 - swap.num_free_blocks / swap.num_blocks if swap else 0.0,
+            kv_blocks_by_group=kv.usage_by_group(),
             tenant_generated_tokens=dict(sched.fair.generated_tokens),
             mean_queue_time_s=sched.mean_queue_time,
             num_scheduled_requests=sched.num_queue_times,

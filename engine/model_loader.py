@@ -245,21 +245,39 @@ def _skip_weight_init():
             cls.reset_parameters = reset
 
 
+@lru_cache(maxsize=8)
+def generation_eos_token_ids(model: str) -> frozenset[int]:
+    """The ids ``generation_config.json`` stops at (Gemma's ``<end_of_turn>``, gpt-oss's
+    ``<|return|>`` and ``<|call|>``, Llama 3's ``<|eot_id|>``), as Hugging Face's ``generate``
+    does; empty when the checkpoint has none."""
+    folder = Path(cached_source(resolve_model(model)).folder)
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return frozenset()
+    value = json.loads(path.read_text()).get("eos_token_id")
+    if isinstance(value, int):
+        return frozenset({value})
+    return frozenset(v for v in value or () if isinstance(v, int))
+
+
 @lru_cache(maxsize=2)
 def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_backend: str):
     """(model, hf_config, tokenizer), loaded once per process and argument set.
 
     The model holds no per-request state, so engines in one process may share it.
     """
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models import model_class
+    from engine.models.config_fields import max_position_of
+    from engine.models.quantized_weights import dequantized
 
     source = cached_source(resolve_model(model))
     tokenizer = load_tokenizer(source)
     hf_config = load_config(source)
-    max_position = int(getattr(hf_config, "max_position_embeddings", 8192))
+    max_position = max_position_of(hf_config)
+    cls = model_class(hf_config)
     with _skip_weight_init():
-        net = LlamaForCausalLM(hf_config, max_position, attention_backend)
-    net.load_weights(iter_weights(source))
+        net = cls(hf_config, max_position, attention_backend)
+    net.load_weights(dequantized(iter_weights(source), hf_config))
     net = net.to(device=device, dtype=dtype).eval()
-    net.rotary.to_device(device)
+    net.move_rotaries(device)
     return net, hf_config, tokenizer

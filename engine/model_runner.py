@@ -11,7 +11,12 @@ from engine.scheduler import SchedulerOutput
 
 
 class ModelRunner:
-    """Owns the model and the per-layer KV caches ``[2, num_blocks, block_size, kv_heads, dim]``."""
+    """Owns the model and each layer's KV cache ``[2, num_blocks, block_size, kv_heads, dim]``
+    (layers of different groups may share a tensor: engine/kv_cache_spec.py).
+
+    ``layer_group[i]`` is layer ``i``'s group: each group has its own block table, slots and
+    attention metadata per step.
+    """
 
     def __init__(
         self,
@@ -22,36 +27,39 @@ class ModelRunner:
         sampler: Sampler,
         eos_ids: set[int],
         structured=None,
+        layer_group: list[int] | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.layer_group = layer_group or [0] * len(kv_caches)
+        num_groups = max(self.layer_group, default=0) + 1
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
         self.eos_ids = eos_ids
         self.structured = structured  # a StructuredOutputManager: masks constrained rows
-        self.block_table = BlockTable()
+        self.block_tables = [BlockTable(g) for g in range(num_groups)]
         model.prepack()
 
     def prepare_inputs(self, sched: SchedulerOutput):
-        """Flat ``input_ids``, ``positions``, attention metadata, and the rows to sample.
+        """Flat ``input_ids``, ``positions``, each group's attention metadata, and the rows to
+        sample.
 
         One O(1) pass per request collects its numbers; everything per token is a torch op.
         """
         scheduled = sched.scheduled
-        input_ids, starts, num_new, sample_rows = [], [], [], []
+        input_ids, starts, num_new, sample_rows, prompt_lens = [], [], [], [], []
         for row, s in enumerate(scheduled):
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_new_tokens
             input_ids.extend(req.all_token_ids[start:end])
             starts.append(start)
             num_new.append(s.num_new_tokens)
+            prompt_lens.append(req.num_prompt_tokens)
             # Only a request whose every token is now computed gets a next-token sample; an
             # embedding request never samples.
             if end == req.num_tokens and req.pooling is None:
                 sample_rows.append(row)
-        rows, max_blocks = self.block_table.update(scheduled)
-        block_table = self.block_table.table[:, :max_blocks].index_select(0, torch.tensor(rows))
         starts_t = torch.tensor(starts)
         num_new_t = torch.tensor(num_new)
         query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.long)
@@ -59,38 +67,56 @@ class ModelRunner:
         num_tokens = len(input_ids)
         if num_tokens == len(scheduled):  # decodes only: one token per request
             token_req, positions = None, starts_t
-            token_blocks = block_table.gather(1, (positions // self.block_size)[:, None])[:, 0]
         else:
             token_req = torch.repeat_interleave(num_new_t, output_size=num_tokens)
             offsets = torch.arange(num_tokens) - query_start_loc[token_req]
             positions = starts_t[token_req] + offsets
-            token_blocks = block_table[token_req, positions // self.block_size]
-        slot_mapping = token_blocks.long() * self.block_size + positions % self.block_size
         if len(sample_rows) == num_tokens:  # every token samples: all of hidden, no gather
             logits_indices = slice(None)
         else:
             logits_indices = query_start_loc[1:][sample_rows] - 1 if sample_rows else None
         to = lambda x: x.to(self.device, non_blocking=True)  # noqa: E731
-        meta = AttentionMetadata(
-            slot_mapping=to(slot_mapping),
-            query_start_loc=to(query_start_loc),
-            seq_lens=to(starts_t + num_new_t),
-            block_table=to(block_table),
-        )
+        shared = (to(query_start_loc), to(starts_t + num_new_t))
+        metas = [
+            self._group_metadata(table, scheduled, positions, token_req, shared)
+            for table in self.block_tables
+        ]
+        if self.model.uses_prompt_lens:
+            prompt_lens_t = to(torch.tensor(prompt_lens))
+            for meta in metas:
+                meta.num_prompt_tokens = prompt_lens_t
         ids = torch.tensor(input_ids, device=self.device)
         if isinstance(logits_indices, torch.Tensor):
             logits_indices = to(logits_indices)
-        return ids, to(positions), meta, logits_indices, sample_rows
+        return ids, to(positions), metas, logits_indices, sample_rows
+
+    def _group_metadata(self, table: BlockTable, scheduled, positions, token_req, shared):
+        """One group's block table and slots for the step, over the shared varlen layout."""
+        rows, max_blocks = table.update(scheduled)
+        block_table = table.table[:, :max_blocks].index_select(0, torch.tensor(rows))
+        if token_req is None:
+            token_blocks = block_table.gather(1, (positions // self.block_size)[:, None])[:, 0]
+        else:
+            token_blocks = block_table[token_req, positions // self.block_size]
+        slot_mapping = token_blocks.long() * self.block_size + positions % self.block_size
+        to = lambda x: x.to(self.device, non_blocking=True)  # noqa: E731
+        return AttentionMetadata(
+            slot_mapping=to(slot_mapping),
+            query_start_loc=shared[0],
+            seq_lens=shared[1],
+            block_table=to(block_table),
+        )
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput):
         """Run one step; returns ``{row: (token_id, logprobs)}`` for the rows that sampled."""
-        input_ids, positions, meta, logits_indices, sample_rows = self.prepare_inputs(sched)
+        input_ids, positions, metas, logits_indices, sample_rows = self.prepare_inputs(sched)
+        meta = [metas[g] for g in self.layer_group]
         requests = [sched.scheduled[r].request for r in sample_rows]
         # The grammars' mask is filled while the model runs, and applied before any sampling.
         mask = self.structured.start_bitmask(requests) if self.structured else None
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        self._pool(sched, hidden, meta.query_start_loc)
+        self._pool(sched, hidden, metas[0].query_start_loc)
         if not sample_rows:
             return {}
         hidden = hidden[logits_indices]

@@ -32,7 +32,7 @@ class ScheduledRequest:
 
     request: Request
     num_new_tokens: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per layer group
 
 
 @dataclass(slots=True)
@@ -106,8 +106,7 @@ class Scheduler:
         """ "swap" or "recompute" for this victim, from the estimated cost of each."""
         if self.swap_space is None or self.cost_model is None or not request.num_computed_tokens:
             return "recompute"
-        kv = self.kv_cache_manager
-        num_blocks = kv.num_blocks_for(request.num_computed_tokens)
+        num_blocks = self.kv_cache_manager.num_computed_blocks(request)
         if num_blocks > self.swap_space.num_free_blocks:
             return "recompute"
         num_bytes = num_blocks * self.swap_space.bytes_per_block
@@ -117,8 +116,7 @@ class Scheduler:
         kind = self.preemption_kind(request)
         kv = self.kv_cache_manager
         if kind == "swap":
-            num_blocks = kv.num_blocks_for(request.num_computed_tokens)
-            block_ids = kv.get_block_ids(request.request_id)[:num_blocks]
+            block_ids = kv.computed_block_ids(request)
             # The copy runs now, before this step's forward can overwrite the freed blocks.
             self.swapped_out_bytes += self.swap_space.swap_out(request.request_id, block_ids)
             kv.free(request)
@@ -219,9 +217,8 @@ class Scheduler:
                 break
             self.swapped.pop()
             block_ids = kv.get_block_ids(request.request_id)
-            num_swapped_blocks = kv.num_blocks_for(request.num_computed_tokens)
             self.swapped_in_bytes += self.swap_space.swap_in(
-                request.request_id, block_ids[:num_swapped_blocks]
+                request.request_id, kv.computed_block_ids(request)
             )
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -240,7 +237,8 @@ class Scheduler:
             request = self.waiting.peek()
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             if request.pooling is not None and request.pooling.params.needs_every_token:
-                computed_blocks, num_computed = [], 0  # mean/CLS pool states a hit would skip
+                # Mean/CLS pool states a hit would skip: no group takes cached blocks.
+                computed_blocks, num_computed = [[] for _ in computed_blocks], 0
             if request.num_tokens - num_computed > token_budget and not cfg.enable_chunked_prefill:
                 break
             num_new = self._num_new_tokens(request, num_computed, token_budget)

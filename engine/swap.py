@@ -57,10 +57,10 @@ class SwapSpace:
         self.kv_caches = kv_caches
         self.num_blocks = num_blocks
         pin = kv_caches[0].device.type == "cuda"
-        shape = (2, num_blocks, *kv_caches[0].shape[2:])
         # torch.empty: host pages are only committed once a block is actually swapped out.
         self.host_caches = [
-            torch.empty(shape, dtype=c.dtype, device="cpu", pin_memory=pin) for c in kv_caches
+            torch.empty((2, num_blocks, *c.shape[2:]), dtype=c.dtype, device="cpu", pin_memory=pin)
+            for c in kv_caches
         ]
         self.bytes_per_block = bytes_per_block(kv_caches)
         self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pydantic import ValidationError
 
 from gateway.batch_lines import BatchLines
+from producer.connection import mget
 from producer.contract.keys import result_key
 from producer.contract.schema import GenerationResult
 from producer.openai_batch import ParsedLine, invalid_line_id
@@ -42,7 +43,7 @@ def output_lines(
     for chunk in lines.chunks(0, num_chunks):
         job_ids = [lines.job_id(p) for p in chunk]
         keys = [result_key(j) for j in job_ids if j is not None]
-        raws = iter(redis.mget(keys) if keys else [])
+        raws = iter(mget(redis, keys))
         for parsed, job_id in zip(chunk, job_ids):
             raw = next(raws) if job_id is not None else None
             line = _line(parsed, job_id, raw, stop, created)

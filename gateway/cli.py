@@ -24,9 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--redis-url",
         default=os.environ.get("PAGEDQ_REDIS_URL", DEFAULT_REDIS_URL),
         help="the Redis holding the queue ($PAGEDQ_REDIS_URL when set): redis://, rediss://, "
-        "unix:// or redis+sentinel://host:port[,host:port...]/service[/db]",
+        "unix://, redis+sentinel://host:port[,host:port...]/service[/db] or "
+        "redis+cluster://host:port[,host:port...]",
     )
     p.add_argument("--queue", default=DEFAULT_QUEUE, help="RQ queue name")
+    p.add_argument(
+        "--queue-shards",
+        type=int,
+        default=1,
+        help="shards the queue is split over, as the workers' --queue-shards",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs keys)")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument(
@@ -97,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     config = GatewayConfig(
         redis_url=args.redis_url,
         queue=args.queue,
+        queue_shards=args.queue_shards,
         host=args.host,
         port=args.port,
         api_keys=keys,

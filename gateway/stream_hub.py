@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 from rq.job import Job
 
-from producer.connection import async_redis_client
+from producer.connection import async_redis_client, async_xread, is_cluster
 from producer.contract.keys import result_key, stream_key
 from producer.results import decode_entry, is_final
 
@@ -104,7 +104,8 @@ class StreamHub:
                     self._changed.clear()
                     await self._changed.wait()
                     continue
-                if self._reader_id is None:
+                if self._reader_id is None and not is_cluster(self._reader):
+                    # A cluster's reader polls instead of blocking (async_xread).
                     self._reader_id = await self._reader.client_id()
                 if loop.time() >= self._next_check:
                     self._next_check = loop.time() + CHECK_S
@@ -122,7 +123,7 @@ class StreamHub:
         streams = {stream_key(j): self._last_id(j) for j in self._follows}
         if not streams:  # every follow ended while the check above ran
             return
-        reply = await self._reader.xread(streams, count=COUNT, block=BLOCK_MS)
+        reply = await async_xread(self._reader, streams, COUNT, BLOCK_MS)
         for key, entries in reply or []:
             job_id = key.decode().split(":", 2)[2]
             self._deliver(job_id, entries)

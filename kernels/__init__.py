@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_attention
+from kernels.attention_options import check_options, has_options
 from kernels.huge_pages import zeros_huge
 from kernels.reference import (
     AttentionPlan,
@@ -132,22 +133,35 @@ def unified_attention(
     out: torch.Tensor | None = None,
     backend: str = "auto",
     plan: AttentionPlan | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention over a mixed prefill/decode varlen batch."""
+    """Causal paged attention over a mixed prefill/decode varlen batch.
+
+    ``sliding_window``, ``sinks`` and ``logits_soft_cap`` are ``kernels.attention_options``;
+    None (the default) is plain causal attention.
+    """
     chosen = select_backend(query.device, backend)
+    options = has_options(sliding_window, sinks, logits_soft_cap)
+    if options:
+        check_options(sliding_window, sinks, logits_soft_cap, query.shape[1])
     if chosen == "triton":
         from kernels.triton_attention import unified_attention_triton
 
         return unified_attention_triton(
-            query, kv_cache, query_start_loc, seq_lens, block_table, scale, out
-        )
+            query, kv_cache, query_start_loc, seq_lens, block_table, scale, out,
+            sliding_window=sliding_window, sinks=sinks, logits_soft_cap=logits_soft_cap,
+        )  # fmt: skip
     if chosen == "cpu" and _cpu_fits(query, kv_cache):
         return cpu_attention.unified_attention_cpu(
-            query, kv_cache, query_start_loc, seq_lens, block_table, scale, out
-        )
+            query, kv_cache, query_start_loc, seq_lens, block_table, scale, out,
+            sliding_window=sliding_window, sinks=sinks, logits_soft_cap=logits_soft_cap,
+        )  # fmt: skip
     return unified_attention_torch(
-        query, kv_cache, query_start_loc, seq_lens, block_table, scale, out, plan
-    )
+        query, kv_cache, query_start_loc, seq_lens, block_table, scale, out, plan,
+        sliding_window, sinks, logits_soft_cap,
+    )  # fmt: skip
 
 
 def rms_norm(

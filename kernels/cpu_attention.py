@@ -29,7 +29,18 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "layers_cpu.cpp", CSRC / "linear_cpu.cpp")
+SOURCES = tuple(
+    CSRC / name
+    for name in (
+        "paged_attention_cpu.cpp",
+        "layers_cpu.cpp",
+        "linear_cpu.cpp",
+        "moe_cpu.cpp",
+        "gated_delta_cpu.cpp",
+        "causal_conv1d_cpu.cpp",
+        "mla_cpu.cpp",
+    )
+)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
@@ -147,18 +158,23 @@ def unified_attention_cpu(
     scale: float,
     out: torch.Tensor | None = None,
     kv_split_size: int = 0,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """C++ twin of ``unified_attention_torch``, reading K/V blocks in place.
 
     ``kv_split_size`` cuts key ranges into chunks of that many tokens (merged exactly afterwards);
-    0 lets the kernel decide from the batch and the thread count.
+    0 lets the kernel decide from the batch and the thread count. The options are
+    ``kernels.attention_options``'s (None: plain causal attention).
     """
     _require()
     if out is None:
         out = torch.empty_like(query)
     torch.ops.pagedq.unified_attention(
-        query, kv_cache, query_start_loc, seq_lens, block_table, float(scale), out, kv_split_size
-    )
+        query, kv_cache, query_start_loc, seq_lens, block_table, float(scale), out, kv_split_size,
+        sliding_window or 0, float(logits_soft_cap or 0.0), sinks,
+    )  # fmt: skip
     return out
 
 

@@ -11,7 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import LOG2E, attend_tiles, cast, interpreting, tile_config
+from kernels.triton_common import (
+    attend_tiles,
+    cast,
+    interpreting,
+    join_sinks,
+    option_args,
+    tile_config,
+)
 from kernels.triton_split_decode import pick_num_splits, split_decode_attention
 
 
@@ -36,9 +43,11 @@ def _unified_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od, stride_bt, stride_bn,
     stride_cb, stride_cs, stride_ch, stride_cd, num_seqs, head_dim, qk_scale,
+    window, soft_cap, sinks_ptr,
     NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,13 +79,19 @@ def _unified_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     # The tile's last query row sees keys up to context_len + first + BLOCK_Q - 1.
     key_end = tl.minimum(seq_len, context_len + first + BLOCK_Q)
+    # Under a sliding window, keys before the tile's first row's window are never loaded.
+    key_start = 0
+    if USE_WINDOW:
+        key_start = tl.maximum(0, context_len + first - window + 1)
     acc, l_i, m_i = attend_tiles(
         acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr,
         block_table_ptr + seq.to(tl.int64) * stride_bt, stride_bn, kv_head,
         stride_cb, stride_cs, stride_ch, stride_cd,
-        0, key_end, context_len + q_local, dim_mask, qk_scale,
-        BLOCK_SIZE, TILE_N, HEAD_PAD, DOT_PRECISION, INTERPRET,
+        key_start, key_end, context_len + q_local, dim_mask, qk_scale, window, soft_cap,
+        BLOCK_SIZE, TILE_N, HEAD_PAD, DOT_PRECISION, INTERPRET, USE_WINDOW, USE_SOFT_CAP,
     )  # fmt: skip
+    if HAS_SINKS:
+        acc, l_i, m_i = join_sinks(acc, l_i, m_i, sinks_ptr, head, row_mask)
     l_i = tl.where(row_mask, l_i, 1.0)
     o = acc / l_i[:, None]
     tl.store(
@@ -99,12 +114,16 @@ def unified_attention_triton(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``unified_attention_torch``.
 
     ``num_splits`` forces the split-K decode path (decode-only batches); by default
     ``pick_num_splits`` decides, bounding the context by ``max_seq_len`` when given and by the
-    block table's width otherwise (that needs no device-to-host sync).
+    block table's width otherwise (that needs no device-to-host sync), and by the sliding
+    window. The options are ``kernels.attention_options``'s (None: plain causal attention).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
@@ -125,12 +144,16 @@ def unified_attention_triton(
         return out
     if max_seq_len is None:
         max_seq_len = block_table.shape[1] * block_size
+    if sliding_window:  # the keys a decode reads
+        max_seq_len = min(max_seq_len, sliding_window)
     if num_splits is None:
         num_splits = pick_num_splits(num_tokens, num_seqs, num_kv_heads, max_seq_len, query.device)
     if num_splits > 1:
         return split_decode_attention(
-            query, kv_cache, query_start_loc, seq_lens, block_table, scale, out, num_splits
-        )
+            query, kv_cache, query_start_loc, seq_lens, block_table, scale, out, num_splits,
+            sliding_window, sinks, logits_soft_cap,
+        )  # fmt: skip
+    qk_scale, window, soft_cap = option_args(scale, sliding_window, logits_soft_cap)
     num_queries_per_kv = num_heads // num_kv_heads
     head_pad, tile_n, precision = tile_config(head_dim, query.dtype)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -142,9 +165,10 @@ def unified_attention_triton(
     _unified_attention_kernel[grid](
         out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
         *query.stride(), *out.stride(), *block_table.stride(), *k_cache.stride(),
-        num_seqs, head_dim, scale * LOG2E,
+        num_seqs, head_dim, qk_scale, window, soft_cap, query if sinks is None else sinks,
         NUM_QUERIES_PER_KV=num_queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_SIZE=block_size, TILE_N=tile_n, HEAD_PAD=head_pad, DOT_PRECISION=precision,
-        INTERPRET=interpreting(),
+        INTERPRET=interpreting(), USE_WINDOW=window > 0, USE_SOFT_CAP=soft_cap > 0,
+        HAS_SINKS=sinks is not None,
     )  # fmt: skip
     return out

@@ -53,13 +53,38 @@ def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def tanh(x):
+    """tanh in fp32: -expm1(-2|x|) / (2 + expm1(-2|x|)) with the sign of x; near 0 expm1 is its
+    Taylor polynomial (1 - e^-2|x| would cancel there). Relative error about 2e-7."""
+    a = tl.abs(x)
+    r = a * -2.0
+    q = r * (1.0 / 5040.0) + 1.0 / 720.0
+    q = q * r + 1.0 / 120.0
+    q = q * r + 1.0 / 24.0
+    q = q * r + 1.0 / 6.0
+    q = q * r + 0.5
+    small = r * (q * r + 1.0)
+    large = tl.exp2(r * 1.4426950408889634) - 1.0
+    em1 = tl.where(a < 0.1733, small, large)
+    t = -em1 / (em1 + 2.0)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def attend_tiles(
     acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr, stride_bn, kv_head,
     stride_cb, stride_cs, stride_ch, stride_cd, key_start, key_end, query_pos, dim_mask, qk_scale,
+    window, soft_cap,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax (base 2, fp32) of ``q`` over keys ``key_start..key_end-1``."""
+    """Online softmax (base 2, fp32) of ``q`` over keys ``key_start..key_end-1``.
+
+    ``USE_WINDOW``: row r sees keys above ``query_pos[r] - window`` only. ``USE_SOFT_CAP``:
+    scores (q . k x ``qk_scale``) become ``soft_cap * tanh(scores)`` (``soft_cap`` in log2 units,
+    ``qk_scale`` then scale / cap).
+    """
     dims = tl.arange(0, HEAD_PAD)
     for tile_start in range(key_start, key_end, TILE_N):
         key_pos = tile_start + tl.arange(0, TILE_N)
@@ -81,7 +106,11 @@ def attend_tiles(
             other=0.0,
         ).to(q.dtype)
         s = dot(q, k, DOT_PRECISION, INTERPRET) * qk_scale
+        if USE_SOFT_CAP:
+            s = soft_cap * tanh(s)
         visible = key_mask[None, :] & (key_pos[None, :] <= query_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows that have seen no key yet keep m = -inf; shift them by 0 to avoid inf - inf.
@@ -92,6 +121,26 @@ def attend_tiles(
         acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERPRET), v, DOT_PRECISION, INTERPRET)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def join_sinks(acc, l_i, m_i, sinks_ptr, head, row_mask):
+    """The online-softmax state with each row's sink logit (natural log units, at
+    ``sinks_ptr + head``) joined to its denominator: a key of score sink and value 0."""
+    sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)
+    return acc * alpha[:, None], l_i * alpha + tl.exp2(sink - m_new), m_new
+
+
+def option_args(
+    scale: float, sliding_window: int | None, logits_soft_cap: float | None
+) -> tuple[float, int, float]:
+    """``(qk_scale, window, soft_cap)`` the kernels take: the score factor (with a soft cap,
+    scale / cap before the tanh), the window (0: none), the cap in log2 units (0: none)."""
+    if logits_soft_cap:
+        return scale / logits_soft_cap, sliding_window or 0, logits_soft_cap * LOG2E
+    return scale * LOG2E, sliding_window or 0, 0.0
 
 
 def tile_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, str]:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import LOG2E, attend_tiles, cast, interpreting, tile_config
+from kernels.triton_common import attend_tiles, cast, interpreting, option_args, tile_config
 
 MAX_SPLITS = 16
 
@@ -24,18 +24,23 @@ def _split_decode_kernel(
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_qd, stride_bt, stride_bn,
     stride_cb, stride_cs, stride_ch, stride_cd,
-    num_heads, head_dim, qk_scale,
+    num_heads, head_dim, qk_scale, window, soft_cap,
     NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N), NUM_SPLITS)
-    key_start = split * tiles_per_split * TILE_N
+    # The segments cover the keys the decode sees: under a sliding window, its last `window`.
+    first_key = 0
+    if USE_WINDOW:
+        first_key = tl.maximum(0, seq_len - window)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first_key, TILE_N), NUM_SPLITS)
+    key_start = first_key + split * tiles_per_split * TILE_N
     key_end = tl.minimum(seq_len, key_start + tiles_per_split * TILE_N)
 
     rows = tl.arange(0, BLOCK_M)
@@ -56,7 +61,8 @@ def _split_decode_kernel(
         block_table_ptr + seq.to(tl.int64) * stride_bt, stride_bn, kv_head,
         stride_cb, stride_cs, stride_ch, stride_cd,
         key_start, key_end, tl.zeros([BLOCK_M], tl.int32) + seq_len - 1, dim_mask, qk_scale,
-        BLOCK_SIZE, TILE_N, HEAD_PAD, DOT_PRECISION, INTERPRET,
+        window, soft_cap,
+        BLOCK_SIZE, TILE_N, HEAD_PAD, DOT_PRECISION, INTERPRET, USE_WINDOW, USE_SOFT_CAP,
     )  # fmt: skip
     # An empty split stores l = 0, m = -inf and zeros, which the reduction weighs by 0.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -69,8 +75,9 @@ def _split_decode_kernel(
 @triton.jit
 def _split_reduce_kernel(
     out_ptr, partial_out_ptr, partial_m_ptr, partial_l_ptr, query_start_loc_ptr,
-    stride_ot, stride_oh, stride_od, num_heads, head_dim,
+    stride_ot, stride_oh, stride_od, num_heads, head_dim, sinks_ptr,
     HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -79,9 +86,16 @@ def _split_reduce_kernel(
     dims = tl.arange(0, HEAD_PAD)
     part = (token * num_heads + head) * NUM_SPLITS + splits
     m = tl.load(partial_m_ptr + part)
-    weight = tl.load(partial_l_ptr + part) * tl.exp2(m - tl.max(m, 0))
+    m_max = tl.max(m, 0)
+    if HAS_SINKS:  # the sink joins the denominator once, here: a key of value 0
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
+    weight = tl.load(partial_l_ptr + part) * tl.exp2(m - m_max)
     o = tl.load(partial_out_ptr + part[:, None] * HEAD_PAD + dims[None, :])
-    o = tl.sum(o * weight[:, None], 0) / tl.sum(weight, 0)
+    denominator = tl.sum(weight, 0)
+    if HAS_SINKS:
+        denominator += tl.exp2(sink - m_max)
+    o = tl.sum(o * weight[:, None], 0) / denominator
     tl.store(
         out_ptr + token * stride_ot + head * stride_oh + dims * stride_od,
         cast(o, out_ptr.dtype.element_ty, INTERPRET),
@@ -122,8 +136,12 @@ def split_decode_attention(
     scale: float,
     out: torch.Tensor,
     num_splits: int,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Decode-only attention (one query per request) with each context split ``num_splits`` ways."""
+    """Decode-only attention (one query per request) with each context split ``num_splits`` ways
+    (under a sliding window, the window's keys only)."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -140,17 +158,21 @@ def split_decode_attention(
     partial_m = torch.empty(shape, dtype=torch.float32, device=query.device)
     partial_l = torch.empty(shape, dtype=torch.float32, device=query.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    qk_scale, window, soft_cap = option_args(scale, sliding_window, logits_soft_cap)
     _split_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         partial_out, partial_m, partial_l, query, k_cache, v_cache, block_table, seq_lens,
         query_start_loc, *query.stride(), *block_table.stride(), *k_cache.stride(),
-        num_heads, head_dim, scale * LOG2E,
+        num_heads, head_dim, qk_scale, window, soft_cap,
         NUM_QUERIES_PER_KV=num_queries_per_kv,
         BLOCK_M=max(16, triton.next_power_of_2(num_queries_per_kv)),
         BLOCK_SIZE=block_size, TILE_N=tile_n, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
         DOT_PRECISION=precision, INTERPRET=interpreting(),
+        USE_WINDOW=window > 0, USE_SOFT_CAP=soft_cap > 0,
     )  # fmt: skip
     _split_reduce_kernel[(num_seqs, num_heads)](
         out, partial_out, partial_m, partial_l, query_start_loc, *out.stride(),
-        num_heads, head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits, INTERPRET=interpreting(),
+        num_heads, head_dim, query if sinks is None else sinks,
+        HEAD_PAD=head_pad, NUM_SPLITS=num_splits, INTERPRET=interpreting(),
+        HAS_SINKS=sinks is not None,
     )  # fmt: skip
     return out

@@ -101,14 +101,22 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--redis-url",
         default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL),
-        help=f"Redis URL: redis://, rediss://, unix:// or "
-        f"redis+sentinel://host:port[,host:port...]/service[/db] (env {REDIS_URL_ENV}; "
+        help=f"Redis URL: redis://, rediss://, unix://, "
+        f"redis+sentinel://host:port[,host:port...]/service[/db] or "
+        f"redis+cluster://host:port[,host:port...] (env {REDIS_URL_ENV}; "
         "default: %(default)s)",
     )
     common.add_argument(
         "--queue",
         default=os.environ.get("PAGEDQ_QUEUE", DEFAULT_QUEUE),
         help="queue name (env PAGEDQ_QUEUE; default: %(default)s)",
+    )
+    common.add_argument(
+        "--queue-shards",
+        type=_int_at_least(1),
+        default=os.environ.get("PAGEDQ_QUEUE_SHARDS", "1"),
+        help="shards the queue is split over, as the workers' --queue-shards "
+        "(env PAGEDQ_QUEUE_SHARDS; default: %(default)s)",
     )
     parser = argparse.ArgumentParser(prog="pagedq", description="Batch LLM inference over Redis.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -230,7 +238,7 @@ def _int_at_least(low: int):
 
 def _connect(args: argparse.Namespace, **options) -> Client:
     """A Client whose Redis answered a PING (raises RedisConnectionError within seconds)."""
-    client = Client(args.redis_url, args.queue, **options)
+    client = Client(args.redis_url, args.queue, queue_shards=args.queue_shards, **options)
     client.redis.ping()
     return client
 

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 from redis import Redis
 
+from producer.connection import xread
 from producer.contract.keys import result_key, rq_job_key, stream_key
 from producer.results import decode_entry, is_final, rq_end
 
@@ -63,7 +64,7 @@ class StreamFollower:
         block_ms = int(wait_s * 1000)
         streams = {stream_key(job_id): last for job_id, last in self._last_ids.items()}
         # block=0 would mean "forever" to Redis, so a zero wait is a plain non-blocking read.
-        reply = self.connection.xread(streams, count=self.count, block=block_ms or None)
+        reply = xread(self.connection, streams, self.count, block_ms or None)
         events: list[Event] = []
         for key, entries in reply or []:
             job_id = key.decode().removeprefix(stream_key(""))

@@ -18,6 +18,7 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from producer.connection import mget
 from producer.contract.codec import PayloadTooLargeError, inflate, load_job_data
 from producer.contract.keys import result_key, rq_job_key, rq_results_key
 from producer.contract.schema import GenerationResult
@@ -76,7 +77,8 @@ def job_shell(connection: Redis, job_id: str) -> Job | None:
     origin = connection.hget(rq_job_key(job_id), "origin")
     if origin is None:
         return None
-    job = Job(job_id, connection=connection, serializer=JSONSerializer)
+    job = Job(connection=connection, serializer=JSONSerializer)
+    job._id = job_id  # past RQ's id check, which a shard's hash tag ("{q.0}...") fails
     job.origin = origin.decode(errors="replace")
     return job
 
@@ -166,7 +168,7 @@ def final_results(
     JobNotFoundError instead of raising, so that one lost job does not hide the others."""
     if not ended:
         return {}
-    raws = connection.mget([result_key(job_id) for job_id, _ in ended])
+    raws = mget(connection, [result_key(job_id) for job_id, _ in ended])
     out: dict[str, GenerationResult | JobNotFoundError] = {}
     for (job_id, entry), raw in zip(ended, raws, strict=True):
         result = _parse_result(job_id, raw)

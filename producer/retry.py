@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+from redis.exceptions import ClusterDownError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -22,7 +23,15 @@ DEFAULT_OUTAGE_S = 600.0
 FIRST_DELAY_S = 0.5
 MAX_DELAY_S = 10.0
 # Connection errors of redis-py; BusyLoadingError (Redis replaying its AOF) is one of them.
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+# A cluster whose primary of a slot is failing over answers CLUSTERDOWN / TRYAGAIN, or has no
+# node for the slot in the client's map yet, until a replica is promoted.
+REDIS_DOWN = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterDownError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 
 
 class RedisUnavailableError(RedisConnectionError):

@@ -1,12 +1,14 @@
-"""Tiny random Llama-family checkpoints written at test time (safetensors + tokenizer)."""
+"""Tiny random checkpoints of any architecture transformers knows, written at test time
+(safetensors + the default model's tokenizer)."""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from engine.model_loader import load_tokenizer, resolve_model
+from engine.model_loader import cached_source, load_tokenizer, resolve_model
 
 TINY = dict(
     hidden_size=64,
@@ -22,31 +24,40 @@ TINY = dict(
 )
 
 
-def make_tiny_model(folder: Path, model_type: str, seed: int = 0, **overrides) -> Path:
-    """Save a random ``model_type`` model with the default model's tokenizer into ``folder``."""
-    import transformers
+@lru_cache(maxsize=1)
+def default_tokenizer():
+    """The default model's tokenizer, read once per process (from the model cache's folder:
+    parsing the GGUF file again takes seconds)."""
+    return load_tokenizer(cached_source(resolve_model("smollm2")))
 
-    cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[model_type]
-    tokenizer = load_tokenizer(resolve_model("smollm2"))
+
+def make_tiny_model(
+    folder: Path, model_type: str, seed: int = 0, save_original_format: bool = True, **overrides
+) -> Path:
+    """Save a random ``model_type`` model (transformers' own config class and model, built
+    from ``TINY`` and ``overrides``) with the default model's tokenizer into ``folder``;
+    ``save_original_format=False`` writes transformers 5's own layout (fused 3-D experts)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = default_tokenizer()
     kwargs = {**TINY, "vocab_size": len(tokenizer), **overrides}
     if model_type == "qwen3":
         kwargs.setdefault("head_dim", 16)
-    config = cls[0](**kwargs)
+    config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
-    model = cls[1](config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     # Larger weights than the default init spread the logits, so greedy argmax is robust
     # to the last-bit differences between two correct implementations.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2 and "bias" not in name:  # 3-D: fused experts
                 p.normal_(0, 0.15)
             elif "bias" in name:
                 p.normal_(0, 0.1)
-    model.save_pretrained(folder, safe_serialization=True)
+            elif "norm" in name:  # around its init: 1 (Llama) or 0 (Gemma's 1 + w)
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(
+        folder, safe_serialization=True, save_original_format=save_original_format
+    )
     tokenizer.save_pretrained(folder)
     return folder

@@ -37,13 +37,21 @@ class WorkerConfig:
             f"the Redis holding the queue, ${REDIS_URL_ENV} when set; rediss:// for TLS, "
             "redis://user:password@host for ACL users (passwords are never logged), "
             "redis+sentinel://host:port[,host:port...]/service[/db] to follow a Sentinel-managed "
-            "primary",
+            "primary, redis+cluster://host:port[,host:port...] for a Redis Cluster",
             env=REDIS_URL_ENV,
         ),
     )
     queue: str = field(
         default=DEFAULT_QUEUE,
         metadata=_doc("RQ queue name; the worker also serves `{queue}@{model}`"),
+    )
+    queue_shards: int = field(
+        default=1,
+        metadata=_doc(
+            "shards the queue is split over (hash-tagged `{queue.i}`, so a Redis Cluster "
+            "spreads them over its primaries); the same number as the producers'",
+            min=1,
+        ),
     )
     result_ttl: int = field(
         default=DEFAULT_RESULT_TTL,

@@ -15,7 +15,9 @@ import uuid
 import redis
 import structlog
 
+from producer.connection import is_cluster
 from producer.contract.routing import model_queue
+from producer.contract.shards import QueueShards
 from producer.retry import redact_url
 from producer.tls_failure import tls_failure
 from worker.config import WorkerConfig
@@ -68,6 +70,9 @@ def run_worker(config: WorkerConfig) -> int:
         error = str(exc).replace(config.redis_url, url)
         log.error("invalid --redis-url", redis_url=url, error=error)
         return EXIT_USAGE
+    except redis.exceptions.RedisClusterException as exc:  # no node answered the slot map
+        log.error("cannot reach Redis", redis_url=url, error=str(exc))
+        return EXIT_ERROR
     try:
         connection.ping()
     except redis.AuthenticationError as exc:
@@ -105,10 +110,15 @@ def run_worker(config: WorkerConfig) -> int:
             )
             return EXIT_ERROR
         log.info("metrics served", host=config.metrics_host, port=config.metrics_port)
+    try:
+        queues = served_queues(config, is_cluster(connection))
+    except ValueError as exc:  # a queue name pagedq cannot tag, or a shard count out of range
+        log.error("invalid --queue / --queue-shards", error=str(exc))
+        return EXIT_USAGE
     adapter = RQAdapter(
         connection,
         config.name or uuid.uuid4().hex,
-        [model_queue(config.queue, config.model), config.queue],
+        queues,
         lease_ttl=config.lease_ttl,
         result_ttl=config.result_ttl,
         stream_ttl=config.stream_ttl,
@@ -132,6 +142,12 @@ def run_worker(config: WorkerConfig) -> int:
     except WorkerNameTaken:
         _log_name_taken(adapter.name)
         return EXIT_ERROR
+
+
+def served_queues(config: WorkerConfig, cluster: bool) -> list[str]:
+    """The base queues the worker serves: per shard its model's queue, then the generic one."""
+    shards = QueueShards(config.queue, config.queue_shards, tagged=cluster)
+    return [q for shard in shards.names for q in (model_queue(shard, config.model), shard)]
 
 
 def claim_name(adapter: RQAdapter) -> None:

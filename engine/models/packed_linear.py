@@ -1,21 +1,12 @@
-"""Linear layers whose weights are reordered once into oneDNN's blocked layout (CPU).
+"""Prepacked linears as this host measured fastest: the dtype probe's choices applied.
 
-A plain ``F.linear`` re-reads the ``[out, in]`` weight in whatever order the GEMM wants on every
-call; oneDNN's prepacked layout is the order its kernel streams. In fp32 that measured 15-45%
-faster per projection and about 2x on the 49152-row LM head; in bf16 on a CPU with AMX, 1.2-1.6x
-per step's projections (docs/PERFORMANCE.md). The numbers differ from ``F.linear`` only by
-summation order.
-
-A bf16 weight is packed in bf16 where oneDNN's bf16 products are faster than fp32 ones on this
-host (AMX: 0.18x; a Zen 4 with AVX512-BF16: 0.51-0.54x), and widened to fp32 (exactly) where
-they are not (AVX2: emulated, 2.4x; an Intel host with AVX512-BF16 alone: 1.3-1.6x): its
-products then run in fp32, the output rounded to bf16, what a bf16 GEMM computes (bf16 inputs,
-fp32 sums) at fp32's speed. Which one is measured once per host (engine/dtype_probe.py).
-
-The same measurement decides whose GEMM runs the packed weights: oneDNN's, or pagedq's own
-AVX-512 one (``kernels/cpu_linear.py``), which overlaps the weights' DRAM reads with its
-products where oneDNN waits on them (a Zen 4 host: 0.85x the time of a layer's projections at
-batch 64, 0.4-0.7x at batch 1-16; with AMX oneDNN's bf16 stays ahead).
+``kernels/packed_linear.py`` runs a packed weight on a given GEMM and compute dtype; this module
+fills those in from ``engine/dtype_probe.py``: a bf16 weight is packed in bf16 where bf16
+products are faster than fp32 ones on this host (AMX: 0.18x; a Zen 4 with AVX512-BF16:
+0.51-0.54x), and widened to fp32 (exactly) where they are not (AVX2: emulated, 2.4x; an Intel
+host with AVX512-BF16 alone: 1.3-1.6x): its products then run in fp32, the output rounded to
+bf16, what a bf16 GEMM computes at fp32's speed. The probe imports only ``kernels``, so the two
+modules no longer import each other.
 """
 
 from __future__ import annotations
@@ -25,36 +16,31 @@ import os
 import torch
 from torch import nn
 
-# PAGEDQ_PREPACK=0 keeps plain F.linear (for comparisons in bench/roofline.py).
-PREPACK_DTYPES = (torch.float32, torch.bfloat16)
-GEMMS = ("onednn", "pagedq")
+from engine.dtype_probe import probe_cpu_dtype
+from kernels.packed_linear import GEMMS, PREPACK_DTYPES, pagedq_gemm_available, prepack_supported
+from kernels.packed_linear import PackedLinear as _PackedLinear
 
-
-def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """True where prepacked oneDNN linears are used: CPU, fp32 or bf16, oneDNN built in, not
-    disabled."""
-    return (
-        device.type == "cpu"
-        and dtype in PREPACK_DTYPES
-        and os.environ.get("PAGEDQ_PREPACK", "1") != "0"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+__all__ = [
+    "GEMMS",
+    "PREPACK_DTYPES",
+    "PackedLinear",
+    "measured_gemm",
+    "pack",
+    "pagedq_gemm_available",
+    "prepack_supported",
+    "widens_bf16",
+]
 
 
 def widens_bf16() -> bool:
     """True where bf16 weights are packed widened to fp32: hosts where that measured faster
     than oneDNN's bf16 products (the cached probe of engine/dtype_probe.py)."""
-    from engine.dtype_probe import probe_cpu_dtype
-
     return probe_cpu_dtype().widen_bf16
 
 
 def measured_gemm(dtype: torch.dtype) -> str:
     """ "pagedq" where this host measured pagedq's GEMM faster than oneDNN's for ``dtype`` (the
     compute dtype), else "onednn"; ``PAGEDQ_GEMM=onednn`` or ``=pagedq`` overrides."""
-    from engine.dtype_probe import probe_cpu_dtype
-
     forced = os.environ.get("PAGEDQ_GEMM", "")
     if forced:
         if forced not in GEMMS:
@@ -64,17 +50,8 @@ def measured_gemm(dtype: torch.dtype) -> str:
     return probe.gemm_bf16 if dtype == torch.bfloat16 else probe.gemm_fp32
 
 
-def pagedq_gemm_available(dtype: torch.dtype) -> bool:
-    """True where pagedq's own GEMM is built for ``dtype`` (AVX-512; bf16: AVX512-BF16)."""
-    from kernels.cpu_linear import packed_linear_available
-
-    return packed_linear_available(dtype)
-
-
-class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` held only in a GEMM's packed layout; ``y`` in
-    ``out_dtype`` (default: the weight's dtype). A bf16 weight is `widen`ed to fp32 or not as
-    given, else as this host measured faster; `gemm` ("onednn" or "pagedq") likewise."""
+class PackedLinear(_PackedLinear):
+    """A packed linear whose ``widen`` and ``gemm`` default to what this host measured."""
 
     def __init__(
         self,
@@ -84,99 +61,11 @@ class PackedLinear(nn.Module):
         widen: bool | None = None,
         gemm: str | None = None,
     ) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype
-        self.out_dtype = out_dtype or weight.dtype
-        if weight.dtype != torch.bfloat16:
-            widen = False
-        elif widen is None:
-            widen = widens_bf16()
-        self.compute_dtype = torch.float32 if widen else weight.dtype
+        if widen is None:
+            widen = weight.dtype == torch.bfloat16 and widens_bf16()
         if gemm is None:
-            gemm = measured_gemm(self.compute_dtype)
-        if gemm not in GEMMS:
-            raise ValueError(f"gemm={gemm!r} is not supported: must be one of {GEMMS}")
-        if gemm == "pagedq" and not pagedq_gemm_available(self.compute_dtype):
-            gemm = "onednn"
-        self.gemm = gemm
-        with torch.no_grad():
-            plain = weight.detach().to(self.compute_dtype).contiguous()
-            if gemm == "pagedq":
-                from kernels.cpu_linear import pack_linear_weight
-
-                self.packed = pack_linear_weight(plain)
-            else:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(plain)
-        # pagedq's GEMM adds an fp32 bias before its one rounding; oneDNN takes the compute dtype.
-        bias_dtype = torch.float32 if gemm == "pagedq" else self.compute_dtype
-        self.bias = None if bias is None else bias.detach().to(bias_dtype).contiguous()
-        self._to_out = self.out_dtype != self.compute_dtype and not (
-            gemm == "pagedq" and self.out_dtype == torch.float32
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Tensor.to costs ~8 us even when it has nothing to do: 240 such calls a step.
-        if x.dtype != self.compute_dtype:
-            x = x.to(self.compute_dtype)
-        if self.gemm == "pagedq":
-            from kernels.cpu_linear import packed_linear
-
-            out_dtype = torch.float32 if self.out_dtype == torch.float32 else self.compute_dtype
-            y = packed_linear(x, self.packed, self.out_features, self.bias, out_dtype)
-        else:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return y.to(self.out_dtype) if self._to_out else y
-
-    @property
-    def fuses_silu_and_mul(self) -> bool:
-        """True where `silu_and_mul` runs fused in the GEMM: pagedq's, not widened, gate and up
-        halves in whole column blocks (a multiple of 64 features each)."""
-        half = self.out_features // 2
-        return (
-            self.gemm == "pagedq"
-            and self.compute_dtype == self.dtype == self.out_dtype
-            and self.out_features == 2 * half
-            and half % 64 == 0
-        )
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` of this gate_up projection, the same numbers as
-        ``kernels.silu_and_mul(self(x))`` (requires `fuses_silu_and_mul`)."""
-        from kernels.cpu_linear import packed_linear_silu_mul
-
-        return packed_linear_silu_mul(x, self.packed, self.out_features // 2, self.bias)
-
-    def fuses_argmax(self, rows: int) -> bool:
-        """True where `argmax` runs in the GEMM for ``rows`` rows: a bias-free LM head (fp32
-        logits) on pagedq's GEMM, within one pass over its weights."""
-        from kernels.cpu_linear import ARGMAX_MAX_ROWS
-
-        return (
-            self.gemm == "pagedq"
-            and self.out_dtype == torch.float32
-            and self.bias is None
-            and 0 < rows <= ARGMAX_MAX_ROWS
-        )
-
-    def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        """``self(x).argmax(-1)`` without the logits (requires `fuses_argmax`)."""
-        from kernels.cpu_linear import packed_linear_argmax
-
-        if x.dtype != self.compute_dtype:
-            x = x.to(self.compute_dtype)
-        return packed_linear_argmax(x, self.packed, self.out_features)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The weight as a plain ``[out, in]`` tensor (a fresh copy: for inspection, not speed)."""
-        if self.gemm == "pagedq":
-            from kernels.cpu_linear import unpack_linear_weight
-
-            return unpack_linear_weight(self.packed, self.out_features, self.in_features).to(
-                self.dtype
-            )
-        return self.packed.to_dense().to(self.dtype)
+            gemm = measured_gemm(torch.float32 if widen else weight.dtype)
+        super().__init__(weight, bias, out_dtype, widen, gemm)
 
 
 def pack(linear: nn.Linear, out_dtype: torch.dtype | None = None) -> PackedLinear:

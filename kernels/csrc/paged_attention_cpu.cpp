@@ -7,6 +7,12 @@
 // runs an online softmax in fp32 (base 2, the scale folded into q). When there are too few items
 // for the threads, long key ranges are split into chunks whose partial results (unnormalised
 // accumulator, running max, running sum) are merged exactly afterwards.
+//
+// A layer's options (kernels/attention_options.py) ride in the Layout: a sliding window moves
+// each item's first key up to the window of its first row (whole blocks before it are never
+// read) and masks below each row's window inside the tiles that reach under it; a soft cap maps
+// scores through tanh before the mask; sinks join the softmax denominator when an item ends (or
+// when split chunks merge). Without options each costs one predictable branch per row or tile.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -21,6 +27,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -64,6 +71,34 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
 // 2^x for x <= 0 (x = -inf gives 0), one lane of exp2_neg_v.
 inline float exp2_neg(float x) { return pagedq_vec::exp2_neg_v(pagedq_vec::vfloat{} + x)[0]; }
 
+// tanh on every lane, for soft-capped scores: -expm1(-2|x|) / (2 + expm1(-2|x|)) with the sign
+// of x. Near 0, expm1 is its Taylor polynomial without the 1 (1 - e^-2|x| would cancel there);
+// past ln 2 / 4 the exponential is exp2_neg_v's (1 - e keeps its bits: e < 0.85). Relative
+// error about 2e-7; tanh(+-inf) = +-1.
+inline pagedq_vec::vfloat tanh_v(pagedq_vec::vfloat x) {
+  using pagedq_vec::vfloat;
+  const vfloat a = x < 0.f ? -x : x;
+  const vfloat r = a * -2.f;
+  vfloat q = r * (1.f / 5040.f) + 1.f / 720.f;
+  q = q * r + 1.f / 120.f;
+  q = q * r + 1.f / 24.f;
+  q = q * r + 1.f / 6.f;
+  q = q * r + 0.5f;
+  const vfloat small = r * (q * r + 1.f);  // expm1(r) for |r| <= ln 2 / 2
+  const vfloat large = pagedq_vec::exp2_neg_v(r * kLog2e) - 1.f;
+  const vfloat em1 = a < 0.1733f ? small : large;
+  const vfloat t = -em1 / (em1 + 2.f);
+  return x < 0.f ? -t : t;
+}
+
+// s[0..n) = cap * tanh(s): soft-capped scores in log2 units.
+inline void soft_cap_scores(float* s, int n, float cap) {
+  int j = 0;
+  for (; j + pagedq_vec::kLanes <= n; j += pagedq_vec::kLanes)
+    pagedq_vec::storev(s + j, tanh_v(pagedq_vec::loadv(s + j)) * cap);
+  for (; j < n; ++j) s[j] = cap * tanh_v(pagedq_vec::vfloat{} + s[j])[0];
+}
+
 // ---- work items -------------------------------------------------------------------------------
 struct WorkItem {
   int32_t req;
@@ -88,7 +123,18 @@ struct Layout {
   int64_t bt_sr, bt_sb;            // block_table strides
   int64_t cache_block, cache_slot, cache_head;  // element strides of a block, slot, head in K/V
   int block_shift;  // log2(block_size) when it is a power of two, else -1
+  // The layer's options. window: query position p sees keys p - window < k <= p (0: all k <=
+  // p). cap: scores s (q scaled by scale / soft cap) become cap * tanh(s), cap = soft cap x
+  // log2 e (0: no cap). sinks: one logit per query head in log2 units, or null.
+  int window;
+  float cap;
+  const float* sinks;
 };
+
+// The first key query position pos sees (0 without a window).
+inline int64_t window_start(const Layout& L, int64_t pos) {
+  return L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0;
+}
 
 // The block of a key and its slot in the block: a shift and a mask for the usual power-of-two
 // block sizes. As divisions, a decode tile issued three or more of them (its own block and the
@@ -130,6 +176,15 @@ void begin_item(const WorkItem& w, const Layout& L, int D, const scalar_t* query
   }
 }
 
+// The factor on a row's accumulator (sum of 2^(s - m) V) that gives its output when a sink of
+// logit `sink` joins the denominator: 2^(m - M) / (l 2^(m - M) + 2^(sink - M)), M = max(m, sink)
+// so that neither power overflows.
+inline float sink_factor(float sink, float m, float l) {
+  const float top = std::max(m, sink);
+  const float keep = exp2_neg(m - top);  // 0 when the row saw no key (m = -inf)
+  return keep / (l * keep + exp2_neg(sink - top));
+}
+
 // Ends a work item: a KV chunk of a split keeps its unnormalised accumulator, max and sum for the
 // merge; a whole item writes acc / l to its output rows.
 template <typename scalar_t>
@@ -149,7 +204,8 @@ void finish_item(const WorkItem& w, const Layout& L, int D, int64_t q_start, con
   for (int i = 0; i < rows; ++i) {
     scalar_t* dst =
         out + (q_start + w.q_begin + i / G) * L.o_st + (w.kv_head * G + i % G) * L.o_sh;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    const float inv = L.sinks == nullptr ? (l[i] > 0.f ? 1.f / l[i] : 0.f)
+                                         : sink_factor(L.sinks[w.kv_head * G + i % G], m[i], l[i]);
     const float* a = acc + i * D;
 #pragma omp simd
     for (int d = 0; d < D; ++d) dst[d] = from_float<scalar_t>(a[d] * inv);
@@ -204,12 +260,22 @@ void attend_item(const WorkItem& w, const Layout& L, const scalar_t* query, cons
         score[i * kKeyTile + j] = s;
       }
     }
+    if (L.cap > 0.f)
+      for (int i = 0; i < rows; ++i) soft_cap_scores(score + i * kKeyTile, n, L.cap);
     // causal mask: only tiles that reach past the tile's first query position need it
     if (key + n - 1 > first_pos) {
       for (int i = 0; i < rows; ++i) {
         const int64_t pos = first_pos + i / G;
         for (int j = 0; j < n; ++j)
           if (key + j > pos) score[i * kKeyTile + j] = kNegInf;
+      }
+    }
+    // window: only tiles that start below the last row's window
+    if (key < window_start(L, first_pos + w.q_len - 1)) {
+      for (int i = 0; i < rows; ++i) {
+        const int64_t lo = window_start(L, first_pos + i / G);
+        for (int j = 0; j < n; ++j)
+          if (key + j < lo) score[i * kKeyTile + j] = kNegInf;
       }
     }
     // online softmax update
@@ -483,12 +549,13 @@ inline void transpose_lanes(vfloat* r) {
 // the row's old sums. Row sums stay lane-wise in l_lanes (summed once, when the item ends) and a
 // tile's max is a shuffle tree: with a scalar chain for each, and one row at a time, the softmax
 // took a third of a prefill tile's time. The rows' exp chains are independent, so written side
-// by side they overlap.
-template <int R>
+// by side they overlap. kLower (tiles under a sliding window): keys before start[r] are not
+// visible either.
+template <int R, bool kLower>
 __attribute__((always_inline)) inline void softmax_rows(const vfloat (&s)[R][kTileVecs],
-                                                        const int* limit, float* m,
-                                                        float* l_lanes, float (*p)[kTile],
-                                                        float* alpha) {
+                                                        const int* start, const int* limit,
+                                                        float* m, float* l_lanes,
+                                                        float (*p)[kTile], float* alpha) {
   vint lane;
   for (int j = 0; j < kLanes; ++j) lane[j] = j;
   vfloat v[R][kTileVecs];
@@ -498,12 +565,13 @@ __attribute__((always_inline)) inline void softmax_rows(const vfloat (&s)[R][kTi
     vfloat mx = vfloat{} + kNegInf;
 #pragma GCC unroll 4
     for (int k = 0; k < kTileVecs; ++k) {
-      const vint visible = lane + k * kLanes < limit[r];
+      vint visible = lane + k * kLanes < limit[r];
+      if constexpr (kLower) visible &= lane + k * kLanes >= start[r];
       v[r][k] = visible ? s[r][k] : vfloat{} + kNegInf;
       mx = vmax(mx, v[r][k]);
     }
     // A row that sees nothing here keeps its max and sums: p = 2^(-inf - 0) = 0, alpha = 1.
-    const bool any = limit[r] > 0;
+    const bool any = limit[r] > (kLower ? start[r] : 0);
     m_new[r] = any ? std::max(m[r], max_lanes(mx)) : 0.f;
     alpha[r] = any ? exp2_neg(m[r] - m_new[r]) : 1.f;
     if (any) m[r] = m_new[r];
@@ -646,24 +714,30 @@ __attribute__((always_inline)) inline void score_tile(const float* q_f, int rows
 }
 
 // A decode item's softmax, one per row of S (stride apart) over its visible keys, in place:
-// p = 0 past them (and in the padding rows past `rows`); m and l get each row's max and sum.
-inline void decode_softmax(float* S, int stride, int rows, int padded_rows, int G,
+// p = 0 outside them (and in the padding rows past `rows`); m and l get each row's max and sum.
+// Row i sees keys [lo, visible) of the item: below lo lies outside its sliding window.
+inline void decode_softmax(float* S, int stride, int rows, int padded_rows, const Layout& L,
                            int64_t first_pos, int key_begin, int num_keys, float* m, float* l) {
   for (int i = 0; i < padded_rows; ++i) {
     float* si = S + i * stride;
-    const int64_t limit = i < rows ? first_pos + i / G + 1 - key_begin : 0;
+    const int64_t pos = first_pos + i / L.group;
+    const int64_t limit = i < rows ? pos + 1 - key_begin : 0;
     const int visible = static_cast<int>(std::clamp<int64_t>(limit, 0, num_keys));
-    if (visible == 0) {
+    const int lo = static_cast<int>(
+        std::clamp<int64_t>(window_start(L, pos) - key_begin, 0, visible));
+    if (visible == lo) {
       std::fill(si, si + num_keys, 0.f);
       continue;  // m stays -inf and l 0: this row sees nothing of this item
     }
+    std::fill(si, si + lo, 0.f);
+    if (L.cap > 0.f) soft_cap_scores(si + lo, visible - lo, L.cap);
     vfloat vm = vfloat{} + kNegInf;
-    int j = 0;
+    int j = lo;
     for (; j + kLanes <= visible; j += kLanes) vm = vmax(vm, loadv(si + j));
     float mx = max_lanes(vm);
     for (; j < visible; ++j) mx = std::max(mx, si[j]);
     vfloat vsum = {};
-    j = 0;
+    j = lo;
     for (; j + kLanes <= visible; j += kLanes) {
       const vfloat p = exp2_neg_v(loadv(si + j) - mx);
       storev(si + j, p);
@@ -749,11 +823,13 @@ void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
     const TileRows far = prefetch_ahead(st, L, D, block_table, k_cache, v_cache, key - w.key_begin, n);
     float* s = S + (key - w.key_begin);
     if constexpr (kPairs && kDotBf16) {
+#if defined(__AVX512BF16__)  // a discarded branch still needs the name declared (AVX2 builds)
       const uint16_t* kb = reinterpret_cast<const uint16_t*>(kp);
       const int64_t slot = L.cache_slot;
       score_tile_dp<D>(q_hi, q_lo, rows, s, stride, n,
                        [kb, slot, n](int j) { return kb + std::min(j, n - 1) * slot; }, far,
                        far_per_row);
+#endif
     } else if constexpr (!std::is_same_v<cache_t, float>) {
       // bf16: widen the tile's rows once into k_tile (rows past n repeat the last one), not
       // once per query row: 0.92-0.95x the time of a decode, cold or cache-resident.
@@ -793,7 +869,7 @@ void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
   }
 
   // One softmax per row over its visible keys; p = 0 past them (and in the padding rows).
-  decode_softmax(S, stride, rows, padded_rows, G, first_pos, w.key_begin, num_keys, m, l);
+  decode_softmax(S, stride, rows, padded_rows, L, first_pos, w.key_begin, num_keys, m, l);
 
   // Pass 2: acc[i] = sum_k p[i][k] V[k], the rows of a pass sharing every V row loaded.
   constexpr float kOnes[kDecodePvRows] = {1.f, 1.f, 1.f};
@@ -1076,21 +1152,28 @@ void decode_item_amx(const WorkItem& w, const Layout& L, int tk, const scalar_t*
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int i = 0; i < rows; ++i) {
     float* si = S + i * stride;
-    const int64_t limit = first_pos + i / G + 1 - w.key_begin;
+    const int64_t pos = first_pos + i / G;
+    const int64_t limit = pos + 1 - w.key_begin;
     const int visible = static_cast<int>(std::clamp<int64_t>(limit, 0, num_keys));
+    // keys [lo, visible) of the item: below lo lies outside the row's sliding window
+    const int lo = static_cast<int>(
+        std::clamp<int64_t>(window_start(L, pos) - w.key_begin, 0, visible));
     __m512 vmx = _mm512_set1_ps(kNegInf);
     for (int j = 0; j < visible; j += kTile) {
       __m512 s = _mm512_i32gather_ps(gather_idx, St + j * cols + i, 4);
       if constexpr (kSplitQ)
         s = _mm512_add_ps(s, _mm512_i32gather_ps(gather_idx, St + j * cols + rows + i, 4));
       s = _mm512_mul_ps(s, vscale);
-      const __mmask16 in = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(visible - j));
+      if (L.cap > 0.f)
+        s = static_cast<__m512>(tanh_v(static_cast<vfloat>(s)) * L.cap);
+      const __mmask16 in = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(visible - j)) &
+                           _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(lo - j));
       s = _mm512_mask_blend_ps(in, _mm512_set1_ps(kNegInf), s);
       _mm512_storeu_ps(si + j, s);
       vmx = _mm512_max_ps(vmx, s);
     }
     // a row that sees nothing of this item: p = 0, m stays -inf and l 0
-    const float mx = visible > 0 ? _mm512_reduce_max_ps(vmx) : 0.f;
+    const float mx = visible > lo ? _mm512_reduce_max_ps(vmx) : 0.f;
     const __m512 vmax_row = _mm512_set1_ps(mx);
     __m512 vsum = _mm512_setzero_ps();
     for (int j = 0; j < num_tiles * tk; j += kTile) {
@@ -1102,7 +1185,7 @@ void decode_item_amx(const WorkItem& w, const Layout& L, int tk, const scalar_t*
       }
       _mm512_storeu_ps(si + j, p);
     }
-    if (visible > 0) {
+    if (visible > lo) {
       m[i] = mx;
       l[i] = _mm512_reduce_add_ps(vsum);
     }
@@ -1232,7 +1315,10 @@ void decode_item_amx(const WorkItem& w, const Layout& L, int tk, const scalar_t*
 #undef PQ_SCORE_TILE
 #endif  // AMX
 
-template <typename scalar_t, typename cache_t, int D>
+// kOptions: the layer has a sliding window or a soft cap. A separate instantiation, because the
+// plain one is what most layers run: with the options' branches inside its row-block loop, a
+// 6 x 300 prefill took 1.19x the time (1 thread, bench/attention_cpu.py --against).
+template <typename scalar_t, typename cache_t, int D, bool kOptions>
 void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
                      const cache_t* k_cache, const cache_t* v_cache, const int64_t* block_table,
                      const int64_t* qsl, const int64_t* seq_lens, float qk_scale, scalar_t* out,
@@ -1293,6 +1379,8 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
       kv_stride = D;
     }
     const bool needs_mask = key + n - 1 > first_pos;
+    // the tile starts below the last row's window (never without a window)
+    const bool needs_window = kOptions && key < window_start(L, first_pos + w.q_len - 1);
 
     // Prefill: K^T of the tile (zero past n): a row's scores are then D broadcast-FMAs.
     for (int c = 0; c < C; ++c)
@@ -1319,18 +1407,28 @@ void attend_item_vec(const WorkItem& w, const Layout& L, const scalar_t* query,
           for (int v = 0; v < kTileVecs; ++v) s[r][v] += qv * kd[v];
         }
       }
+      if (kOptions && L.cap > 0.f)
+        for (int r = 0; r < kRowBlock; ++r)
+          for (int v = 0; v < kTileVecs; ++v) s[r][v] = tanh_v(s[r][v]) * L.cap;
       alignas(64) float p[kRowBlock][kTile];
       float alpha[kRowBlock];
-      int limit[kRowBlock];
+      int limit[kRowBlock], start[kRowBlock];
       int jmax = 0;
       // Row i is query token i / G: counted along, not divided (an idiv per row and tile).
       for (int r = 0, tok = i0 / G, head = i0 % G; r < kRowBlock; ++r) {
         const int64_t visible = i0 + r >= rows ? 0 : needs_mask ? first_pos + tok - key + 1 : n;
         limit[r] = static_cast<int>(std::clamp<int64_t>(visible, 0, n));
         jmax = std::max(jmax, limit[r]);
+        if (kOptions && needs_window)
+          start[r] = static_cast<int>(
+              std::clamp<int64_t>(window_start(L, first_pos + tok) - key, 0, limit[r]));
         if (++head == G) head = 0, ++tok;
       }
-      softmax_rows<kRowBlock>(s, limit, m + i0, l_lanes + i0 * kLanes, p, alpha);
+      if (kOptions && needs_window)
+        softmax_rows<kRowBlock, kOptions>(s, start, limit, m + i0, l_lanes + i0 * kLanes, p,
+                                          alpha);
+      else
+        softmax_rows<kRowBlock, false>(s, start, limit, m + i0, l_lanes + i0 * kLanes, p, alpha);
       static_assert(kRowBlock % kPvRows == 0, "p @ V passes split the row block evenly");
       for (int r0 = 0; r0 < kRowBlock; r0 += kPvRows)
         accumulate_pv<D, kPvRows, pass_vecs(C, kPvVecs)>(acc + (i0 + r0) * D, p[r0], kTile,
@@ -1351,11 +1449,12 @@ void merge_group(const SplitGroup& g, const Layout& L, const int64_t* qsl,
   const int64_t chunk_rows = rows;  // each chunk owns `rows` consecutive partial rows
   std::vector<float> o(D);
   for (int i = 0; i < rows; ++i) {
-    float m_max = kNegInf;
+    const float sink = L.sinks != nullptr ? L.sinks[g.kv_head * L.group + i % L.group] : kNegInf;
+    float m_max = sink;
     for (int c = 0; c < g.num_chunks; ++c)
       m_max = std::max(m_max, partial_ml[2 * (g.partial + c * chunk_rows + i)]);
     std::fill(o.begin(), o.end(), 0.f);
-    float l_sum = 0.f;
+    float l_sum = L.sinks != nullptr ? exp2_neg(sink - m_max) : 0.f;
     for (int c = 0; c < g.num_chunks; ++c) {
       const int64_t r = g.partial + c * chunk_rows + i;
       const float mc = partial_ml[2 * r];
@@ -1392,6 +1491,7 @@ void run(const std::vector<WorkItem>& items, const std::vector<SplitGroup>& grou
   // rounded up to whole row blocks: the vector path reads (and ignores) rows past the tile
   const int max_rows = (std::max(kMaxTileRows, L.group) + kRowBlock - 1) / kRowBlock * kRowBlock;
 
+  const bool options = L.window > 0 || L.cap > 0.f;  // sinks act only when an item ends
   // Items are sorted by cost, largest first; threads take the next one from a shared counter.
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
@@ -1443,9 +1543,14 @@ void run(const std::vector<WorkItem>& items, const std::vector<SplitGroup>& grou
           k = k_next;
           continue;
         }
-        attend_item_vec<scalar_t, cache_t, DT>(items[k], L, q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr,
-                                               sl_ptr, qk_scale, o_ptr, partial_acc.data(),
-                                               partial_ml.data(), q_f, acc, m, l, score, kv_tile);
+        if (options)
+          attend_item_vec<scalar_t, cache_t, DT, true>(
+              items[k], L, q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, sl_ptr, qk_scale, o_ptr,
+              partial_acc.data(), partial_ml.data(), q_f, acc, m, l, score, kv_tile);
+        else
+          attend_item_vec<scalar_t, cache_t, DT, false>(
+              items[k], L, q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, sl_ptr, qk_scale, o_ptr,
+              partial_acc.data(), partial_ml.data(), q_f, acc, m, l, score, kv_tile);
       } else {
         attend_item<scalar_t, cache_t, DT>(items[k], L, q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr,
                                            sl_ptr, qk_scale, o_ptr, partial_acc.data(),
@@ -1485,7 +1590,11 @@ void dispatch_dim(int head_dim, Args&&... args) {
 void unified_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
                        const at::Tensor& query_start_loc, const at::Tensor& seq_lens_in,
                        const at::Tensor& block_table_in, double scale, at::Tensor& out,
-                       int64_t kv_split_size) {
+                       int64_t kv_split_size, int64_t sliding_window, double logits_soft_cap,
+                       const std::optional<at::Tensor>& sinks_in) {
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 1 (0: none), got ", sliding_window);
+  TORCH_CHECK(logits_soft_cap >= 0, "logits_soft_cap must be > 0 (0: none), got ",
+              logits_soft_cap);
   TORCH_CHECK(query_in.dim() == 3, "query must be [num_tokens, num_heads, head_dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
               "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim]");
@@ -1502,6 +1611,14 @@ void unified_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
   TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1, "query_start_loc needs num_seqs + 1 = ",
               num_seqs + 1, " entries, got ", query_start_loc.size(0));
   if (num_tokens == 0 || num_seqs == 0) return;
+  // Sinks in log2 units, as the scores.
+  at::Tensor sinks;
+  if (sinks_in.has_value()) {
+    TORCH_CHECK(sinks_in->dim() == 1 && sinks_in->size(0) == num_heads,
+                "sinks must be [num_heads] = [", num_heads, "], got ", sinks_in->sizes());
+    sinks = (sinks_in->to(at::kFloat) * kLog2e).contiguous();
+  }
+  const int64_t window = sliding_window;
 
   const at::Tensor query = query_in.stride(2) == 1 ? query_in : query_in.contiguous();
   at::Tensor target = out.stride(2) == 1 ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
@@ -1527,10 +1644,16 @@ void unified_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
     for (int64_t t = 0; t < q_len; t += tile_tokens) {
       const int64_t n = std::min<int64_t>(tile_tokens, q_len - t);
       const int64_t key_end = context + t + n;
+      // A sliding window starts the item at the block of its first row's first key: blocks
+      // before it are never read, so a long decode costs its window only. (Whole blocks keep
+      // every tile inside one block, which the AMX and prefetch paths rely on.)
+      const int64_t key_begin =
+          window > 0 ? std::max<int64_t>(0, context + t - window + 1) / block_size * block_size
+                     : 0;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        base.push_back({(int32_t)r, (int32_t)h, (int32_t)t, (int32_t)n, 0, (int32_t)key_end, -1,
-                        key_end * n});
-        total_keys += key_end;
+        base.push_back({(int32_t)r, (int32_t)h, (int32_t)t, (int32_t)n, (int32_t)key_begin,
+                        (int32_t)key_end, -1, (key_end - key_begin) * n});
+        total_keys += key_end - key_begin;
       }
     }
   }
@@ -1546,7 +1669,7 @@ void unified_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
   items.reserve(base.size());
   int64_t partial_rows = 0;
   for (const WorkItem& b : base) {
-    const int64_t num_chunks = (b.key_end + chunk - 1) / chunk;
+    const int64_t num_chunks = (b.key_end - b.key_begin + chunk - 1) / chunk;
     if (num_chunks <= 1) {
       items.push_back(b);
       continue;
@@ -1555,8 +1678,8 @@ void unified_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
     groups.push_back({b.req, b.kv_head, b.q_begin, b.q_len, partial_rows, (int32_t)num_chunks});
     for (int64_t c = 0; c < num_chunks; ++c) {
       WorkItem w = b;
-      w.key_begin = static_cast<int32_t>(c * chunk);
-      w.key_end = static_cast<int32_t>(std::min<int64_t>(b.key_end, (c + 1) * chunk));
+      w.key_begin = static_cast<int32_t>(b.key_begin + c * chunk);
+      w.key_end = static_cast<int32_t>(std::min<int64_t>(b.key_end, b.key_begin + (c + 1) * chunk));
       w.partial = partial_rows + c * rows;
       w.cost = static_cast<int64_t>(w.key_end - w.key_begin) * b.q_len;
       items.push_back(w);
@@ -1582,7 +1705,13 @@ void unified_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
   L.cache_slot = kv_cache.stride(2);
   L.cache_head = kv_cache.stride(3);
   L.block_shift = (block_size & (block_size - 1)) == 0 ? __builtin_ctzll(block_size) : -1;
-  const float qk_scale = static_cast<float>(scale) * kLog2e;
+  L.window = static_cast<int>(window);
+  L.cap = static_cast<float>(logits_soft_cap) * kLog2e;
+  L.sinks = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
+  // Soft-capped scores are tanh of q . k x scale / cap, times cap in log2 units (L.cap);
+  // otherwise the scores are q . k x scale in log2 units straight away.
+  const float qk_scale = logits_soft_cap > 0 ? static_cast<float>(scale / logits_soft_cap)
+                                             : static_cast<float>(scale) * kLog2e;
 
   const auto qt = query.scalar_type(), ct = kv_cache.scalar_type();
 #define PAGEDQ_RUN(S, C)                                                                     \
@@ -1683,7 +1812,8 @@ bool amx_decode_available() {
 TORCH_LIBRARY(pagedq, m) {
   m.def(
       "unified_attention(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
-      "Tensor block_table, float scale, Tensor(a!) out, int kv_split_size) -> ()");
+      "Tensor block_table, float scale, Tensor(a!) out, int kv_split_size, int sliding_window, "
+      "float logits_soft_cap, Tensor? sinks) -> ()");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("amx_decode_available() -> bool", &amx_decode_available);
 }

@@ -34,7 +34,7 @@ def test_blocks_freed_in_reverse_so_tails_are_evicted_first():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     req = make_request("a", list(range(10)))  # 3 blocks
     assert kv.allocate_slots(req, 10) is not None
-    held = kv.get_block_ids("a")
+    held = kv.get_block_ids("a")[0]
     assert held == [0, 1, 2]
     kv.free(req)
     assert free_ids(kv.block_pool) == [3, 4, 5, 6, 7, 2, 1, 0]
@@ -59,9 +59,9 @@ def test_prefix_hit_shares_blocks_and_stops_one_token_short():
     a.num_computed_tokens = a.num_tokens
     b = make_request("b", system + [200, 201, 202])
     hits, num_hit = kv.get_computed_blocks(b)
-    assert num_hit == 8 and [h.block_id for h in hits] == kv.get_block_ids("a")[:2]
+    assert num_hit == 8 and [h.block_id for h in hits[0]] == kv.get_block_ids("a")[0][:2]
     kv.allocate_slots(b, b.num_tokens - num_hit, hits)
-    assert [blk.ref_cnt for blk in hits] == [2, 2]
+    assert [blk.ref_cnt for blk in hits[0]] == [2, 2]
     # A prompt that is exactly the cached blocks still recomputes its last token.
     c = make_request("c", system)
     _, num_hit_c = kv.get_computed_blocks(c)
@@ -79,10 +79,10 @@ def test_eviction_is_lru_and_unpublishes_the_hash():
     assert free_ids(kv.block_pool) == [2, 3, 1, 0]
     b = make_request("b", [9, 9, 9, 9, 9, 9])
     kv.allocate_slots(b, 6)  # takes 2, 3, then evicts 1 (LRU of the cached ones)
-    assert kv.get_block_ids("b") == [2, 3, 1]
+    assert kv.get_block_ids("b") == [[2, 3, 1]]
     again = make_request("c", [1, 2, 3, 4, 5])
     hits, num_hit = kv.get_computed_blocks(again)
-    assert [h.block_id for h in hits] == [0] and num_hit == 2
+    assert [h.block_id for h in hits[0]] == [0] and num_hit == 2
 
 
 def test_hit_on_a_free_cached_block_takes_it_out_of_the_free_queue():
@@ -93,8 +93,8 @@ def test_hit_on_a_free_cached_block_takes_it_out_of_the_free_queue():
     b = make_request("b", [1, 2, 7])
     hits, _ = kv.get_computed_blocks(b)
     kv.allocate_slots(b, 1, hits)
-    assert hits[0].ref_cnt == 1
-    assert hits[0].block_id not in free_ids(kv.block_pool)
+    assert hits[0][0].ref_cnt == 1
+    assert hits[0][0].block_id not in free_ids(kv.block_pool)
     assert kv.num_free_blocks == 1
 
 

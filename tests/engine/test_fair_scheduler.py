@@ -142,7 +142,7 @@ def test_swap_keeps_progress_frees_blocks_and_comes_back_before_new_work():
     sched.add_request(req("b", 1, prompt=8, max_tokens=8))
     fake_step(sched)  # both prefilled: 2 blocks each, pool full
     b = sched.requests["b"]
-    b_blocks = kv.get_block_ids("b")
+    b_blocks = kv.get_block_ids("b")[0]
     for layer in caches:  # give b's KV recognisable content
         layer[:, b_blocks] = torch.arange(1.0, 1 + len(b_blocks)).view(1, -1, 1, 1, 1)
     scheduled, _ = fake_step(sched)  # a needs a third block: b is swapped out
@@ -152,7 +152,7 @@ def test_swap_keeps_progress_frees_blocks_and_comes_back_before_new_work():
     assert sched.swapped_out_bytes == 2 * swap.bytes_per_block
     assert swap.num_free_blocks == 6 and sched.num_swapped == 1
     assert "b" not in kv.req_to_blocks
-    held = sum(len(v) for v in kv.req_to_blocks.values())
+    held = sum(len(group) for v in kv.req_to_blocks.values() for group in v)
     assert sum(blk.ref_cnt for blk in kv.block_pool.blocks) == held == 3
     for layer in caches:  # the device copy is gone: only the host copy can bring it back
         layer[:, b_blocks] = 0.0
@@ -161,10 +161,10 @@ def test_swap_keeps_progress_frees_blocks_and_comes_back_before_new_work():
     while sched.has_unfinished_requests():
         scheduled, finished = fake_step(sched)
         if content is None and "b" in scheduled:
-            content = [layer[:, kv.get_block_ids("b")[:2], 0, 0, 0].tolist() for layer in caches]
+            content = [layer[:, kv.get_block_ids("b")[0][:2], 0, 0, 0].tolist() for layer in caches]
             # Its full blocks are published again under the same chained hashes.
             pool = kv.block_pool.cached_block_hash_to_block
-            assert all(h in pool for h in b.block_hashes[:2])
+            assert all((0, h) in pool for h in b.block_hashes[:2])  # group 0's keys
         check_hashes(kv)
         order += finished
     # b comes back (content copied into its new blocks) before c is admitted.

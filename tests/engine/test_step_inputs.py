@@ -6,7 +6,7 @@ import torch
 
 from engine.block_table import BlockTable
 from engine.model_runner import ModelRunner
-from engine.models.layers import RotaryEmbedding
+from engine.models.rotary import RotaryEmbedding
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -31,8 +31,8 @@ def expected_slots(start: int, end: int, block_ids: list[int]) -> list[int]:
 def test_mixed_prefill_chunks_and_decodes():
     r = runner()
     a, b = Request("a", list(range(10)), GREEDY), Request("b", [7, 8, 9], GREEDY)
-    step = SchedulerOutput([ScheduledRequest(a, 6, [5, 9]), ScheduledRequest(b, 3, [2])])
-    ids, pos, meta, logits_indices, rows = r.prepare_inputs(step)
+    step = SchedulerOutput([ScheduledRequest(a, 6, [[5, 9]]), ScheduledRequest(b, 3, [[2]])])
+    ids, pos, (meta,), logits_indices, rows = r.prepare_inputs(step)
     assert ids.tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 9]
     assert pos.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
     assert meta.slot_mapping.tolist() == expected_slots(0, 6, [5, 9]) + expected_slots(0, 3, [2])
@@ -43,8 +43,8 @@ def test_mixed_prefill_chunks_and_decodes():
 
     a.num_computed_tokens, b.num_computed_tokens = 6, 3
     b.append_output_token(11)
-    step = SchedulerOutput([ScheduledRequest(a, 4, [5, 9, 3]), ScheduledRequest(b, 1, [2])])
-    ids, pos, meta, logits_indices, rows = r.prepare_inputs(step)
+    step = SchedulerOutput([ScheduledRequest(a, 4, [[5, 9, 3]]), ScheduledRequest(b, 1, [[2]])])
+    ids, pos, (meta,), logits_indices, rows = r.prepare_inputs(step)
     assert ids.tolist() == [6, 7, 8, 9, 11]
     assert meta.slot_mapping.tolist() == expected_slots(6, 10, [5, 9, 3]) + [2 * BLOCK + 3]
     assert meta.block_table.tolist() == [[5, 9, 3], [2, -1, -1]]
@@ -54,9 +54,9 @@ def test_mixed_prefill_chunks_and_decodes():
 def test_unscheduled_request_gives_its_row_back_and_a_reused_id_gets_a_fresh_row():
     table = BlockTable(num_rows=2, num_cols=2)
     old = Request("x", [1, 2, 3], GREEDY)
-    table.update([ScheduledRequest(old, 3, [4, 5, 6])])  # grows to 4 columns
+    table.update([ScheduledRequest(old, 3, [[4, 5, 6]])])  # grows to 4 columns
     new = Request("x", [9], GREEDY)  # same id, a different request, the very next step
-    rows, width = table.update([ScheduledRequest(new, 1, [7])])
+    rows, width = table.update([ScheduledRequest(new, 1, [[7]])])
     assert width == 1
     assert table.table[rows[0]].tolist()[:3] == [7, -1, -1]
     assert (table.table == -1).sum() == table.table.numel() - 1  # the old row was reset
@@ -66,7 +66,7 @@ def test_rows_grow_past_the_initial_table():
     table = BlockTable(num_rows=2, num_cols=2)
     reqs = [Request(str(i), [1], GREEDY) for i in range(5)]
     rows, width = table.update(
-        [ScheduledRequest(q, 1, list(range(10 * i, 10 * i + i + 1))) for i, q in enumerate(reqs)]
+        [ScheduledRequest(q, 1, [list(range(10 * i, 10 * i + i + 1))]) for i, q in enumerate(reqs)]
     )
     assert width == 5 and len(set(rows)) == 5
     for i, row in enumerate(rows):

@@ -24,18 +24,32 @@ METADATA = ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "slot_mapp
             "positions_ptr")  # fmt: skip
 FP32_BUFFERS = ("partial_out_ptr", "partial_m_ptr", "partial_l_ptr", "cos_ptr", "sin_ptr")
 ATTENTION = dict(NUM_QUERIES_PER_KV=4, BLOCK_SIZE=16, TILE_N=32, HEAD_PAD=128, INTERPRET=False)
+PLAIN = dict(USE_WINDOW=False, USE_SOFT_CAP=False)
+OPTIONS = dict(USE_WINDOW=True, USE_SOFT_CAP=True)  # a sliding window and a soft cap
 KERNELS = {
     "unified_attention": (
         attention._unified_attention_kernel,
-        dict(ATTENTION, BLOCK_Q=16, BLOCK_M=64, DOT_PRECISION="tf32"),
+        dict(ATTENTION, **PLAIN, HAS_SINKS=False, BLOCK_Q=16, BLOCK_M=64, DOT_PRECISION="tf32"),
+    ),
+    "unified_attention_options": (
+        attention._unified_attention_kernel,
+        dict(ATTENTION, **OPTIONS, HAS_SINKS=True, BLOCK_Q=16, BLOCK_M=64, DOT_PRECISION="tf32"),
     ),
     "split_decode": (
         split_decode._split_decode_kernel,
-        dict(ATTENTION, BLOCK_M=16, NUM_SPLITS=8, DOT_PRECISION="tf32"),
+        dict(ATTENTION, **PLAIN, BLOCK_M=16, NUM_SPLITS=8, DOT_PRECISION="tf32"),
+    ),
+    "split_decode_options": (
+        split_decode._split_decode_kernel,
+        dict(ATTENTION, **OPTIONS, BLOCK_M=16, NUM_SPLITS=8, DOT_PRECISION="tf32"),
     ),
     "split_reduce": (
         split_decode._split_reduce_kernel,
-        dict(HEAD_PAD=128, NUM_SPLITS=8, INTERPRET=False),
+        dict(HEAD_PAD=128, NUM_SPLITS=8, INTERPRET=False, HAS_SINKS=False),
+    ),
+    "split_reduce_sinks": (
+        split_decode._split_reduce_kernel,
+        dict(HEAD_PAD=128, NUM_SPLITS=8, INTERPRET=False, HAS_SINKS=True),
     ),
     "write_kv": (
         kv_write._write_kv_kernel,
@@ -67,7 +81,7 @@ def compile_for(kernel, arch: int, dtype: str, index_dtype: str, constexprs: dic
         elif name.endswith("_ptr"):
             signature[name] = f"*{dtype}"
         else:
-            signature[name] = "fp32" if name in ("qk_scale", "eps") else "i32"
+            signature[name] = "fp32" if name in ("qk_scale", "eps", "soft_cap") else "i32"
     source = ASTSource(fn=kernel, signature=signature, constexprs=values)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
     assert compiled.asm["cubin"], "no cubin"

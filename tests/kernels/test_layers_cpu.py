@@ -124,7 +124,7 @@ def test_rotary_in_place_is_bit_for_bit_the_reference(heads, kv_heads, head_dim,
     """q and k rotated inside a QKV output (a strided view); v is left alone."""
     from transformers import LlamaConfig
 
-    from engine.models.layers import RotaryEmbedding
+    from engine.models.rotary import RotaryEmbedding
     from kernels import apply_rotary
     from kernels.cpu_attention import rotary_cpu
     from kernels.reference import rotary_apply_torch, rotary_torch

@@ -31,7 +31,7 @@ def test_rms_norm_matches_reference(rng, hidden, dtype, with_residual):
 
 
 def test_rms_norm_reference_is_the_engine_layer():
-    from engine.models.layers import RMSNorm
+    from engine.models.norm import RMSNorm
 
     # The torch backend's layer; the C++ one sums in its own vector order (test_layers_cpu.py
     # bounds that difference): bit-equal to torch only where both use the same lane count.
@@ -66,7 +66,7 @@ def test_rotary_matches_reference(rng, num_heads, num_kv_heads, head_dim, dtype)
 def test_rotary_reference_is_the_engine_layer():
     from transformers import LlamaConfig
 
-    from engine.models.layers import RotaryEmbedding
+    from engine.models.rotary import RotaryEmbedding
 
     rotary = RotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=2), 32, 128)
     positions = torch.tensor([0, 5, 127])

@@ -23,8 +23,8 @@ def worker_factory(private_redis: PrivateRedis, tmp_path_factory: pytest.TempPat
     log_dir = tmp_path_factory.mktemp("worker-logs")
     workers: list[WorkerProcess] = []
 
-    def start(queue: str, name: str, *extra: str, env: dict[str, str] | None = None):
-        w = WorkerProcess(private_redis.url, queue, name, log_dir, *extra, env=env)
+    def start(queue: str, name: str, *extra: str, env: dict[str, str] | None = None, **kw):
+        w = WorkerProcess(private_redis.url, queue, name, log_dir, *extra, env=env, **kw)
         workers.append(w)
         return w
 

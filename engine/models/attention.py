@@ -1,0 +1,110 @@
+"""The shared self-attention layer: merged QKV, GQA, rotary, the paged KV cache, and the options
+today's families add (biases, QK-norm, partial rotary, sliding windows, sinks, soft-capping)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, PagedAttention
+from engine.models.linear import MergedLinear
+from engine.models.norm import RMSNorm
+from kernels import apply_rotary
+
+QK_NORMS = (None, "head", "proj")
+
+
+@dataclass(slots=True)
+class AttentionOptions:
+    """What a family sets on its attention layers; every default changes nothing."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None  # "head": per head (Qwen3, Gemma 3); "proj": whole (OLMo 2)
+    norm_eps: float = 1e-6
+    norm_unit_offset: bool = False  # QK-norm scales by 1 + w (Gemma)
+    rotary_dim: int | None = None  # partial rotary: the leading features that rotate
+    scale: float | None = None  # softmax scale; default head_dim ** -0.5
+    sliding_window: int | None = None  # attend to the last W positions only
+    sinks: bool = False  # a learned per-head logit in the softmax (gpt-oss)
+    logits_soft_cap: float | None = None  # cap * tanh(scores / cap) (Gemma 2)
+
+    def __post_init__(self) -> None:
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(
+                f"qk_norm={self.qk_norm!r} is not supported: must be one of {QK_NORMS}"
+            )
+
+
+class Attention(nn.Module):
+    """Self-attention over one flat varlen batch with the paged KV cache."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        backend: str,
+        options: AttentionOptions | None = None,
+    ) -> None:
+        super().__init__()
+        opts = options or AttentionOptions()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.qkv_proj = MergedLinear(
+            hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, opts.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=opts.o_bias)
+        self.qk_norm = opts.qk_norm
+        if opts.qk_norm is not None:
+            q_dim, k_dim = (
+                (head_dim, head_dim) if opts.qk_norm == "head" else (self.q_size, self.kv_size)
+            )
+            self.q_norm = RMSNorm(q_dim, opts.norm_eps, backend, opts.norm_unit_offset)
+            self.k_norm = RMSNorm(k_dim, opts.norm_eps, backend, opts.norm_unit_offset)
+        self.rotary_dim = opts.rotary_dim or head_dim
+        self.sliding_window = opts.sliding_window
+        self.backend = backend
+        if opts.sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads))
+        extra = {}
+        if opts.sliding_window is not None:
+            extra["sliding_window"] = opts.sliding_window
+        if opts.sinks:
+            extra["sinks"] = self.sinks
+        if opts.logits_soft_cap is not None:
+            extra["logits_soft_cap"] = opts.logits_soft_cap
+        scale = opts.scale if opts.scale is not None else head_dim**-0.5
+        self.attn = PagedAttention(scale, backend, **extra)
+
+    def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """``rope`` is the step's ``(cos, signed_sin)`` from ``RotaryEmbedding.cos_sin``."""
+        num_tokens, heads = hidden.shape[0], self.num_heads
+        qkv = self.qkv_proj(hidden)
+        qk_size = self.q_size + self.kv_size
+        if self.qk_norm == "proj":
+            qkv = torch.cat(
+                (
+                    self.q_norm(qkv[:, : self.q_size]),
+                    self.k_norm(qkv[:, self.q_size : qk_size]),
+                    qkv[:, qk_size:],
+                ),
+                dim=1,
+            )
+        # q and k sit side by side in qkv: one rotation for both, on a view (no split copies).
+        qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
+        if self.qk_norm == "head":
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        # In place on qkv where the backend can (the C++ kernel on the CPU).
+        if self.rotary_dim == self.head_dim:
+            qk = apply_rotary(qk, *rope, backend=self.backend)
+        else:
+            part = qk[..., : self.rotary_dim]
+            part.copy_(apply_rotary(part, *rope, backend=self.backend))
+        v = qkv[:, qk_size:].view(num_tokens, -1, self.head_dim)
+        out = self.attn(qk[:, :heads], qk[:, heads:], v, kv_cache, meta)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -1,0 +1,58 @@
+"""Linear layers whose checkpoint weights arrive in several pieces (q/k/v, gate/up)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MergedLinear(nn.Linear):
+    """One linear made of named output shards, e.g. ``qkv_proj`` of ``q_proj``, ``k_proj``,
+    ``v_proj``: one GEMM a step instead of three. A checkpoint may bring each shard on its own
+    (Llama) or the merged weight whole (Phi-3); ``load_weights`` accepts either."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, size in shard_sizes.items():
+            self.shard_offsets[name] = (offset, size)
+            offset += size
+        for param in self.parameters():
+            param.weight_loader = self._load_shard
+            param.expected_shards = set(shard_sizes)
+
+    def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
+        if shard is None:  # the merged weight, whole
+            param.data.copy_(tensor)
+            return
+        offset, size = self.shard_offsets[shard]
+        param.data[offset : offset + size].copy_(tensor)
+
+
+def load_param(param: nn.Parameter, tensor: torch.Tensor, shard, name: str) -> None:
+    """Copy ``tensor`` (checkpoint name ``name``) into ``param`` (or the ``shard`` of it),
+    through the parameter's own ``weight_loader`` where it has one; refuses a shape that does
+    not match, naming the tensor."""
+    loader = getattr(param, "weight_loader", None)
+    if shard is not None:
+        expected = _shard_shape(param, shard)
+    else:
+        expected = tuple(param.shape)
+    if tuple(tensor.shape) != expected:
+        raise ValueError(
+            f"weight {name!r}: shape {tuple(tensor.shape)} does not match the config, "
+            f"expected {expected}"
+        )
+    if loader is not None:
+        loader(param, tensor, shard)
+    else:
+        param.data.copy_(tensor)
+
+
+def _shard_shape(param: nn.Parameter, shard) -> tuple[int, ...]:
+    shape = getattr(param, "shard_shape", None)
+    if shape is not None:
+        return tuple(shape(shard))
+    owner = param.weight_loader.__self__
+    return (owner.shard_offsets[shard][1], *param.shape[1:])

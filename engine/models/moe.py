@@ -1,0 +1,212 @@
+"""The mixture-of-experts block (vLLM's ``FusedMoE``): a router, ``E`` gated experts stored
+fused as 3-D tensors, an optional shared expert.
+
+Weights: ``w13_weight`` ``[E, 2I, H]`` (each expert's gate rows, then its up rows) and
+``w2_weight`` ``[E, H, I]``, with ``w13_bias`` / ``w2_bias`` where the experts have biases
+(gpt-oss). Activations: ``"silu"`` (``silu(gate) * up``) and ``"swigluoai"`` (gpt-oss:
+``(up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = gate.clamp(max=limit)``).
+
+A step routes its tokens once, then runs every expert's gate_up and down over the tokens routed
+to it as grouped GEMMs, with no Python loop over experts: on the CPU pagedq's C++ kernel over
+weights packed once at load (``prepack``; ``kernels/cpu_moe.py``), on CUDA a Triton kernel
+(``kernels/triton_moe.py``), elsewhere the torch reference (``torch._grouped_mm``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from engine.models.causal_lm import CausalLM
+from engine.models.routers import Router
+from kernels import select_backend
+from kernels.reference import fused_experts_torch
+
+ACTIVATIONS = ("silu", "swigluoai")
+
+
+class FusedMoE(nn.Module):
+    """``out = sum_j weight_j * expert_j(x)`` over each token's ``top_k`` experts (``gate``
+    picks them), plus ``shared_expert(x)`` where one is given, scaled by
+    ``sigmoid(shared_expert_gate(x))`` with ``shared_expert_gate=True`` (Qwen2-MoE)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        gate: Router | None = None,
+        activation: str = "silu",
+        has_bias: bool = False,
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
+        shared_expert: nn.Module | None = None,
+        shared_expert_gate: bool = False,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"activation={activation!r} is not supported: must be one of {ACTIVATIONS}"
+            )
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.activation, self.alpha, self.limit = activation, swiglu_alpha, swiglu_limit
+        self.backend = backend
+        self.gate = gate if gate is not None else Router(hidden_size, num_experts, top_k)
+        # Every weight is loaded next (the loader refuses a checkpoint that misses one).
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13_bias = self.w2_bias = None
+        if has_bias:
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+        # Per-expert checkpoint tensors are shards (expert, "gate" | "up" | "down") of these.
+        for param, parts in ((self.w13_weight, ("gate", "up")), (self.w2_weight, ("down",))):
+            param.weight_loader = self._load_expert
+            param.shard_shape = self._expert_shape
+            param.expected_shards = {(e, part) for e in range(num_experts) for part in parts}
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (
+            nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
+        )
+        self.packed = None  # the C++ kernel's weights, once `prepack` ran
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[tokens, hidden]`` through the routed experts (and the shared one)."""
+        topk_weights, topk_ids = self.gate(x)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
+    def experts(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum, ``[tokens, hidden]`` in x's dtype."""
+        options = dict(activation=self.activation, alpha=self.alpha, limit=self.limit)
+        if self.packed is not None:
+            from kernels.cpu_moe import fused_moe_cpu
+
+            return fused_moe_cpu(x, self.packed, topk_weights, topk_ids, **options)
+        args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if select_backend(x.device, self.backend) == "triton":
+            from kernels.triton_moe import fused_experts_triton
+
+            return fused_experts_triton(*args, self.w13_bias, self.w2_bias, **options)
+        return fused_experts_torch(*args, self.w13_bias, self.w2_bias, **options)
+
+    def _expert_shape(self, shard: tuple[int, str]) -> tuple[int, int]:
+        if not 0 <= shard[0] < self.num_experts:
+            raise ValueError(
+                f"checkpoint has expert {shard[0]}, but the config has {self.num_experts} experts"
+            )
+        inter, hidden = self.intermediate_size, self.hidden_size
+        return (hidden, inter) if shard[1] == "down" else (inter, hidden)
+
+    def _load_expert(self, param: nn.Parameter, tensor: torch.Tensor, shard) -> None:
+        if shard is None:  # the fused 3-D tensor, whole
+            param.data.copy_(tensor)
+            return
+        expert, part = shard
+        rows = {"gate": slice(0, self.intermediate_size), "up": slice(self.intermediate_size, None)}
+        param.data[expert, rows.get(part, slice(None))].copy_(tensor)
+
+    def prepack(self) -> bool:
+        """Pack the experts once for the C++ kernel where it runs this dtype (a CPU backend,
+        AVX-512; bf16 AVX512-BF16); the plain 3-D weights are then released. Idempotent; call
+        after loading, with the model on its device and dtype."""
+        if self.packed is not None:
+            return True
+        weight = self.w13_weight
+        if select_backend(weight.device, self.backend) != "cpu":
+            return False
+        from kernels.cpu_moe import fused_moe_available, pack_moe_weights
+
+        if not fused_moe_available(weight.dtype):
+            return False
+        self.packed = pack_moe_weights(weight, self.w2_weight, self.w13_bias, self.w2_bias)
+        # Only the packed copy is used from now on: free the plain one (half the memory).
+        self.w13_weight = self.w2_weight = None
+        self.w13_bias = self.w2_bias = None
+        return True
+
+
+# Checkpoint names of experts: per expert (``experts.N.gate_proj.weight``; Mixtral's first
+# checkpoints ``experts.N.w1`` gate, ``w3`` up, ``w2`` down) or fused 3-D (transformers 5).
+_PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_FUSED = re.compile(r"^(.*)\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+_PARTS = {
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "down_proj": "down",
+    "w2": "down",
+}
+
+
+def expert_target(name: str) -> tuple[str, object] | None:
+    """``(FusedMoE parameter name, shard)`` of an expert's checkpoint tensor ``name``, or None
+    when ``name`` is not an expert weight."""
+    match = _PER_EXPERT.match(name)
+    if match:
+        prefix, expert, part = match.groups()
+        part = _PARTS[part]
+        target = "w2_weight" if part == "down" else "w13_weight"
+        return f"{prefix}.{target}", (int(expert), part)
+    match = _FUSED.match(name)
+    if match:
+        prefix, which, bias = match.groups()
+        stem = "w13" if which == "gate_up_proj" else "w2"
+        return f"{prefix}.{stem}_{'bias' if bias else 'weight'}", None
+    return None
+
+
+# Checkpoint module names of MoE families -> ours: Mixtral's first checkpoints, gpt-oss's router,
+# GLM-4.5's and DeepSeek-V3's shared experts.
+_RENAMES = (
+    (".block_sparse_moe.", ".mlp."),
+    (".mlp.router.", ".mlp.gate."),
+    (".mlp.shared_experts.", ".mlp.shared_expert."),
+)
+
+
+class MoECausalLM(CausalLM):
+    """A causal LM whose layers may hold ``FusedMoE`` blocks: loads per-expert and fused expert
+    tensors into them and packs them for the CPU kernel."""
+
+    def checkpoint_name(self, name: str) -> str | None:
+        for old, new in _RENAMES:
+            name = name.replace(old, new)
+        return super().checkpoint_name(name)
+
+    def split_target(self, name: str) -> tuple[str, object]:
+        return expert_target(name) or super().split_target(name)
+
+    def prepack(self) -> bool:
+        packed = super().prepack()
+        for module in self.layers.modules():
+            if isinstance(module, FusedMoE):
+                module.prepack()
+        return packed
+
+
+def from_interleaved_layout(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's expert tensors in ``FusedMoE``'s layout: its ``gate_up_proj`` ``[E, H, 2I]``
+    (gate and up in alternating columns) becomes ``[E, 2I, H]`` (gate rows, then up rows), its
+    ``gate_up_proj_bias`` likewise, its ``down_proj`` ``[E, I, H]`` becomes ``[E, H, I]``."""
+    if name.endswith("experts.gate_up_proj"):
+        tensor = tensor.transpose(1, 2)
+        return torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1).contiguous()
+    if name.endswith("experts.gate_up_proj_bias"):
+        return torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1).contiguous()
+    if name.endswith("experts.down_proj"):
+        return tensor.transpose(1, 2).contiguous()
+    return tensor

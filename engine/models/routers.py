@@ -1,0 +1,134 @@
+"""Routers of mixture-of-experts layers: which ``top_k`` experts each token goes to, and with
+what weights, computed exactly as Hugging Face's families do.
+
+- ``softmax_topk``: softmax over all experts, the top k, renormalised or not (Qwen2/3-MoE with
+  ``norm_topk_prob``; Mixtral always renormalises).
+- ``topk_softmax``: the top k logits, then a softmax over them (gpt-oss, whose router has a bias).
+- ``grouped_topk_sigmoid``: sigmoid scores; experts chosen by the scores plus
+  ``e_score_correction_bias``, within the ``topk_group`` best of ``n_group`` groups (a group's
+  score is the sum of its two best); weights from the uncorrected scores, renormalised, times
+  ``routed_scaling_factor`` (GLM-4.5, DeepSeek-V3).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SCORING = ("softmax_topk", "topk_softmax", "grouped_topk_sigmoid")
+
+
+def softmax_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights fp32, ids)`` of the ``top_k`` largest softmax probabilities."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, ids)``: the ``top_k`` largest logits and a softmax over them alone (in the
+    logits' dtype, as gpt-oss computes it)."""
+    values, ids = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(values, dim=-1, dtype=values.dtype), ids
+
+
+def grouped_topk_sigmoid(
+    logits: torch.Tensor,
+    top_k: int,
+    correction_bias: torch.Tensor,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights fp32, ids)`` of DeepSeek-V3's grouped sigmoid routing (fp32 ``logits``)."""
+    num_tokens, num_experts = logits.shape
+    scores = logits.sigmoid()
+    choice = scores + correction_bias
+    group_scores = choice.view(num_tokens, n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, -1, num_experts // n_group)
+    choice = choice.masked_fill(~score_mask.reshape(num_tokens, -1).bool(), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+    return weights * routed_scaling_factor, ids
+
+
+class Router(nn.Module):
+    """The gate of a mixture-of-experts layer: ``weight`` ``[E, hidden]`` (and ``bias`` ``[E]``
+    with ``bias=True``; ``e_score_correction_bias`` ``[E]`` for grouped sigmoid routing).
+
+    ``forward(x)`` gives ``(topk_weights fp32, topk_ids int64)``, both ``[tokens, top_k]``.
+    ``round_weights`` rounds the weights to the model's dtype first, as Qwen3-MoE and gpt-oss
+    do (Mixtral keeps them fp32); ``fp32_logits`` computes the logits in fp32 (GLM-4.5,
+    DeepSeek-V3) instead of the model's dtype.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        scoring: str = "softmax_topk",
+        renormalize: bool = True,
+        bias: bool = False,
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
+        round_weights: bool = False,
+        fp32_logits: bool = False,
+    ) -> None:
+        super().__init__()
+        if scoring not in SCORING:
+            raise ValueError(f"scoring={scoring!r} is not supported: must be one of {SCORING}")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        if scoring == "grouped_topk_sigmoid" and (
+            num_experts % n_group or not 0 < topk_group <= n_group
+        ):
+            raise ValueError(
+                f"n_group={n_group} must divide num_experts={num_experts} and "
+                f"topk_group={topk_group} must be in [1, n_group]"
+            )
+        self.top_k, self.scoring, self.renormalize = top_k, scoring, renormalize
+        self.n_group, self.topk_group = n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.round_weights, self.fp32_logits = round_weights, fp32_logits
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
+        if scoring == "grouped_topk_sigmoid":  # a parameter, so that checkpoints load it
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(num_experts), requires_grad=False
+            )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fp32_logits:
+            bias = None if self.bias is None else self.bias.float()
+            logits = F.linear(x.float(), self.weight.float(), bias)
+        else:
+            logits = F.linear(x, self.weight, self.bias)
+        if self.scoring == "softmax_topk":
+            weights, ids = softmax_topk(logits, self.top_k, self.renormalize)
+        elif self.scoring == "topk_softmax":
+            weights, ids = topk_softmax(logits, self.top_k)
+        else:
+            weights, ids = grouped_topk_sigmoid(
+                logits.float(),
+                self.top_k,
+                self.e_score_correction_bias.float(),
+                self.n_group,
+                self.topk_group,
+                self.renormalize,
+                self.routed_scaling_factor,
+            )
+        if self.round_weights:
+            weights = weights.to(x.dtype)
+        return weights.float(), ids

@@ -1,0 +1,246 @@
+"""The gated delta rule (Gated DeltaNet: Qwen3.5, Qwen3-Next linear attention) over a varlen batch.
+
+Each sequence ``i`` of a flat batch owns rows ``query_start_loc[i]:query_start_loc[i+1]`` of
+``q``/``k`` ``[num_tokens, num_k_heads, k_dim]``, ``v`` ``[num_tokens, num_v_heads, v_dim]`` and
+``g``/``beta`` ``[num_tokens, num_v_heads]``, and one slot ``state_indices[i]`` of the recurrent
+state pool ``[num_slots, num_v_heads, k_dim, v_dim]`` (fp32). Key head ``h`` serves value heads
+``h * r .. h * r + r - 1`` (``r = num_v_heads // num_k_heads``, transformers' repeat_interleave).
+
+Per token, with ``q``, ``k`` l2-normalised and ``q`` scaled by ``k_dim ** -0.5``::
+
+    S = exp(g) * S;  S += k (beta * (v - k^T S))^T;  o = q^T S
+
+A call starts from the slot's state (zero where ``has_initial_state[i]`` is False) and writes
+the final state back, so a prompt split over several engine steps equals one pass.
+
+- ``gated_delta_rule_recurrent_torch``: token by token, all sequences of the batch at once (the
+  decode form).
+- ``gated_delta_rule_chunked_torch``: chunks of 64 tokens per sequence, the WY/UT form of the
+  DeltaNet paper (matmuls inside a chunk, the state carried between chunks): the prefill form.
+- ``gated_delta_rule``: the dispatch: Triton on CUDA, C++ on the CPU (``kernels/csrc/
+  gated_delta_cpu.cpp``), else the reference (decodes recurrent, longer sequences chunked).
+
+Everything runs in fp32 (float64 when the inputs or the pool are float64, to check the fp32
+forms against), and the output is rounded once to ``v``'s dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_SIZE = 64
+
+
+def gdn_gating(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(g, beta)``: the log decay ``-exp(A_log) * softplus(a + dt_bias)`` (fp32) and
+    ``sigmoid(b)`` (in ``b``'s dtype), as transformers' Qwen3.5 computes them."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, b.sigmoid()
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (the FLA library's, as transformers')."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _prepare_qk(
+    q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2norm: bool, scale: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """q, k in ``dtype``, normalised, q scaled, repeated to one head per value head."""
+    q, k = q.to(dtype), k.to(dtype)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * scale
+    ratio = num_v_heads // k.shape[1]
+    if ratio > 1:
+        q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
+    return q, k
+
+
+def _check(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+) -> None:  # fmt: skip
+    num_tokens, num_k_heads, k_dim = q.shape
+    _, num_v_heads, v_dim = v.shape
+    if k.shape != q.shape or v.shape[0] != num_tokens:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
+    if num_v_heads % num_k_heads:
+        raise ValueError(f"num_v_heads={num_v_heads} is not a multiple of {num_k_heads=}")
+    if g.shape != (num_tokens, num_v_heads) or beta.shape != g.shape:
+        raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be "
+                         f"[num_tokens, num_v_heads] = {(num_tokens, num_v_heads)}")  # fmt: skip
+    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (num_v_heads, k_dim, v_dim):
+        raise ValueError(f"state_pool {tuple(state_pool.shape)} must be [num_slots, "
+                         f"{num_v_heads}, {k_dim}, {v_dim}]")  # fmt: skip
+    if state_indices.shape != (query_start_loc.shape[0] - 1,):
+        raise ValueError("state_indices must hold one slot per sequence of query_start_loc")
+
+
+def _initial_states(
+    state_pool: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    states = state_pool[slots].to(dtype)
+    if has_initial_state is not None:
+        states = states * has_initial_state.to(states.device, torch.bool)[:, None, None, None]
+    return states
+
+
+def gated_delta_rule_recurrent_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None, use_qk_l2norm: bool = True,
+    scale: float | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The token-by-token form: step ``t`` advances every sequence that has a ``t``-th token."""
+    _check(q, k, v, g, beta, state_pool, query_start_loc, state_indices)
+    dtype = _compute_dtype(q, v, state_pool)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qn, kn = _prepare_qk(q, k, v.shape[1], use_qk_l2norm, scale, dtype)
+    vv, decay, beta_ = v.to(dtype), g.to(dtype).exp(), beta.to(dtype)
+    out = torch.empty_like(v) if out is None else out
+    starts, ends = query_start_loc[:-1].long(), query_start_loc[1:].long()
+    lens = ends - starts
+    slots = state_indices.long()
+    states = _initial_states(state_pool, slots, has_initial_state, dtype)
+    for t in range(int(lens.max()) if lens.numel() else 0):
+        active = (lens > t).nonzero().flatten()
+        rows = starts[active] + t
+        s = states[active] * decay[rows][:, :, None, None]
+        kt = kn[rows]
+        kv_mem = torch.einsum("bhkv,bhk->bhv", s, kt)
+        delta = (vv[rows] - kv_mem) * beta_[rows][:, :, None]
+        s = s + kt[:, :, :, None] * delta[:, :, None, :]
+        out[rows] = torch.einsum("bhkv,bhk->bhv", s, qn[rows]).to(out.dtype)
+        states[active] = s
+    ran = lens > 0
+    state_pool[slots[ran]] = states[ran].to(state_pool.dtype)
+    return out
+
+
+def _chunked_one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One sequence, heads first: q/k ``[H, L, K]``, v ``[H, L, V]``, g/beta ``[H, L]``,
+    state ``[H, K, V]``; returns ``(o [H, L, V], final state)``."""
+    out = torch.empty_like(v)
+    for start in range(0, q.shape[1], chunk_size):
+        sl = slice(start, start + chunk_size)
+        qc, kc, vc, bc = q[:, sl], k[:, sl], v[:, sl], beta[:, sl, None]
+        n = qc.shape[1]
+        cum = g[:, sl].cumsum(-1)  # log of the decay from the chunk's start through token i
+        rel = cum[:, :, None] - cum[:, None, :]  # decay from token j to token i (i >= j)
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        rel_decay = rel.masked_fill(~lower, float("-inf")).exp()
+        # Within a chunk the delta rule's updates solve a unit lower-triangular system
+        # (I + A) u = beta v with A_ij = beta_i k_i . k_j decay(j -> i) for i > j (WY form).
+        a = ((kc * bc) @ kc.transpose(1, 2) * rel_decay).tril(-1)
+        eye = torch.eye(n, dtype=q.dtype, device=q.device).expand_as(a)
+        rhs = torch.cat([vc * bc, kc * bc * cum[:, :, None].exp()], dim=-1)
+        solved = torch.linalg.solve_triangular(a + eye, rhs, upper=False, unitriangular=True)
+        u, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
+        v_new = u - w @ state  # what each token writes, net of what the old state predicts
+        scores = qc @ kc.transpose(1, 2) * rel_decay
+        out[:, sl] = (qc * cum[:, :, None].exp()) @ state + scores @ v_new
+        tail = (cum[:, -1:] - cum).exp()[:, :, None]  # decay from token j to the chunk's end
+        state = state * cum[:, -1, None, None].exp() + (kc * tail).transpose(1, 2) @ v_new
+    return out, state
+
+
+def gated_delta_rule_chunked_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None, use_qk_l2norm: bool = True,
+    scale: float | None = None, out: torch.Tensor | None = None, chunk_size: int = CHUNK_SIZE,
+) -> torch.Tensor:  # fmt: skip
+    """The chunked form, one sequence at a time, chunks of ``chunk_size`` from its first row."""
+    _check(q, k, v, g, beta, state_pool, query_start_loc, state_indices)
+    dtype = _compute_dtype(q, v, state_pool)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qn, kn = _prepare_qk(q, k, v.shape[1], use_qk_l2norm, scale, dtype)
+    out = torch.empty_like(v) if out is None else out
+    bounds = query_start_loc.tolist()
+    slots = state_indices.long()
+    states = _initial_states(state_pool, slots, has_initial_state, dtype)
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        if end == start:
+            continue
+        heads_first = [x[start:end].transpose(0, 1).to(dtype) for x in (qn, kn, v, g, beta)]
+        o, state = _chunked_one(*heads_first, states[i], chunk_size)
+        out[start:end] = o.transpose(0, 1).to(out.dtype)
+        state_pool[slots[i]] = state.to(state_pool.dtype)
+    return out
+
+
+def gated_delta_rule_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None, use_qk_l2norm: bool = True,
+    scale: float | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The reference of a mixed step: a decode-only batch steps recurrently, any other batch
+    goes chunked (a one-token sequence is one chunk of one)."""
+    args = (q, k, v, g, beta, state_pool, query_start_loc, state_indices, has_initial_state)
+    if q.shape[0] == state_indices.shape[0]:  # every sequence has exactly one token
+        return gated_delta_rule_recurrent_torch(*args, use_qk_l2norm, scale, out)
+    return gated_delta_rule_chunked_torch(*args, use_qk_l2norm, scale, out)
+
+
+def gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None, use_qk_l2norm: bool = True,
+    scale: float | None = None, out: torch.Tensor | None = None, backend: str = "auto",
+) -> torch.Tensor:  # fmt: skip
+    """The gated delta rule of one linear-attention layer over a step's varlen batch; returns
+    ``[num_tokens, num_v_heads, v_dim]`` in ``v``'s dtype and updates ``state_pool`` in place."""
+    from kernels import select_backend
+
+    args = (q, k, v, g, beta, state_pool, query_start_loc, state_indices, has_initial_state)
+    chosen = select_backend(q.device, backend)
+    if chosen == "triton":
+        from kernels.triton_gated_delta import gated_delta_rule_triton
+
+        return gated_delta_rule_triton(*args, use_qk_l2norm, scale, out)
+    if (
+        chosen == "cpu"
+        and state_pool.dtype == torch.float32
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and q.dtype == k.dtype == v.dtype
+    ):
+        return gated_delta_rule_cpu(*args, use_qk_l2norm, scale, out)
+    return gated_delta_rule_torch(*args, use_qk_l2norm, scale, out)
+
+
+def gated_delta_rule_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None, use_qk_l2norm: bool = True,
+    scale: float | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """C++ twin of the reference (``kernels/csrc/gated_delta_cpu.cpp``): fp32 state in place,
+    q/k/v fp32 or bf16 (one dtype), the recurrent form for every sequence."""
+    from kernels import cpu_attention
+
+    _check(q, k, v, g, beta, state_pool, query_start_loc, state_indices)
+    cpu_attention._require()
+    out = torch.empty_like(v) if out is None else out
+    has_initial = None if has_initial_state is None else has_initial_state.to(torch.bool)
+    has_initial = None if has_initial is None else has_initial.contiguous()
+    torch.ops.pagedq.gated_delta_rule(
+        q, k, v, g.float().contiguous(), beta.float().contiguous(), state_pool,
+        query_start_loc.long().contiguous(), state_indices.long().contiguous(),
+        has_initial, use_qk_l2norm,
+        float(q.shape[-1] ** -0.5 if scale is None else scale), out,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,296 @@
+"""Each supported architecture, as a tiny random checkpoint made at test time from transformers'
+own config class, gives Hugging Face's greedy tokens.
+
+A family adds its rows to ``CASES``: (id, model_type, config overrides). Prompts are longer than
+the sliding windows a case sets, and MoE cases route several experts per token."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import make_tiny_model
+
+from engine import LLM, SamplingParams
+from engine.structured_outputs import StructuredOutputsParams
+
+MAX_TOKENS = 20
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPTS = [[1, 504, 3458, 282, 4649, 314], [5, 77, 901, 12, 12, 3000, 45, 8, 9, 10, 11] * 3, [42]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One thread for both engines: on a shared 2-core host, two threads spend most of these
+    tiny models' time waiting for each other (10x slower measured under load)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def hf_greedy(folder, prompts, n):
+    """Hugging Face ``generate``'s greedy tokens for each prompt (fp32, no EOS stop)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            )
+            outs.append(out[0, len(prompt) :].tolist())
+    return outs
+
+
+def tiny_llm(folder, **kwargs) -> LLM:
+    """An fp32 engine on ``folder`` with a small KV pool, on one thread."""
+    return LLM(
+        str(folder),
+        dtype="float32",
+        kv_cache_memory=kwargs.pop("kv_cache_memory", 2**22),
+        block_size=16,
+        num_threads=1,
+        **kwargs,
+    )
+
+
+SLIDING_FULL = ["sliding_attention", "full_attention"]
+# Gemma's own head size and softmax scale (query_pre_attn_scalar is not head_dim here).
+GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 24, "layer_types": SLIDING_FULL}
+
+CASES = [
+    ("llama", "llama", {}),
+    (
+        "llama3-rope",
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    ("qwen2-bias", "qwen2", {}),
+    ("qwen3-qknorm", "qwen3", {}),
+    ("mistral-tied", "mistral", {"tie_word_embeddings": True}),
+    ("rope-linear", "llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    (
+        "rope-dynamic",  # past max_position_embeddings (24) the base grows with the length
+        "llama",
+        {"max_position_embeddings": 24, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+    ),
+    (
+        "rope-yarn",  # attention factor 0.1 ln(4) + 1 on cos/sin
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
+    ("gemma2", "gemma2", {**GEMMA, "sliding_window": 8}),
+    (
+        "gemma3-text",  # local base 10k, global 1M with linear scaling, as Gemma 3 ships
+        "gemma3_text",
+        {
+            **GEMMA,
+            "sliding_window": 8,
+            "final_logit_softcapping": 30.0,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+        },
+    ),
+    (
+        "phi3-longrope",  # the 33-token prompt is past 30: long factors; the others short
+        "phi3",
+        {
+            "original_max_position_embeddings": 30,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.1, 1.3, 1.6],
+                "long_factor": [3.0, 9.0, 27.0, 81.0],
+                "original_max_position_embeddings": 30,
+            },
+        },
+    ),
+    ("olmo2", "olmo2", {}),
+    ("olmo3", "olmo3", {"sliding_window": 8, "layer_types": SLIDING_FULL}),
+    # Mixtures of experts: several experts per token, per-expert and fused 3-D checkpoints.
+    (
+        "qwen3-moe",
+        "qwen3_moe",
+        {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 48,
+         "head_dim": 16, "mlp_only_layers": [1], "norm_topk_prob": True},
+    ),
+    (
+        "qwen3-moe-fused",
+        "qwen3_moe",
+        {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+         "head_dim": 16, "norm_topk_prob": False, "save_original_format": False},
+    ),
+    (
+        "qwen2-moe-shared",
+        "qwen2_moe",
+        {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48, "norm_topk_prob": False},
+    ),
+    (
+        "mixtral-window",
+        "mixtral",
+        {"num_local_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 96,
+         "sliding_window": 8},
+    ),
+    (
+        "gpt-oss",
+        "gpt_oss",
+        {"num_local_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 64,
+         "head_dim": 16, "sliding_window": 8, "num_hidden_layers": 3},
+    ),
+    (
+        "glm4-moe",
+        "glm4_moe",
+        {"n_routed_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+         "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+         "partial_rotary_factor": 0.5, "head_dim": 16, "attention_bias": True,
+         "routed_scaling_factor": 2.0, "num_hidden_layers": 3},
+    ),
+]  # fmt: skip
+
+
+CASE_BY_ID = {case_id: (model_type, overrides) for case_id, model_type, overrides in CASES}
+_BUILT: dict[str, tuple[object, list[list[int]]]] = {}
+
+
+def built(case_id, tmp_path_factory):
+    """``(folder, HF greedy tokens of PROMPTS)`` of a case, made once per module."""
+    if case_id not in _BUILT:
+        model_type, overrides = CASE_BY_ID[case_id]
+        folder = make_tiny_model(tmp_path_factory.mktemp(case_id), model_type, **overrides)
+        _BUILT[case_id] = folder, hf_greedy(folder, PROMPTS, MAX_TOKENS)
+    return _BUILT[case_id]
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("case_id", list(CASE_BY_ID))
+def test_tiny_model_matches_hf(tmp_path_factory, case_id):
+    folder, expected = built(case_id, tmp_path_factory)
+    llm = tiny_llm(folder)
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+
+
+# The regimes run on the families whose layers differ most from Llama's: sliding windows with
+# two RoPE bases and soft caps (Gemma 2/3), post-norm with windows (OLMo 3), length-dependent
+# RoPE with partial rotary (Phi-3 longrope).
+REGIME_CASES = ["gemma2", "gemma3-text", "olmo3", "phi3-longrope"]
+
+
+@pytest.mark.parametrize("case_id", REGIME_CASES)
+def test_regimes_match_hf(tmp_path_factory, case_id):
+    """Chunked prefill, preemption (recompute and swap) and prefix-cache hits leave the greedy
+    tokens exact."""
+    folder, expected = built(case_id, tmp_path_factory)
+    chunked = tiny_llm(folder, max_num_batched_tokens=8)
+    assert token_ids(chunked.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    assert chunked.stats.num_chunked_prefills > 0
+
+    # A pool that holds the longest request alone (every layer group counted), not all three.
+    engine = tiny_llm(folder).llm_engine
+    kv = engine.kv_cache_manager
+    longest = max(len(p) for p in PROMPTS) + MAX_TOKENS
+    num_blocks = kv.num_blocks_for(longest) + (kv.null_block is not None) + 1
+    for swap_space, kind in ((0, "recompute"), (0.01, "swap")):
+        small = tiny_llm(
+            folder, kv_cache_memory=num_blocks * engine._kv_bytes_per_block(), swap_space=swap_space
+        )
+        assert token_ids(small.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+        stats = small.stats
+        assert stats.num_preemptions > 0, kind
+        assert getattr(stats, f"num_preemptions_{kind}") > 0
+
+    cached = tiny_llm(folder)
+    for _ in range(2):  # the second run finds the long prompt's full blocks cached
+        assert token_ids(cached.generate(PROMPTS[1:2], GREEDY, use_tqdm=False)) == expected[1:2]
+    assert cached.stats.prefix_cache_hits >= 32
+
+
+@pytest.mark.parametrize("case_id", ["gemma3-text", "phi3-longrope"])
+def test_seeded_samples_and_json_schema(tmp_path_factory, case_id):
+    """n > 1 with a seed gives the same samples alone and in a batch; a JSON schema holds."""
+    folder, _ = built(case_id, tmp_path_factory)
+    llm = tiny_llm(folder)
+    seeded = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1:2], seeded, use_tqdm=False)[0]
+    batched = llm.generate(PROMPTS, seeded, use_tqdm=False)[1]
+    samples = [c.token_ids for c in alone.outputs]
+    assert len(samples) == 3 and samples == [c.token_ids for c in batched.outputs]
+    assert len({tuple(s) for s in samples}) > 1  # three seeds, not one sample three times
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+        "required": ["color", "ok"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    out = llm.generate(PROMPTS[0:1], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    folder = make_tiny_model(tmp_path / "m", "llama")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError):
+        LLM(str(folder), dtype="float32", kv_cache_memory=2**22)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ("shape", r"weight 'model\.layers\.1\.mlp\.down_proj\.weight': shape \(64, 64\)"),
+        ("unknown", r"unexpected weight 'model\.layers\.1\.mlp\.extra_proj\.weight'"),
+        ("missing", r"missing weights: \['layers\.1\.mlp\.down_proj\.weight'\]"),
+    ],
+)
+def test_checkpoint_that_does_not_match_its_config_is_refused(tmp_path, change, match):
+    from safetensors.torch import load_file, save_file
+
+    folder = make_tiny_model(tmp_path / "m", "gemma2", **GEMMA, sliding_window=8)
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.1.mlp.down_proj.weight"
+    if change == "shape":
+        tensors[name] = tensors[name][:, :64].contiguous()
+    elif change == "unknown":
+        tensors[name.replace("down_proj", "extra_proj")] = tensors[name].clone()
+    else:
+        del tensors[name]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=match):
+        tiny_llm(folder)

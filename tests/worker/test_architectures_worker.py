@@ -1,0 +1,111 @@
+"""Families beyond Llama through a real worker and Redis: a Gemma 3 (sliding and global layers,
+two RoPE bases, Gemma's chat template) and a Phi-3 with longrope (length-dependent rotary),
+one worker each, both on the module's Redis. Token-id prompts give Hugging Face's greedy
+tokens; a chat, seeded n > 1 samples and a JSON schema give what the offline engine gives."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from transformers import AutoTokenizer
+from worker_helpers import make_client
+
+from engine import SamplingParams
+from engine.structured_outputs import StructuredOutputsParams
+from tests.engine.test_architectures import (
+    MAX_TOKENS,
+    PROMPTS,
+    built,
+    one_thread,  # noqa: F401
+    tiny_llm,
+)
+from tests.engine.test_chat_templates import GEMMA_TEMPLATE, MESSAGES
+
+pytestmark = pytest.mark.slow
+
+CASES = ["gemma3-text", "phi3-longrope"]
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+    "required": ["color", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Each case's folder (Gemma's chat template added) and HF greedy tokens."""
+    out = {}
+    for case_id in CASES:
+        folder, expected = built(case_id, tmp_path_factory)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer.chat_template = GEMMA_TEMPLATE
+        tokenizer.save_pretrained(folder)
+        out[case_id] = folder, expected
+    return out
+
+
+@pytest.fixture(scope="module")
+def workers(models, worker_factory):
+    """One worker per case, started together (they load while the other loads)."""
+    started = {
+        case_id: worker_factory(
+            f"q-{case_id}",
+            f"w-{case_id}",
+            "--dtype",
+            "float32",
+            "--num-threads",
+            "1",
+            "--block-size",
+            "16",
+            model=str(folder),
+        )  # fmt: skip
+        for case_id, (folder, _) in models.items()
+    }
+    for w in started.values():
+        w.wait_ready()
+    return started
+
+
+@pytest.mark.parametrize("case_id", CASES)
+def test_worker_gives_hf_greedy_and_the_offline_engine(private_redis, models, workers, case_id):
+    folder, expected = models[case_id]
+    client = make_client(private_redis.url, f"q-{case_id}")
+    greedy = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    job_ids = client.submit_many({"prompt": p, **greedy} for p in PROMPTS)
+    chat_id = client.submit(messages=MESSAGES, temperature=0.0, max_tokens=8, ignore_eos=True)
+    seeded_id = client.submit(
+        prompt=PROMPTS[1], n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True
+    )
+    json_id = client.submit(
+        prompt=PROMPTS[0],
+        temperature=0.0,
+        max_tokens=60,
+        structured_outputs={"json": SCHEMA},
+    )
+    results = [client.result(j, timeout=300) for j in job_ids]
+    assert [r.token_ids for r in results] == expected, workers[case_id].log_tail()
+
+    llm = tiny_llm(folder)
+    chat = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert client.result(chat_id, timeout=300).token_ids == chat.outputs[0].token_ids
+
+    seeded = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    offline = llm.generate(PROMPTS[1:2], seeded, use_tqdm=False)[0]
+    got = client.result(seeded_id, timeout=300)
+    assert [c.token_ids for c in got.choices] == [c.token_ids for c in offline.outputs]
+
+    structured = client.result(json_id, timeout=300)
+    assert structured.finish_reason == "stop"
+    jsonschema.validate(json.loads(structured.text), SCHEMA)
+    offline_json = llm.generate(
+        PROMPTS[0:1],
+        SamplingParams(
+            temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+        ),
+        use_tqdm=False,
+    )[0]
+    assert structured.text == offline_json.outputs[0].text
+    client.close()
