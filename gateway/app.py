@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway import batches, completions, errors, files, models
+from gateway import batches, completions, embeddings, errors, files, models, responses
 from gateway.batch_runner import BatchRunner
 from gateway.batch_store import BatchStore
 from gateway.config import GatewayConfig
@@ -69,7 +69,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="pagedq gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
     errors.install(app)
-    for module in (files, batches, completions, models):
+    for module in (files, batches, completions, models, embeddings, responses):
         app.include_router(module.router)
 
     @app.get("/health")

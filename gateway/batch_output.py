@@ -70,9 +70,14 @@ def _line(
         return BatchOutputLine(
             id=f"batch_req_{job_id}", custom_id=parsed.custom_id, response=None, error=error
         )
-    line = result_line(parsed.custom_id, parsed.url, result, parsed.top_logprobs)
+    line = result_line(
+        parsed.custom_id, parsed.url, result, parsed.top_logprobs, options=parsed.options
+    )
     if line.response is not None and isinstance(line.response.body, ChatCompletion | Completion):
         line.response.body.created = created
+    elif line.response is not None and isinstance(line.response.body, dict):
+        if "created_at" in line.response.body:  # a Responses object: the same bytes each time
+            line.response.body["created_at"] = created
     return line
 
 

@@ -24,9 +24,10 @@ from gateway.keys import (
 )
 from producer.connection import is_cluster
 from producer.contract.shards import QueueShards
+from producer.openai_endpoints import OTHER_URLS
 from producer.openai_output import CHAT_URL, COMPLETIONS_URL
 
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, *OTHER_URLS)
 # OpenAI takes "24h" only; shorter windows ("90s", "30m", "2h") are a pagedq extension.
 WINDOW_RE = re.compile(r"^(\d{1,7})([smhd])$")
 WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -299,7 +299,15 @@ class BulkRun:
                     self.summary.completion_tokens += result.usage.completion_tokens
             else:
                 self.summary.failed += 1
-            self._write(result_line(parsed.custom_id, parsed.url, result, parsed.top_logprobs))
+            self._write(
+                result_line(
+                    parsed.custom_id,
+                    parsed.url,
+                    result,
+                    parsed.top_logprobs,
+                    options=parsed.options,
+                )
+            )
 
     def _write(self, line: BatchOutputLine) -> None:
         out: IO[str] = self._out

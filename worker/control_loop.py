@@ -320,8 +320,14 @@ class ControlLoop:
         if claim.canceled:
             self._cancel(claim.job_id)
             return
-        from engine import SamplingParams
+        from engine import PoolingParams, SamplingParams
 
+        if request.task == "embed":
+            params = PoolingParams(dimensions=request.dimensions)
+            self.loop.add(
+                AddRequest(claim.job_id, request.input, params, request.priority, request.tenant)
+            )
+            return
         try:
             params = SamplingParams(**request.sampling_kwargs(self.config.limits.max_tokens))
         except ValueError as exc:
@@ -381,6 +387,10 @@ class ControlLoop:
             if item is None:
                 continue  # canceled, timed out or lost meanwhile
             item.last_output = output
+            if output.finished and item.request is not None and item.request.task == "embed":
+                del self.in_flight[item.job_id]
+                ends.append(self.ender.finish(item, output))
+                continue
             self._observe_tokens(item, output, event.time)
             if output.finished:
                 del self.in_flight[item.job_id]

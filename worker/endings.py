@@ -56,7 +56,22 @@ def build_result(
     """The GenerationResult of a job from its last RequestOutput (None if it never ran).
 
     With `batch_decode` (a tokenizer's), each choice with logprobs gets `token_texts`.
+    An embedding job's output gives `embeddings` and its prompt tokens.
     """
+    if output is not None and hasattr(output, "num_prompt_tokens"):
+        return GenerationResult(
+            job_id=job_id,
+            custom_id=request.custom_id if request else None,
+            status=status,
+            finish_reason="stop" if status == "finished" else None,
+            embeddings=[o.embedding for o in output.outputs],
+            usage=Usage(prompt_tokens=output.num_prompt_tokens),
+            timings=timings,
+            model=model,
+            worker=worker,
+            error=error,
+            metadata=request.metadata if request else None,
+        )
     completions = list(output.outputs) if output is not None else []
     choices = [
         Choice(
@@ -243,7 +258,9 @@ class JobEnder:
         self.num_ended += 1
         output, result = ending.output, ending.result
         prompt = generated = reason = queued = None
-        if output is not None:
+        if output is not None and result.embeddings is not None:  # an embedding job
+            prompt, generated, reason = result.usage.prompt_tokens, 0, result.finish_reason
+        elif output is not None:
             prompt = len(output.prompt_token_ids or [])
             generated = sum(len(c.token_ids) for c in output.outputs)
             reason = output.outputs[0].finish_reason if output.outputs else None
