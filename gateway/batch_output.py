@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pydantic import ValidationError
 
 from gateway.batch_lines import BatchLines
+from producer.chat_answer import AnswerFormat
 from producer.contract.keys import result_key
 from producer.contract.schema import GenerationResult
 from producer.openai_batch import ParsedLine, invalid_line_id
@@ -69,7 +70,8 @@ def _line(
         return BatchOutputLine(
             id=f"batch_req_{job_id}", custom_id=parsed.custom_id, response=None, error=error
         )
-    line = result_line(parsed.custom_id, parsed.url, result, parsed.top_logprobs)
+    answer = AnswerFormat.of(parsed.request, result)
+    line = result_line(parsed.custom_id, parsed.url, result, parsed.top_logprobs, answer)
     if line.response is not None and isinstance(line.response.body, ChatCompletion | Completion):
         line.response.body.created = created
     return line

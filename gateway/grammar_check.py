@@ -1,0 +1,64 @@
+"""Refuse, before enqueuing, an output constraint the workers' grammar engine would refuse.
+
+With llguidance installed beside the gateway, its tokenizer-free check runs here (well under a
+millisecond for a usual schema), so a bad schema, regex or grammar is a 400 naming the field
+the client sent, not a failed job. Without it, the worker's refusal is mapped to the same 400
+(`job_error`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway.errors import APIError
+from producer.openai_fields import constraint_param
+
+try:
+    import llguidance
+    from llguidance import LLMatcher
+except ImportError:  # the gateway installs without it; the workers then check
+    llguidance = None
+
+# The engine's JSON settings (engine/structured_outputs/grammar.py), which a check must share.
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Past this the check may take milliseconds: the workers check it on their compile pool.
+MAX_CHECK_CHARS = 16_384
+# The prefix of a worker's message for a job it refused before running it.
+REFUSED_PREFIXES = ("invalid request: ", "invalid job: ")
+
+
+def check_constraint(structured: dict[str, Any], body: dict[str, Any]) -> None:
+    """APIError 400 when llguidance refuses `structured` (a `structured_outputs` object)."""
+    if llguidance is None:
+        return
+    kind, spec = next(iter(structured.items()))
+    text = spec if isinstance(spec, str) else json.dumps(spec)
+    if len(text) > MAX_CHECK_CHARS:
+        return
+    try:
+        if kind in ("json", "json_object"):
+            schema = text if kind == "json" else '{"type":"object"}'
+            grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+        elif kind == "regex":
+            grammar = LLMatcher.grammar_from_regex(spec)
+        elif kind == "grammar":
+            grammar = llguidance.grammar_from("grammar", spec)
+        else:
+            return
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, None)
+    except ValueError as exc:
+        is_error, messages = True, [str(exc)]
+    if is_error:
+        param = constraint_param(body)
+        message = "; ".join(messages)[:1000]
+        raise APIError(400, f"{param}: the grammar engine refuses it: {message}", param=param)
+
+
+def refused_by_worker(error: str | None) -> str | None:
+    """The message of a job a worker refused for its request (a 400, not a 500), else None."""
+    if error and error.startswith(REFUSED_PREFIXES) and "structured_outputs" in error:
+        return error
+    if error and error.startswith(REFUSED_PREFIXES) and "messages:" in error:
+        return error
+    return None
