@@ -51,7 +51,10 @@ def test_reasoning_splits():
     assert split_reasoning("qwen3", "no thinking").reasoning is None
     split = split_reasoning("deepseek_r1", "cut short by max_tokens")
     assert (split.reasoning, split.content) == ("cut short by max_tokens", "")
-    harmony = "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>Hi"
+    harmony = (
+        "<|channel|>analysis<|message|>think<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Hi"
+    )
     split = split_reasoning("openai_gptoss", harmony)
     assert (split.reasoning, split.content) == ("think", "Hi")
 
@@ -78,7 +81,8 @@ def test_template_formats():
 
 
 def test_think_grammar_lets_thinking_through_then_enforces_the_schema():
-    llguidance = pytest.importorskip("llguidance")
+    pytest.importorskip("llguidance")
+    import llguidance
     import llguidance.hf
 
     from engine.model_loader import load_tokenizer, resolve_model
