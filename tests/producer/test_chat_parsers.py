@@ -41,7 +41,7 @@ def test_each_family_format_parses_to_the_call(parser):
 def test_text_without_a_well_formed_call_stays_content():
     for parser in ("hermes", "llama3_json", "mistral", "openai"):
         assert parse_tool_calls(parser, "Paris is sunny.").content == "Paris is sunny."
-    broken = "<tool_call>\n{\"name\": \"x\", \"argu"
+    broken = '<tool_call>\n{"name": "x", "argu'
     assert parse_tool_calls("hermes", broken).calls == []
 
 
@@ -52,8 +52,7 @@ def test_reasoning_splits():
     split = split_reasoning("deepseek_r1", "cut short by max_tokens")
     assert (split.reasoning, split.content) == ("cut short by max_tokens", "")
     harmony = (
-        "<|channel|>analysis<|message|>think<|end|>"
-        "<|start|>assistant<|channel|>final<|message|>Hi"
+        "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>Hi"
     )
     split = split_reasoning("openai_gptoss", harmony)
     assert (split.reasoning, split.content) == ("think", "Hi")
