@@ -21,7 +21,6 @@ from sse_starlette import EventSourceResponse
 from gateway.auth import TenantDep
 from gateway.config import Tenant
 from gateway.errors import APIError, error_body
-from gateway.grammar_check import refused_by_worker
 from gateway.metrics import CANCELED_ON_DISCONNECT, OPEN_STREAMS, TTFT
 from gateway.requests import Online, parse_online
 from gateway.sse import DONE, ChunkWriter, Relay, StreamDiverged
@@ -30,7 +29,7 @@ from gateway.stream_parts import StreamParts
 from producer.chat_answer import AnswerFormat
 from producer.contract.keys import result_key
 from producer.contract.schema import GenerationResult
-from producer.openai_output import CHAT_URL, COMPLETIONS_URL, completion_body
+from producer.openai_output import CHAT_URL, COMPLETIONS_URL, completion_body, refused_by_worker
 from producer.results import MAX_READ_BYTES, is_final
 
 router = APIRouter()
@@ -174,6 +173,7 @@ async def _stream(
             err = _job_error(result)
             yield {"data": json.dumps(error_body(err.message, err.type, code=err.code))}
             return
+        request.app.state.limiter.observe(result.usage.total_tokens)
         first = result.all_choices()[0]
         answer = _answer_format(request, online, result)
         if parts is not None:

@@ -24,8 +24,6 @@ except ImportError:  # the gateway installs without it; the workers then check
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # Past this the check may take milliseconds: the workers check it on their compile pool.
 MAX_CHECK_CHARS = 16_384
-# The prefix of a worker's message for a job it refused before running it.
-REFUSED_PREFIXES = ("invalid request: ", "invalid job: ")
 
 
 def check_constraint(structured: dict[str, Any], body: dict[str, Any]) -> None:
@@ -53,12 +51,3 @@ def check_constraint(structured: dict[str, Any], body: dict[str, Any]) -> None:
         param = constraint_param(body)
         message = "; ".join(messages)[:1000]
         raise APIError(400, f"{param}: the grammar engine refuses it: {message}", param=param)
-
-
-def refused_by_worker(error: str | None) -> str | None:
-    """The message of a job a worker refused for its request (a 400, not a 500), else None."""
-    if error and error.startswith(REFUSED_PREFIXES) and "structured_outputs" in error:
-        return error
-    if error and error.startswith(REFUSED_PREFIXES) and "messages:" in error:
-        return error
-    return None

@@ -304,6 +304,19 @@ def completion_body(
     )
 
 
+# The prefix of a worker's message for a job it refused before running it.
+REFUSED_PREFIXES = ("invalid request: ", "invalid job: ")
+
+
+def refused_by_worker(error: str | None) -> str | None:
+    """The message of a job a worker refused for what its request asked (a constraint the
+    grammar engine refuses, messages the chat template refuses): a 400, not a 500."""
+    if error and error.startswith(REFUSED_PREFIXES):
+        if "structured_outputs" in error or "messages:" in error or "logit_bias" in error:
+            return error
+    return None
+
+
 def result_line(
     custom_id: str,
     url: str,
@@ -322,6 +335,10 @@ def result_line(
     if result.status == "canceled":
         error = BatchError(code="batch_cancelled", message=result.error or "canceled")
         return BatchOutputLine(id=line_id, custom_id=custom_id, response=None, error=error)
+    if result.status != "finished" and refused_by_worker(result.error):
+        detail = ErrorDetail(message=result.error or "", type="invalid_request_error")
+        response = BatchResponse(status_code=400, request_id=job_id, body=ErrorBody(error=detail))
+        return BatchOutputLine(id=line_id, custom_id=custom_id, response=response, error=None)
     if result.status != "finished":
         detail = ErrorDetail(
             message=result.error or "the job failed", type="server_error", code="job_failed"
