@@ -85,7 +85,8 @@ class RateLimiter:
             tokens_per_s += _number(status.get("prefill_tokens_per_s"))
             seqs += int(_number(status.get("max_num_seqs")))
         tokens = int(tokens_per_s * WINDOW_S)
-        requests = max(seqs, int(tokens / self._tokens_per_request))
+        # At least one: a client that divides by the limit (or waits for it) keeps going.
+        requests = max(1, seqs, int(tokens / self._tokens_per_request))
         return requests, max(tokens, int(requests * self._tokens_per_request))
 
     def observe(self, total_tokens: int) -> None:
@@ -115,6 +116,7 @@ class RateLimiter:
 
     async def admit(self, priority: int = 0, tokens: int = DEFAULT_TOKENS_PER_REQUEST) -> None:
         """Count an online request in, or raise 429 (with retry-after) past the queue depth."""
+        await self.catalog.models()  # the workers' statuses, read at most every 2 s
         if self.max_queue_depth is not None:
             depth = await self.depth(priority)
             if depth >= self.max_queue_depth:

@@ -303,6 +303,10 @@ class GenerationRequest(BaseModel):
             # One field carries the constraint on the wire (and into the job id's digest).
             self.structured_outputs = from_response_format(self.response_format)
             self.response_format = None
+        if self.prompt is not None:
+            for name in ("tools", "tool_choice", "chat_template_kwargs"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: only chat messages take it, not a prompt")
         if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
             raise ValueError("tool_choice: needs tools")
         forced = forced_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
