@@ -285,9 +285,12 @@ def test_batch_lines_carry_tool_calls(oai):
         endpoint="/v1/chat/completions",
         completion_window="24h",
         metadata={"set": "tools"},
+        output_expires_after={"anchor": "created_at", "seconds": 86400},
     )
     batch = wait_batch(oai, batch.id, ("completed",))
     assert batch.request_counts.completed == 3 and batch.metadata == {"set": "tools"}
+    kept = {"anchor": "created_at", "seconds": 86400}
+    assert batch.model_extra["output_expires_after"] == kept
     rows = [json.loads(x) for x in oai.files.content(batch.output_file_id).text.splitlines()]
     assert sorted(r["custom_id"] for r in rows) == ["t0", "t1", "t2"]
     for row in rows:
