@@ -130,6 +130,22 @@ def test_auto_tool_choice_parses_the_models_own_format(oai, qwen3):
     (call,) = c.message.tool_calls
     assert call.function.name == "get_time"
     jsonschema.validate(json.loads(call.function.arguments), TIME)
+    # Streamed: the call comes whole at the end, as one tool-call delta.
+    deltas, finish = [], None
+    for chunk in oai.chat.completions.create(
+        model=qwen3["model"],
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=64,
+        stream=True,
+        extra_body={"structured_outputs": {"grammar": HERMES_CALL}},
+    ):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            deltas += choice.delta.tool_calls or []
+    assert finish == "tool_calls" and len(deltas) == 1
+    assert deltas[0].function.name == "get_time" and deltas[0].id.startswith("call_")
+    jsonschema.validate(json.loads(deltas[0].function.arguments), TIME)
 
 
 def test_thinking_lands_in_reasoning_content_online_and_in_batch_output(oai, qwen3):

@@ -100,3 +100,22 @@ def test_think_grammar_lets_thinking_through_then_enforces_the_schema():
     assert accepts('opened in the prompt</think>{"a": 2}')
     assert not accepts('<think>x</think>{"b": 2}')
     assert not accepts('{"a": 1}')
+
+
+def test_a_thinking_worker_moves_the_constraint_after_the_think_block():
+    from producer.contract.schema import GenerationRequest
+    from worker.chat import chat_sampling
+    from worker.template_formats import TemplateFormats
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    request = GenerationRequest.parse(
+        {"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"json": schema}}
+    )
+    kwargs = request.sampling_kwargs()
+    thinking = chat_sampling(dict(kwargs), request, TemplateFormats("hermes", "qwen3"))
+    assert thinking["structured_outputs"]["grammar"].startswith("THINK:")
+    off = request.model_copy(update={"chat_template_kwargs": {"enable_thinking": False}})
+    assert chat_sampling(dict(kwargs), off, TemplateFormats("hermes", "qwen3")) == kwargs
+    assert chat_sampling(dict(kwargs), request, TemplateFormats()) == kwargs
+    harmony = chat_sampling(dict(kwargs), request, TemplateFormats("openai", "openai_gptoss"))
+    assert harmony["skip_special_tokens"] is False
