@@ -279,6 +279,9 @@ def test_batch_lines_carry_tool_calls(oai):
         }
         for i in range(3)
     ]
+    # This gateway's --reasoning-parser cuts batch outputs too.
+    think = {"messages": ASK, "max_tokens": 24, "structured_outputs": {"grammar": THINK_GRAMMAR}}
+    lines.append({"custom_id": "r", "method": "POST", "url": "/v1/chat/completions", "body": think})
     f = oai.files.create(file=("t.jsonl", batch_file(lines)), purpose="batch")
     batch = oai.batches.create(
         input_file_id=f.id,
@@ -288,12 +291,16 @@ def test_batch_lines_carry_tool_calls(oai):
         output_expires_after={"anchor": "created_at", "seconds": 86400},
     )
     batch = wait_batch(oai, batch.id, ("completed",))
-    assert batch.request_counts.completed == 3 and batch.metadata == {"set": "tools"}
+    assert batch.request_counts.completed == 4 and batch.metadata == {"set": "tools"}
     kept = {"anchor": "created_at", "seconds": 86400}
     assert batch.model_extra["output_expires_after"] == kept
     rows = [json.loads(x) for x in oai.files.content(batch.output_file_id).text.splitlines()]
-    assert sorted(r["custom_id"] for r in rows) == ["t0", "t1", "t2"]
-    for row in rows:
+    assert sorted(r["custom_id"] for r in rows) == ["r", "t0", "t1", "t2"]
+    (thought,) = [
+        r["response"]["body"]["choices"][0]["message"] for r in rows if r["custom_id"] == "r"
+    ]
+    assert thought["reasoning_content"].isalpha() and thought["content"].isalpha()
+    for row in (r for r in rows if r["custom_id"] != "r"):
         c = row["response"]["body"]["choices"][0]
         assert c["finish_reason"] == "tool_calls"
         (call,) = c["message"]["tool_calls"]
