@@ -13,8 +13,8 @@ the excess, at their measured rate); batch lines are never refused for load.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
+import re
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import APIError
 from gateway.models import ModelCatalog
-from producer.contract.keys import PAGEDQ, rq_queue_key
+from producer.contract.keys import RQ_QUEUES, rq_queue_key, rq_queue_name
 
 WINDOW_S = 60.0
 # The queue depth is read at most this often (every online request asks for it).
@@ -34,6 +34,8 @@ DEPTH_CACHE_S = 0.5
 # default max_tokens).
 DEFAULT_TOKENS_PER_REQUEST = 512
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 1, 60
+# The priority in a sub-queue's name (`{base}:p{priority}[:t:{tenant}]`).
+SUBQUEUE_PRIORITY = re.compile(r":p(-?\d+)(?::t:|$)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,33 +148,26 @@ class RateLimiter:
         return sum(n for p, n in self._depths if p <= priority)
 
     async def _read_depth(self) -> None:
-        names: dict[str, int] = {self.queue: 0}
-        async for key in self.redis.scan_iter(match=PAGEDQ["subqueues"] + self.queue + "*"):
-            base = key.decode().removeprefix(PAGEDQ["subqueues"])
-            if base != self.queue and not base.startswith(self.queue + "@"):
-                continue
-            names.setdefault(base, 0)
-            for name, meta in (await self.redis.hgetall(key)).items():
-                names[name.decode()] = _priority(meta)
+        # Every RQ queue of this root queue: its models' bases and their (priority, tenant)
+        # sub-queues (producer/contract/routing.py names them).
+        names = {}
+        for key in await self.redis.smembers(RQ_QUEUES):
+            name = rq_queue_name(key.decode())
+            if name.split(":", 1)[0].split("@", 1)[0] == self.queue:
+                match = SUBQUEUE_PRIORITY.search(name)
+                names[name] = int(match.group(1)) if match else 0
+        names.setdefault(self.queue, 0)
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
             pipe.llen(rq_queue_key(name))
         lengths = await pipe.execute()
-        self._depths = [(p, n) for p, n in zip(names.values(), lengths)]
+        self._depths = list(zip(names.values(), lengths, strict=True))
         self._depth = sum(lengths)
         self._depth_at = time.monotonic()
 
 
 def _number(value: Any) -> float:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else 0.0
-
-
-def _priority(meta: bytes) -> int:
-    try:
-        value = json.loads(meta).get("priority", 0)
-    except (ValueError, AttributeError):
-        return 0
-    return value if isinstance(value, int) else 0
 
 
 class RateLimitHeaders:
