@@ -21,6 +21,7 @@ from gateway.file_store import FileStore
 from gateway.keys import ACTIVE_BATCHES, batch_key, batch_ref
 from gateway.metrics import REGISTRY, ActiveBatches, MetricsMiddleware
 from gateway.models import ModelCatalog
+from gateway.ratelimit import RateLimiter, RateLimitHeaders
 from gateway.stream_hub import StreamHub
 from producer.client import Client
 
@@ -54,6 +55,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         app.state.hub = hub
         app.state.enqueuer = Enqueuer(client)
         app.state.catalog = ModelCatalog(hub.redis, config.queue)
+        app.state.limiter = RateLimiter(
+            hub.redis, app.state.catalog, config.queue, config.max_queue_depth
+        )
         collector = ActiveBatches(lambda: _active_statuses(client))
         REGISTRY.register(collector)
         await hub.start()
@@ -88,6 +92,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app.add_middleware(UploadLimit, max_bytes=config.max_file_bytes + MULTIPART_SLACK)
     app.add_middleware(MetricsMiddleware)
+    app.add_middleware(RateLimitHeaders)
     return app
 
 

@@ -14,8 +14,10 @@ from gateway.config import DEFAULT_BATCH_PRIORITY, GatewayConfig, Tenant, load_a
 from producer.cli import add_replica_ack_flags
 from producer.connection import check_url, redis_client
 from producer.contract.keys import DEFAULT_QUEUE, DEFAULT_REDIS_URL, rq_queue_key
+from producer.reasoning import REASONING_PARSERS
 from producer.refusal import refusal
 from producer.retry import redact_url
+from producer.tool_parsers import TOOL_CALL_PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +79,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="files are stored, and batches enqueued, in chunks of whole lines of this size",
     )
     add_replica_ack_flags(p)
+    p.add_argument(
+        "--max-queue-depth",
+        type=int,
+        help="online requests that find more jobs than this waiting at their priority get 429 "
+        "with retry-after (batch lines never do; default: no limit)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="the model's tool-call format, for tool_choice auto (default: found by the "
+        "workers in the chat template)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="the model's thinking format, cut into reasoning_content (default: found by "
+        "the workers in the chat template)",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
@@ -118,7 +138,12 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         file_chunk_bytes=args.file_chunk_bytes,
         min_replicas_ack=args.min_replicas_ack,
         replica_ack_timeout_ms=args.replica_ack_timeout_ms,
+        max_queue_depth=args.max_queue_depth,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
+    if config.max_queue_depth is not None and config.max_queue_depth < 1:
+        raise ValueError(f"--max-queue-depth must be >= 1, got {config.max_queue_depth}")
     check_url(config.redis_url)
     if not args.allow_unauthenticated:
         config.check()

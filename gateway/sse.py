@@ -15,6 +15,7 @@ from typing import Any
 
 from gateway.requests import Online
 from producer.contract import stream as stream_entry
+from producer.chat_answer import AnswerFormat
 from producer.contract.schema import GenerationResult
 from producer.openai_output import CHAT_URL, ChatCompletion, completion_body
 
@@ -56,6 +57,11 @@ class ChunkWriter:
         choice["finish_reason"] = finish_reason
         return self._dump([choice])
 
+    def delta(self, index: int, delta: dict[str, Any]) -> str:
+        """One chat chunk carrying `delta` (content, reasoning_content or tool_calls)."""
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return self._dump([choice])
+
     def usage(self, result: GenerationResult) -> str:
         """The last chunk of `stream_options.include_usage`: no choices, the usage."""
         u = result.usage
@@ -79,15 +85,21 @@ class ChunkWriter:
             body["usage"] = usage
         return json.dumps(body, separators=(",", ":"))
 
-    def final(self, result: GenerationResult) -> list[str]:
+    def final(self, result: GenerationResult, answer: AnswerFormat | None = None) -> list[str]:
         """The chunks after the streamed text: the other choices of n > 1 (whole), then per
         choice its finish reason with its log-probabilities (from the result)."""
-        body = completion_body(result, self.online.url, self.online.top_k)
+        body = completion_body(result, self.online.url, self.online.top_k, answer)
         out = []
         for choice in body.choices:
-            if choice.index != 0:  # only choice 0 is streamed token by token
-                text = choice.message.content if isinstance(body, ChatCompletion) else choice.text
-                out.append(self.chunk(choice.index, text, role=self.chat))
+            if choice.index != 0 and isinstance(body, ChatCompletion):
+                # Only choice 0 is streamed token by token: the others come whole.
+                message = choice.message.model_dump(exclude_none=True, exclude={"refusal"})
+                calls = message.get("tool_calls") or []
+                for i, call in enumerate(calls):
+                    call["index"] = i
+                out.append(self.delta(choice.index, message))
+            elif choice.index != 0:
+                out.append(self.chunk(choice.index, choice.text))
             logprobs = choice.logprobs.model_dump() if choice.logprobs is not None else None
             text = None if self.chat else ""
             out.append(self.chunk(choice.index, text, choice.finish_reason, logprobs))

@@ -17,6 +17,7 @@ from typing import Any
 from producer.contract.schema import GenerationRequest
 from producer.errors import InvalidRequestError
 from producer.openai_endpoints import OTHER_URLS, line_fields
+from producer.openai_fields import openai_fields
 from producer.openai_output import CHAT_URL, COMPLETIONS_URL
 
 __all__ = [
@@ -31,7 +32,7 @@ __all__ = [
 
 # Body fields of OpenAI requests that mean nothing here: the model is the worker's (use
 # `pagedq submit --model` to pin it), a batch never streams, and the rest is bookkeeping.
-IGNORED_BODY_FIELDS = ("model", "user", "store", "stream", "stream_options", "service_tier")
+IGNORED_BODY_FIELDS = ("model", "stream", "stream_options")
 MAX_REPORTED_ERRORS = 20
 
 
@@ -139,6 +140,7 @@ def _openai_fields(obj: dict[str, Any], line_no: int) -> tuple[dict[str, Any], s
 
 
 def _openai_body(fields: dict[str, Any], url: str) -> dict[str, Any]:
+    fields = openai_fields(fields, url)
     if "max_completion_tokens" in fields:
         if "max_tokens" in fields:
             raise ValueError("give max_tokens or max_completion_tokens, not both")

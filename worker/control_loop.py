@@ -24,6 +24,7 @@ import structlog
 from producer.contract.models import canonical_model
 from producer.refusal import RedisRefusedError
 from worker.cancels import CancelListener
+from worker.chat import chat_prompt, chat_sampling
 from worker.claim import Claim, JobRejected, parse_claim
 from worker.coalesce import AdmissionGate, EndCoalescer, StreamWindow
 from worker.config import WorkerConfig
@@ -49,6 +50,7 @@ from worker.redis_link import (
 )
 from worker.rq_adapter import RQAdapter
 from worker.status import StatusPublisher
+from worker.template_formats import template_formats
 
 log = structlog.get_logger("pagedq.worker")
 
@@ -91,6 +93,7 @@ class ControlLoop:
         self.metrics = metrics or WorkerMetrics(engine.model_name)
         self.health = health or WorkerHealth(engine.model_name)
         self.loop = EngineLoop(engine, on_step=self.metrics.observe_step)
+        self.formats = template_formats(engine.prompts.tokenizer)
         self.metrics.attach(lambda: self.loop.stats, lambda: len(self.in_flight))
         self.health.attach(self.loop.is_alive, lambda: self.loop.last_step_at)
         self.status = StatusPublisher(
@@ -102,7 +105,12 @@ class ControlLoop:
             health=self.health,
         )
         self.ender = JobEnder(
-            adapter, self.link, engine.model_name, self.metrics, engine.prompts.copy().tokenizer
+            adapter,
+            self.link,
+            engine.model_name,
+            self.metrics,
+            engine.prompts.copy().tokenizer,
+            self.formats.summary(),
         )
         self.leases = Leases(config.lease_ttl)
         self.cancels = CancelListener(adapter.connection)
@@ -202,6 +210,7 @@ class ControlLoop:
             "swap_space": engine.swap_space,
             "scheduling_policy": engine.scheduling_policy,
             "tenant_weights": engine.tenant_weights,
+            **self.formats.summary(),
         }
 
     def _register(self) -> bool:
@@ -329,14 +338,13 @@ class ControlLoop:
             )
             return
         try:
-            params = SamplingParams(**request.sampling_kwargs(self.config.limits.max_tokens))
+            kwargs = request.sampling_kwargs(self.config.limits.max_tokens)
+            params = SamplingParams(**chat_sampling(kwargs, request, self.formats))
         except ValueError as exc:
             self._fail(item, f"invalid request: {exc}")
             return
         # Chat templating and tokenizing run on the engine loop's tokenizer thread.
-        prompt = request.prompt
-        if prompt is None:
-            prompt = [m.model_dump() for m in request.messages or []]
+        prompt = request.prompt if request.prompt is not None else chat_prompt(request)
         self.loop.add(AddRequest(claim.job_id, prompt, params, request.priority, request.tenant))
         log.debug("job started", job_id=claim.job_id, attempt=claim.attempt)
 

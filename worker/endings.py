@@ -134,6 +134,7 @@ class JobEnder:
         model_name: str,
         metrics: WorkerMetrics,
         tokenizer: Any = None,
+        formats: dict[str, str] | None = None,
     ) -> None:
         self.adapter = adapter
         self.link = link
@@ -142,6 +143,8 @@ class JobEnder:
         self.num_ended = 0
         # Decodes token_texts at job end, on the control thread: a tokenizer of its own.
         self._tokenizer = tokenizer
+        # The chat formats of the model (worker/template_formats.py), carried in each result.
+        self.formats = formats or {}
 
     def _result(
         self, item: InFlight, output: Any, status: str, error: str | None = None
@@ -154,7 +157,7 @@ class JobEnder:
         )
         asked_logprobs = item.request is not None and item.request.logprobs is not None
         decode = self._tokenizer.batch_decode if asked_logprobs and self._tokenizer else None
-        return build_result(
+        result = build_result(
             item.job_id,
             item.request,
             output,
@@ -165,6 +168,10 @@ class JobEnder:
             error=error,
             batch_decode=decode,
         )
+        if item.request is not None and item.request.messages is not None:
+            for name, value in self.formats.items():
+                setattr(result, name, value)
+        return result
 
     def _ending(
         self, claim: Claim, result: GenerationResult, final: dict[str, str], **end: Any

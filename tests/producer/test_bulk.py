@@ -97,7 +97,8 @@ def test_lines_openai_would_refuse_at_upload_raise(raw, message):
     ("raw", "message"),
     [
         (openai_line("b", "x", max_tokens=0), "max_tokens: must be >= 1, got 0"),
-        (openai_line("b", "x", tools=[]), "tools: unknown field"),
+        (openai_line("b", "x", tools=[]), "tools: must hold at least one tool"),
+        (openai_line("b", "x", functions=[]), "functions: unknown field"),
         (openai_line("b", "x", max_tokens=3, max_completion_tokens=3), "not both"),
     ],
 )
