@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from pydantic import ValidationError
 
 from gateway.batch_lines import BatchLines
-from producer.connection import mget
 from producer.chat_answer import AnswerFormat
+from producer.connection import mget
 from producer.contract.keys import result_key
 from producer.contract.schema import GenerationResult
 from producer.openai_batch import ParsedLine, invalid_line_id

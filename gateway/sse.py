@@ -14,8 +14,8 @@ import time
 from typing import Any
 
 from gateway.requests import Online
-from producer.contract import stream as stream_entry
 from producer.chat_answer import AnswerFormat
+from producer.contract import stream as stream_entry
 from producer.contract.schema import GenerationResult
 from producer.openai_output import CHAT_URL, ChatCompletion, completion_body
 
