@@ -26,11 +26,11 @@ from gateway.metrics import OPEN_STREAMS
 from gateway.sse import Relay, StreamDiverged
 from producer.openai_responses import ResponseOptions
 from producer.openai_responses_output import (
-    THINK_OPEN,
     message_item,
     output_text_part,
     response_object,
 )
+from producer.reasoning import THINK_START
 from producer.results import is_final
 
 END_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete"}
@@ -79,11 +79,11 @@ async def response_events(
             ended = is_final(entry)
             if not held and not live and relay.sent:
                 # Thinking comes whole at the end, as a reasoning item before the message.
-                opening = relay.sent.lstrip()[: len(THINK_OPEN)]
-                if THINK_OPEN.startswith(opening) and not ended:
+                opening = relay.sent.lstrip()[: len(THINK_START)]
+                if THINK_START.startswith(opening) and not ended:
                     new = ""  # maybe "<think>": wait for more
                     continue
-                held = opening == THINK_OPEN
+                held = opening == THINK_START
                 if not held:
                     live, new = True, relay.sent
                     for e in _message_start(event, job_id):

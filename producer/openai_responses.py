@@ -20,8 +20,6 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from producer.contract.schema import GenerationRequest
-
 RESPONSES_URL = "/v1/responses"
 HONOURED = (
     "input",
@@ -126,7 +124,7 @@ def responses_fields(
     _text_format(body.get("text"), options, fields)
     _tools(body, options, fields)
     fields["messages"] = messages
-    return wire_fields(fields, options), options
+    return fields, options
 
 
 def _optional(body: dict[str, Any], name: str, kind: Any) -> Any:
@@ -298,74 +296,3 @@ def _tools(body: dict[str, Any], options: ResponseOptions, fields: dict[str, Any
         fields["tool_choice"] = chat_choice
         if body.get("parallel_tool_calls") is not None:
             fields["parallel_tool_calls"] = body["parallel_tool_calls"]
-
-
-# --- until the job schema takes tools -----------------------------------------------------------
-def wire_fields(fields: dict[str, Any], options: ResponseOptions) -> dict[str, Any]:
-    """`fields` as the job schema takes them. Where GenerationRequest has `tools` (the chat
-    tool-call work), they pass as they are; before it, a forced function is enforced here with
-    a JSON-schema constraint, the tools are described in a system message, and tool turns of
-    the history are written as text."""
-    if "tools" in GenerationRequest.model_fields:
-        return fields
-    tools = fields.pop("tools", None)
-    fields.pop("tool_choice", None)
-    fields.pop("parallel_tool_calls", None)
-    fields["messages"] = [_plain_message(m) for m in fields["messages"]]
-    if not tools:
-        return fields
-    by_name = {t["function"]["name"]: t["function"] for t in tools}
-    if options.forced in by_name:
-        schema = by_name[options.forced]["parameters"] or {"type": "object"}
-    elif options.forced == "required":
-        schema = {"anyOf": [_call_schema(f) for f in by_name.values()]}
-    else:
-        schema = None
-    if schema is not None:
-        fields["response_format"] = {
-            "type": "json_schema",
-            "json_schema": {"name": "tool_call", "schema": schema},
-        }
-    described = "You can call these functions:\n" + json.dumps([t["function"] for t in tools])
-    fields["messages"] = [{"role": "system", "content": described}, *fields["messages"]]
-    return fields
-
-
-def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {
-            "name": {"const": function["name"]},
-            "arguments": function["parameters"] or {"type": "object"},
-        },
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-
-
-def _plain_message(message: dict[str, Any]) -> dict[str, Any]:
-    if message.get("tool_calls"):
-        calls = [
-            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-            for c in message["tool_calls"]
-        ]
-        return {"role": "assistant", "content": json.dumps(calls)}
-    if message["role"] == "tool":
-        return {"role": "tool", "content": message["content"]}
-    return message
-
-
-def forced_calls(text: str, forced: str | None) -> list[tuple[str, str]] | None:
-    """The (name, arguments JSON) calls of an output constrained by `wire_fields`'s schema;
-    None when the output is not such a call."""
-    if forced is None:
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if forced != "required":
-        return [(forced, json.dumps(value))]
-    if isinstance(value, dict) and isinstance(value.get("name"), str):
-        return [(value["name"], json.dumps(value.get("arguments", {})))]
-    return None

@@ -6,14 +6,12 @@ request's echoed fields.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
-from producer.contract.schema import GenerationRequest, GenerationResult
-from producer.openai_responses import ResponseOptions, forced_calls
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+from producer.chat_answer import AnswerFormat
+from producer.contract.schema import GenerationResult
+from producer.openai_responses import ResponseOptions
 
 
 def response_id(job_id: str) -> str:
@@ -21,84 +19,12 @@ def response_id(job_id: str) -> str:
     return f"resp_{job_id}"
 
 
-def split_reasoning(text: str, parser: str | None = None) -> tuple[str | None, str]:
-    """(thinking, answer): by the worker's reasoning parser when it names one (the chat
-    reasoning parsers, producer/reasoning.py), else a text that opens with `<think>`."""
-    if parser is not None:
-        try:
-            from producer import reasoning
-        except ImportError:  # before the chat reasoning parsers
-            pass
-        else:
-            split = reasoning.split_reasoning(parser, text)
-            return split.reasoning, split.content
-    stripped = text.lstrip()
-    if not stripped.startswith(THINK_OPEN):
-        return None, text
-    inner = stripped[len(THINK_OPEN) :]
-    thinking, closed, answer = inner.partition(THINK_CLOSE)
-    if not closed:
-        return thinking, ""
-    return thinking.strip("\n"), answer.lstrip("\n")
-
-
-def tool_calls(
-    text: str, options: ResponseOptions, parser: str | None = None
-) -> list[tuple[str, str]] | None:
-    """(name, arguments JSON) of each function the answer calls, or None for a text answer.
-
-    The one place tool calls are read. Without `tools` in the job schema, the calls of a
-    forced tool_choice (the JSON-schema constraint of producer/openai_responses.py); with it,
-    the chat tool-call work's forms: a named choice's output is the arguments, `required`'s
-    an array of {name, parameters} (producer/contract/tool_choice.py), and `auto`'s the
-    family's own format, read by the worker's `parser` (producer/tool_parsers.py)."""
-    if "tools" not in GenerationRequest.model_fields:
-        return forced_calls(text, options.forced)
-    if options.forced == "required":
-        try:
-            calls = json.loads(text)
-            return [(c["name"], json.dumps(c["parameters"])) for c in calls] or None
-        except (ValueError, TypeError, KeyError):
-            return None
-    if options.forced is not None:
-        return [(options.forced, text)]
-    from producer.tool_parsers import parse_tool_calls
-
-    found = parse_tool_calls(parser, text)
-    return [(c.name, c.arguments) for c in found.calls] or None
-
-
 def output_items(
     job_id: str, text: str, options: ResponseOptions, result: GenerationResult | None = None
 ) -> list[dict[str, Any]]:
-    """The output items of a finished answer `text` (`result`: the formats its worker's chat
-    template speaks, when it says)."""
-    parts = chat_parts(job_id, text, options, result)
-    if parts is not None:
-        return parts
-    items: list[dict[str, Any]] = []
-    thinking, answer = split_reasoning(text, getattr(result, "reasoning_parser", None))
-    if thinking is not None:
-        items.append(reasoning_item(job_id, thinking))
-    parser = getattr(result, "tool_call_parser", None)
-    calls = tool_calls(answer, options, parser) if options.tools else None
-    if calls:
-        for k, (name, arguments) in enumerate(calls):
-            items.append(function_call_item(job_id, k, name, arguments))
-        return items
-    items.append(message_item(job_id, answer))
-    return items
-
-
-def chat_parts(
-    job_id: str, text: str, options: ResponseOptions, result: GenerationResult | None
-) -> list[dict[str, Any]] | None:
-    """The items of an answer cut by the chat tool-call work's `AnswerFormat` (reasoning,
-    content, tool calls: the same cut as chat completions), None before that work is in."""
-    try:
-        from producer.chat_answer import AnswerFormat
-    except ImportError:
-        return None
+    """The output items of a finished answer `text`, cut as chat completions cut it
+    (`AnswerFormat`: reasoning, content, tool calls) by the formats its worker's chat template
+    speaks (`result`, when it says)."""
     if options.forced == "required":
         mode = "required"
     elif options.forced is not None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from producer.contract.schema import GenerationRequest
+from producer.contract.schema import GenerationRequest, GenerationResult
 from producer.openai_responses import ResponseOptions, ResponsesFieldError, responses_fields
 from producer.openai_responses_output import output_items, output_messages
 
@@ -54,7 +54,12 @@ def test_refused_fields_are_named(body: dict, param: str) -> None:
 
 
 def test_thinking_becomes_a_reasoning_item() -> None:
-    items = output_items("j", "<think>\nLet me see.\n</think>\n\nParis.", ResponseOptions())
+    text = "<think>\nLet me see.\n</think>\n\nParis."
+    # The worker names its template's reasoning format; the answer is cut as chat's is.
+    result = GenerationResult(
+        job_id="j", status="finished", text=text, reasoning_parser="qwen3", finish_reason="stop"
+    )
+    items = output_items("j", text, ResponseOptions(), result)
     assert [i["type"] for i in items] == ["reasoning", "message"]
     assert items[0]["content"][0]["text"] == "Let me see."
     assert items[1]["content"][0]["text"] == "Paris."
