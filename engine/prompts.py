@@ -8,10 +8,22 @@ not safe to share between threads.
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from typing import Any
 
-Prompt = str | list[int] | list[dict[str, Any]]
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """Chat messages with what else the chat template takes: function `tools` (OpenAI's
+    [{"type": "function", "function": {...}}]) and keyword arguments such as enable_thinking."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+Prompt = str | list[int] | list[dict[str, Any]] | ChatPrompt
 """A text, a list of token ids, or chat messages ([{"role", "content"}], templated)."""
 
 
@@ -43,7 +55,12 @@ class PromptProcessor:
         """The checked token ids of a prompt; ValueError names the field and what is allowed."""
         if isinstance(prompt, ProcessedPrompt):
             return prompt
-        if isinstance(prompt, str):
+        if isinstance(prompt, ChatPrompt):
+            text = None
+            token_ids = self.apply_chat_template(
+                prompt.messages, prompt.tools, prompt.chat_template_kwargs
+            )
+        elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             text, token_ids = prompt, list(self.tokenizer.encode(prompt))
@@ -67,13 +84,32 @@ class PromptProcessor:
             )
         return ProcessedPrompt(text, token_ids)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a chat, with the model's template and the generation prompt."""
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of a chat, with the model's template and the generation prompt; `tools`
+        and `chat_template_kwargs` go to the template as transformers passes them."""
         if not messages:
             raise ValueError("messages must be a non-empty list of {role, content}")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
+        kwargs = dict(chat_template_kwargs or {})
+        for reserved in ("messages", "conversation", "tools", "tokenize", "add_generation_prompt"):
+            if reserved in kwargs:
+                raise ValueError(f"chat_template_kwargs: {reserved!r} may not be set there")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                [_template_message(m) for m in messages],
+                tools=tools,
+                add_generation_prompt=True,
+                tokenize=True,
+                **kwargs,
+            )
+        except Exception as exc:  # noqa: BLE001 - a template's own raise_exception, or a bad kwarg
+            if isinstance(exc, ValueError) and "chat_template_kwargs" in str(exc):
+                raise
+            raise ValueError(f"messages: the chat template refused them: {exc}") from None
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
@@ -87,6 +123,25 @@ class PromptProcessor:
             raise ValueError(
                 f"prompt: must be token ids < vocab size {self.vocab_size}, got {bad[:3]}"
             )
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as chat templates expect it: a tool call's `arguments` as an object (OpenAI
+    sends its JSON text; templates such as Llama 3.1's write it with `tojson`)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                arguments = json.loads(function["arguments"])
+            except ValueError:
+                arguments = function["arguments"]
+            call = {**call, "function": {**function, "arguments": arguments}}
+        out.append(call)
+    return {**message, "tool_calls": out}
 
 
 def _is_token_id(value: object) -> bool:

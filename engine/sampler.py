@@ -31,6 +31,7 @@ class Sampler:
             return argmax(logits, self.backend).tolist(), [None] * len(requests)
         raw_logprobs = self._logprobs_source(logits, requests)
         logits = self._apply_penalties(logits, requests)
+        logits = self._apply_logit_bias(logits, requests)
         logits = self._apply_min_tokens(logits, requests, eos_ids)
         sampled = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
@@ -90,6 +91,23 @@ class Sampler:
                     0, out_ids, torch.ones_like(out_ids, dtype=torch.float)
                 )
                 logits[i] -= freq[i] * counts + pres[i] * (counts > 0).float()
+        return logits
+
+    @staticmethod
+    def _apply_logit_bias(logits, requests):
+        """OpenAI's logit_bias: each listed token's logit plus its bias (ids past the model's
+        vocabulary can never be sampled, so their bias changes nothing)."""
+        rows = [i for i, r in enumerate(requests) if r.params.logit_bias]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in rows:
+            bias = {t: b for t, b in requests[i].params.logit_bias.items() if 0 <= t < vocab}
+            if bias:
+                ids = torch.tensor(list(bias), device=logits.device)
+                values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+                logits[i, ids] += values
         return logits
 
     @staticmethod
@@ -159,6 +177,7 @@ def _plain_greedy(r: Request) -> bool:
         and p.repetition_penalty == 1.0
         and not p.presence_penalty
         and not p.frequency_penalty
+        and not p.logit_bias
         and r.num_output_tokens >= p.min_tokens
     )
 

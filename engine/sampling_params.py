@@ -26,6 +26,10 @@ def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _bias(value: object) -> bool:
+    return _is_real(value) and -100 <= value <= 100
+
+
 def _int_in(name: str, value: object, lo: int, hi: int) -> None:
     _check(_is_int(value) and lo <= value <= hi, name, value, f"an integer in [{lo}, {hi}]")
 
@@ -55,6 +59,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to the logits before sampling.
+    logit_bias: dict[int, float] | None = None
     # A JSON schema, regex, choice or grammar the output must match (dicts are converted).
     structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
@@ -111,6 +117,15 @@ class SamplingParams:
             f"a list of token ids in [0, {INT64_MAX}]",
         )
         self.stop_token_ids = list(ids)
+        bias = self.logit_bias or {}
+        _check(
+            isinstance(bias, dict)
+            and all(_is_int(t) and t >= 0 and _bias(b) for t, b in bias.items()),
+            "logit_bias",
+            self.logit_bias,
+            "a mapping of token ids to biases in [-100, 100]",
+        )
+        self.logit_bias = dict(bias) or None
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
 
     @property

@@ -58,6 +58,7 @@ class SwapSpace:
         self.num_blocks = num_blocks
         pin = kv_caches[0].device.type == "cuda"
         # torch.empty: host pages are only committed once a block is actually swapped out.
+        # Each host cache is shaped like its own layer's (head sizes may differ per layer).
         self.host_caches = [
             torch.empty((2, num_blocks, *c.shape[2:]), dtype=c.dtype, device="cpu", pin_memory=pin)
             for c in kv_caches

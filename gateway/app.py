@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway import batches, completions, errors, files, models
+from gateway import batches, completions, embeddings, errors, files, models, responses
 from gateway.batch_runner import BatchRunner
 from gateway.batch_store import BatchStore
 from gateway.config import GatewayConfig
@@ -21,6 +21,7 @@ from gateway.file_store import FileStore
 from gateway.keys import ACTIVE_BATCHES, batch_key, batch_ref
 from gateway.metrics import REGISTRY, ActiveBatches, MetricsMiddleware
 from gateway.models import ModelCatalog
+from gateway.ratelimit import RateLimiter, RateLimitHeaders
 from gateway.stream_hub import StreamHub
 from producer.client import Client
 
@@ -54,6 +55,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         app.state.hub = hub
         app.state.enqueuer = Enqueuer(client)
         app.state.catalog = ModelCatalog(hub.redis, config.queue)
+        app.state.limiter = RateLimiter(
+            hub.redis, app.state.catalog, config.queue, config.max_queue_depth
+        )
         collector = ActiveBatches(lambda: _active_statuses(client))
         REGISTRY.register(collector)
         await hub.start()
@@ -69,7 +73,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="pagedq gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
     errors.install(app)
-    for module in (files, batches, completions, models):
+    for module in (files, batches, completions, models, embeddings, responses):
         app.include_router(module.router)
 
     @app.get("/health")
@@ -88,6 +92,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app.add_middleware(UploadLimit, max_bytes=config.max_file_bytes + MULTIPART_SLACK)
     app.add_middleware(MetricsMiddleware)
+    app.add_middleware(RateLimitHeaders)
     return app
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pydantic import ValidationError
 
 from gateway.batch_lines import BatchLines
+from producer.chat_answer import AnswerFormat
 from producer.connection import mget
 from producer.contract.keys import result_key
 from producer.contract.schema import GenerationResult
@@ -37,8 +38,12 @@ def output_lines(
     created: int,
     num_chunks: int | None = None,
     tick: Callable[[], None] | None = None,
+    parsers: tuple[str | None, str | None] = (None, None),
 ) -> Iterator[tuple[bool, bytes]]:
-    """(is_error, JSON line) for every line of the batch's first `num_chunks` chunks."""
+    """(is_error, JSON line) for every line of the batch's first `num_chunks` chunks.
+
+    `parsers`: the serve flags' (tool-call, reasoning) parsers, over those in each result.
+    """
     redis = lines.files.redis
     for chunk in lines.chunks(0, num_chunks):
         job_ids = [lines.job_id(p) for p in chunk]
@@ -46,7 +51,7 @@ def output_lines(
         raws = iter(mget(redis, keys))
         for parsed, job_id in zip(chunk, job_ids):
             raw = next(raws) if job_id is not None else None
-            line = _line(parsed, job_id, raw, stop, created)
+            line = _line(parsed, job_id, raw, stop, created, parsers)
             is_error = line.response is None or line.response.status_code != 200
             yield is_error, (line.model_dump_json() + "\n").encode()
         if tick is not None:
@@ -54,7 +59,12 @@ def output_lines(
 
 
 def _line(
-    parsed: ParsedLine, job_id: str | None, raw: bytes | None, stop: str, created: int
+    parsed: ParsedLine,
+    job_id: str | None,
+    raw: bytes | None,
+    stop: str,
+    created: int,
+    parsers: tuple[str | None, str | None],
 ) -> BatchOutputLine:
     if parsed.request is None or job_id is None:
         line_id = invalid_line_id(parsed)
@@ -70,9 +80,15 @@ def _line(
         return BatchOutputLine(
             id=f"batch_req_{job_id}", custom_id=parsed.custom_id, response=None, error=error
         )
-    line = result_line(parsed.custom_id, parsed.url, result, parsed.top_logprobs)
+    answer = AnswerFormat.of(parsed.request, result, *parsers)
+    line = result_line(
+        parsed.custom_id, parsed.url, result, parsed.top_logprobs, answer, options=parsed.options
+    )
     if line.response is not None and isinstance(line.response.body, ChatCompletion | Completion):
         line.response.body.created = created
+    elif line.response is not None and isinstance(line.response.body, dict):
+        if "created_at" in line.response.body:  # a Responses object: the same bytes each time
+            line.response.body["created_at"] = created
     return line
 
 

@@ -327,7 +327,9 @@ class BatchRunner:
         renew = self._renewer(batch_id)
         sizes = {False: [0, 0], True: [0, 0]}
         created = int(fields["created_at"])
-        for is_error, line in output_lines(lines, fields.get("stop", ""), created, tick=renew):
+        parsers = (self.config.tool_call_parser, self.config.reasoning_parser)
+        made = output_lines(lines, fields.get("stop", ""), created, tick=renew, parsers=parsers)
+        for is_error, line in made:
             sizes[is_error][0] += 1
             sizes[is_error][1] += len(line)
         extra = {}

@@ -24,9 +24,10 @@ from gateway.keys import (
 )
 from producer.connection import is_cluster
 from producer.contract.shards import QueueShards
+from producer.openai_endpoints import OTHER_URLS
 from producer.openai_output import CHAT_URL, COMPLETIONS_URL
 
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, *OTHER_URLS)
 # OpenAI takes "24h" only; shorter windows ("90s", "30m", "2h") are a pagedq extension.
 WINDOW_RE = re.compile(r"^(\d{1,7})([smhd])$")
 WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -111,6 +112,7 @@ def batch_object(fields: dict[str, str], counts: dict[str, str]) -> dict[str, An
         "error_file_id": fields.get("error_file_id") or None,
         "request_counts": request_counts(fields, counts),
         "metadata": json.loads(fields.get("metadata") or "null"),
+        "output_expires_after": json.loads(fields.get("output_expires_after") or "null"),
         "model": fields.get("model") or None,
         "usage": {
             "input_tokens": prompt,
@@ -158,6 +160,7 @@ class BatchStore:
         seconds = window_seconds(window)
         metadata = body.get("metadata")
         _check_metadata(metadata)
+        expires_after = _check_output_expires_after(body.get("output_expires_after"))
         file = self.files.fields(tenant.owner, input_file_id)
         if file.get("kind") != "upload" or file.get("purpose") != "batch":
             raise APIError(
@@ -181,6 +184,7 @@ class BatchStore:
             "created_at": now,
             "expires_at": now + seconds,
             "metadata": json.dumps(metadata),
+            "output_expires_after": json.dumps(expires_after),
             "total": int(file.get("requests", 0)),
             "next_chunk": 0,
             "stop": "",
@@ -281,6 +285,26 @@ class BatchStore:
         pairs = [str(x) for kv in fields.items() for x in kv]
         keys = [batch_key(batch_ref(self.redis, batch_id))]
         return bool(self._transition(keys=keys, args=[",".join(allowed), *pairs]))
+
+
+def _check_output_expires_after(value: Any) -> dict[str, Any] | None:
+    """OpenAI's {"anchor": "created_at", "seconds": 3600..2592000}, kept on the batch (its
+    output lines are made from results, which live the workers' --result-ttl at most)."""
+    if value is None:
+        return None
+    seconds = value.get("seconds") if isinstance(value, dict) else None
+    if (
+        not isinstance(value, dict)
+        or value.get("anchor") != "created_at"
+        or not isinstance(seconds, int)
+        or not 3600 <= seconds <= 2_592_000
+    ):
+        raise APIError(
+            400,
+            'output_expires_after must be {"anchor": "created_at", "seconds": 3600 to 2592000}',
+            param="output_expires_after",
+        )
+    return {"anchor": "created_at", "seconds": seconds}
 
 
 def _check_metadata(metadata: Any) -> None:

@@ -8,11 +8,16 @@ import os
 import sys
 from collections.abc import Sequence
 
+from redis.exceptions import RedisError
+
 from gateway.config import DEFAULT_BATCH_PRIORITY, GatewayConfig, Tenant, load_api_keys
 from producer.cli import add_replica_ack_flags
-from producer.connection import check_url
-from producer.contract.keys import DEFAULT_QUEUE, DEFAULT_REDIS_URL
+from producer.connection import check_url, redis_client
+from producer.contract.keys import DEFAULT_QUEUE, DEFAULT_REDIS_URL, rq_queue_key
+from producer.reasoning import REASONING_PARSERS
+from producer.refusal import refusal
 from producer.retry import redact_url
+from producer.tool_parsers import TOOL_CALL_PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +79,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="files are stored, and batches enqueued, in chunks of whole lines of this size",
     )
     add_replica_ack_flags(p)
+    p.add_argument(
+        "--max-queue-depth",
+        type=int,
+        help="online requests that find more jobs than this waiting at their priority get 429 "
+        "with retry-after (batch lines never do; default: no limit)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="the model's tool-call format, for tool_choice auto (default: found by the "
+        "workers in the chat template)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="the model's thinking format, cut into reasoning_content (default: found by "
+        "the workers in the chat template)",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
@@ -115,7 +138,12 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         file_chunk_bytes=args.file_chunk_bytes,
         min_replicas_ack=args.min_replicas_ack,
         replica_ack_timeout_ms=args.replica_ack_timeout_ms,
+        max_queue_depth=args.max_queue_depth,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
+    if config.max_queue_depth is not None and config.max_queue_depth < 1:
+        raise ValueError(f"--max-queue-depth must be >= 1, got {config.max_queue_depth}")
     check_url(config.redis_url)
     if not args.allow_unauthenticated:
         config.check()
@@ -130,6 +158,10 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"pagedq serve: {exc}", file=sys.stderr)
         return 2
+    refused = redis_refusal(config.redis_url, config.queue)
+    if refused is not None:
+        print(f"pagedq serve: {refused}", file=sys.stderr)
+        return 1
     import uvicorn
 
     from gateway.app import create_app
@@ -158,3 +190,19 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(serve_main())
+
+
+def redis_refusal(url: str, queue: str) -> str | None:
+    """One line when Redis refuses the gateway (credentials, ACL, certificate): a setting to
+    fix, so the gateway stops at once. None otherwise, an unreachable Redis included: the
+    gateway starts and answers 503 until it is back."""
+    client = redis_client(url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        client.ping()
+        client.llen(rq_queue_key(queue))  # a key the ACL must allow
+    except RedisError as exc:
+        found = refusal(exc)
+        return None if found is None else found.message(at=f" at {redact_url(url)}")
+    finally:
+        client.close()
+    return None

@@ -25,9 +25,11 @@ from gateway.metrics import CANCELED_ON_DISCONNECT, OPEN_STREAMS, TTFT
 from gateway.requests import Online, parse_online
 from gateway.sse import DONE, ChunkWriter, Relay, StreamDiverged
 from gateway.stream_hub import Follow
+from gateway.stream_parts import StreamParts
+from producer.chat_answer import AnswerFormat
 from producer.contract.keys import result_key
 from producer.contract.schema import GenerationResult
-from producer.openai_output import CHAT_URL, COMPLETIONS_URL, completion_body
+from producer.openai_output import CHAT_URL, COMPLETIONS_URL, completion_body, refused_by_worker
 from producer.results import MAX_READ_BYTES, is_final
 
 router = APIRouter()
@@ -55,6 +57,7 @@ async def _answer(request: Request, tenant: Tenant, url: str) -> Any:
         raise APIError(400, "the request body is not valid JSON") from None
     online = parse_online(body, url, tenant)
     state = request.app.state
+    await state.limiter.admit(online.request.priority, _estimated_tokens(online))
     routed = await state.catalog.route(online.model)
     if routed is not None:
         online.request = online.request.model_copy(update={"model": routed})
@@ -62,10 +65,25 @@ async def _answer(request: Request, tenant: Tenant, url: str) -> Any:
     job_id = await state.enqueuer.submit(online.request)
     follow = state.hub.follow(job_id)
     model = routed or await _default_model(request, online.model)
+    config = state.config
+    formats = await state.catalog.formats(model)
+    online.answer = AnswerFormat.of(
+        online.request,
+        None,
+        config.tool_call_parser or formats.get("tool_call_parser"),
+        config.reasoning_parser or formats.get("reasoning_parser"),
+    )
     if online.stream:
         chunks = _stream(request, online, follow, model, started)
         return EventSourceResponse(chunks, ping=PING_S)
     return await _whole(request, online, follow)
+
+
+def _estimated_tokens(online: Online) -> int:
+    request = online.request
+    chars = len(request.prompt or "") if isinstance(request.prompt, str) else 0
+    chars += sum(len(m.content or "") for m in request.messages or [])
+    return chars // 4 + request.max_tokens * request.n
 
 
 async def _default_model(request: Request, asked: str | None) -> str:
@@ -92,7 +110,15 @@ async def _whole(request: Request, online: Online, follow: Follow) -> Any:
             _cancel(request, follow.job_id)
     if result.status != "finished":
         raise _job_error(result)
-    return completion_body(result, online.url, online.top_k).model_dump(mode="json")
+    request.app.state.limiter.observe(result.usage.total_tokens)
+    answer = _answer_format(request, online, result)
+    return completion_body(result, online.url, online.top_k, answer).model_dump(mode="json")
+
+
+def _answer_format(request: Request, online: Online, result: GenerationResult) -> AnswerFormat:
+    """The serve flags' parsers, else those of the worker that ran the job."""
+    config = request.app.state.config
+    return AnswerFormat.of(online.request, result, config.tool_call_parser, config.reasoning_parser)
 
 
 async def _final_entry(follow: Follow) -> dict[str, str]:
@@ -113,6 +139,7 @@ async def _stream(
 ) -> AsyncIterator[dict[str, str]]:
     hub = request.app.state.hub
     writer = ChunkWriter(online, follow.job_id, model)
+    parts = StreamParts(online.answer, follow.job_id) if writer.chat else None
     relay = Relay()
     ended = False
     OPEN_STREAMS.inc()
@@ -135,7 +162,10 @@ async def _stream(
                 if not relay.first_sent:
                     relay.first_sent = True
                     TTFT.observe(time.perf_counter() - started)
-                yield {"data": writer.chunk(0, new)}
+                if parts is None:
+                    yield {"data": writer.chunk(0, new)}
+                for delta in parts.update(relay.sent) if parts is not None else ():
+                    yield {"data": writer.delta(0, delta)}
             if ended:
                 break
         result = await _result(request, follow.job_id, entry)
@@ -143,11 +173,19 @@ async def _stream(
             err = _job_error(result)
             yield {"data": json.dumps(error_body(err.message, err.type, code=err.code))}
             return
-        text = result.all_choices()[0].text
-        if text.startswith(relay.sent) and len(text) > len(relay.sent):
+        request.app.state.limiter.observe(result.usage.total_tokens)
+        first = result.all_choices()[0]
+        answer = _answer_format(request, online, result)
+        if parts is not None:
+            # The whole answer completes what was streamed (and any stream entries lost).
+            parts.answer = answer
+            whole = answer.parts(first.text, first.finish_reason, result.job_id, 0)
+            for delta in parts.finish(whole):
+                yield {"data": writer.delta(0, delta)}
+        elif first.text.startswith(relay.sent) and len(first.text) > len(relay.sent):
             # The stream lost entries (expired or trimmed): the result holds the whole text.
-            yield {"data": writer.chunk(0, text[len(relay.sent) :])}
-        for chunk in writer.final(result):
+            yield {"data": writer.chunk(0, first.text[len(relay.sent) :])}
+        for chunk in writer.final(result, answer):
             yield {"data": chunk}
         if online.include_usage:
             yield {"data": writer.usage(result)}
@@ -190,4 +228,8 @@ async def _result(request: Request, job_id: str, entry: dict[str, str]) -> Gener
 def _job_error(result: GenerationResult) -> APIError:
     if result.status == "canceled":
         return APIError(500, "the request was canceled", code="canceled", type="server_error")
+    refused = refused_by_worker(result.error)
+    if refused is not None:
+        param = refused.split(": ", 2)[1] if refused.count(": ") >= 2 else None
+        return APIError(400, refused, param=param)
     return APIError(500, f"the request failed: {result.error or 'no message'}", code="job_failed")

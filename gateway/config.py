@@ -56,6 +56,12 @@ class GatewayConfig:
     # Enqueues wait for this many replicas to acknowledge them (Redis WAIT); 0: no wait.
     min_replicas_ack: int = 0
     replica_ack_timeout_ms: int = DEFAULT_REPLICA_ACK_TIMEOUT_MS
+    # Online requests finding more jobs than this waiting get 429 (None: no limit).
+    max_queue_depth: int | None = None
+    # Parsers of chat answers (producer/tool_parsers.py, producer/reasoning.py); None: those
+    # the workers found in their chat template.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def check(self) -> None:
         """Refuse a non-loopback address without keys: anyone could use the queue then."""

@@ -44,6 +44,7 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or TYPES.get(status, "server_error")
+        self.headers: dict[str, str] = {}
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
@@ -54,7 +55,7 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 def error_response(exc: APIError) -> JSONResponse:
     """The JSON response of an APIError."""
     body = error_body(exc.message, exc.type, exc.param, exc.code)
-    return JSONResponse(body, status_code=exc.status)
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers or None)
 
 
 def not_found(what: str, ident: str) -> APIError:

@@ -70,7 +70,9 @@ def file_content(request: Request, file_id: str, tenant: TenantDep) -> Streaming
             raise APIError(404, f"the batch of file {file_id} is gone", code="not_found")
         lines = BatchLines.of(state.files, batch)
         want_errors = fields["kind"] == "error"
-        made = output_lines(lines, batch.get("stop", ""), int(batch["created_at"]))
+        config = state.config
+        parsers = (config.tool_call_parser, config.reasoning_parser)
+        made = output_lines(lines, batch.get("stop", ""), int(batch["created_at"]), parsers=parsers)
         body = (line for is_error, line in made if is_error == want_errors)
     headers = {"Content-Disposition": f'attachment; filename="{fields["filename"]}"'}
     return StreamingResponse(body, media_type="application/jsonl", headers=headers)

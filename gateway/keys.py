@@ -10,6 +10,7 @@
 | `batch_lease_key(id)` | string | the gateway working on it (expires: another takes over) |
 | `batches_index_key(owner)` | zset | the owner's batch ids by creation time (us) |
 | `ACTIVE_BATCHES` | set | batches still needing work (validating to finalizing) |
+| `response_key(id)` | string | a stored Responses object and its conversation (JSON, TTL) |
 
 The names themselves live in producer/contract/keys.py. On a Redis Cluster a batch's own keys
 are built from `batch_ref(redis, id)`, its id as a hash tag, so that its hash and counts share
@@ -31,6 +32,7 @@ from producer.contract.keys import (
     file_data_key,
     file_key,
     files_index_key,
+    response_key,
 )
 from producer.contract.shards import QueueShards, hash_tag, shard_name
 
@@ -59,4 +61,5 @@ __all__ = [
     "file_data_key",
     "file_key",
     "files_index_key",
+    "response_key",
 ]

@@ -18,6 +18,8 @@ from producer.contract.models import canonical_model
 router = APIRouter()
 # The workers' statuses are read at most this often (every request asks for them).
 CACHE_S = 2.0
+# The chat formats a worker publishes (worker/template_formats.py).
+FORMAT_KEYS = ("tool_call_parser", "reasoning_parser")
 
 
 class ModelCatalog:
@@ -27,6 +29,9 @@ class ModelCatalog:
         self.redis = redis
         self.queue = queue
         self._models: list[dict[str, Any]] = []
+        # The live workers' statuses on this queue, as last read (the rate limits size from them).
+        self.statuses: list[dict[str, Any]] = []
+        self._formats: dict[str, dict[str, str]] = {}
         self._read_at = float("-inf")
         self._reading: asyncio.Future | None = None
 
@@ -42,6 +47,7 @@ class ModelCatalog:
 
     async def _read(self) -> None:
         found: dict[str, int] = {}
+        statuses, formats = [], {}
         async for key in self.redis.scan_iter(match=WORKER_KEY_PATTERN, count=500):
             raw = await self.redis.get(key)
             try:
@@ -52,13 +58,26 @@ class ModelCatalog:
                 continue
             if root_queue(str(info.get("queue") or self.queue)) != root_queue(self.queue):
                 continue
+            statuses.append(info)
+            config = info.get("config") if isinstance(info.get("config"), dict) else {}
+            formats.setdefault(
+                info["model"],
+                {k: v for k in FORMAT_KEYS if isinstance(v := config.get(k), str)},
+            )
             started = info.get("started_at") or info.get("updated_at") or time.time()
             found.setdefault(info["model"], int(started) if isinstance(started, int | float) else 0)
         self._models = [
             {"id": name, "object": "model", "created": created, "owned_by": "pagedq"}
             for name, created in sorted(found.items())
         ]
+        self.statuses, self._formats = statuses, formats
         self._read_at = time.monotonic()
+
+    async def formats(self, model: str) -> dict[str, str]:
+        """The reasoning and tool-call parsers the workers serving `model` found in its chat
+        template ({} when none serve it)."""
+        await self.models()
+        return self._formats.get(model, {})
 
     async def route(self, model: str | None) -> str | None:
         """The served model a request's `model` names (aliases match), else None: such a

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config import Tenant
 from gateway.errors import APIError
+from gateway.grammar_check import check_constraint
+from producer.chat_answer import AnswerFormat
 from producer.contract.schema import MAX_SEED, GenerationRequest
 from producer.errors import InvalidRequestError
+from producer.openai_fields import openai_fields
 from producer.openai_output import CHAT_URL
 
-# OpenAI fields that change nothing here: bookkeeping, or read by the gateway itself.
-DROPPED = ("model", "user", "store", "service_tier", "stream", "stream_options", "metadata")
+# OpenAI fields read by the gateway itself, or bookkeeping (producer/openai_fields.py: the rest).
+DROPPED = ("model", "stream", "stream_options", "metadata")
 # pagedq's own fields a caller may not set: the API key decides them.
 PINNED = ("tenant", "priority", "custom_id")
 
@@ -28,6 +31,8 @@ class Online:
     stream: bool
     include_usage: bool
     top_k: int | None
+    # How a chat answer is cut into reasoning, content and tool calls (set once routed).
+    answer: AnswerFormat = field(default_factory=AnswerFormat)
 
 
 def parse_online(body: Any, url: str, tenant: Tenant) -> Online:
@@ -43,7 +48,12 @@ def parse_online(body: Any, url: str, tenant: Tenant) -> Online:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", param="stream_options")
-    fields = {k: v for k, v in body.items() if k not in DROPPED and v is not None}
+    try:
+        fields = openai_fields(body, url)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=str(exc).split(":")[0]) from None
+    for name in DROPPED:
+        fields.pop(name, None)
     for name in PINNED:
         if name in fields:
             raise APIError(400, f"unknown field {name!r}", param=name)
@@ -75,6 +85,8 @@ def parse_online(body: Any, url: str, tenant: Tenant) -> Online:
     except InvalidRequestError as exc:
         param = ".".join(str(p) for p in exc.errors[0]["loc"]) if exc.errors else None
         raise APIError(400, str(exc), param=param or None) from None
+    if request.structured_outputs is not None:
+        check_constraint(request.structured_outputs, body)
     top_k = request.logprobs
     if url == CHAT_URL and body.get("logprobs") is not True:
         top_k = None

@@ -1,10 +1,10 @@
 """Server-sent events in OpenAI's chunk shapes, read from a job's token stream.
 
-Each `token` entry becomes one chunk; a `restart` entry (the job re-ran after its worker died)
-is absorbed: the re-run's text is matched against what was already sent and only what goes
-beyond it is sent (online requests are seeded, so a re-run samples the same tokens). The end
-carries the finish reason, the other choices of n > 1 and the log-probabilities (from the
-result), then usage when asked, then `[DONE]`.
+Each `token` entry (the tokens of one worker window) becomes one chunk; a `restart` entry (the
+job re-ran after its worker died) is absorbed: the re-run's text is matched against what was
+already sent and only what goes beyond it is sent (online requests are seeded, so a re-run
+samples the same tokens). The end carries the finish reason, the other choices of n > 1 and
+the log-probabilities (from the result), then usage when asked, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import time
 from typing import Any
 
 from gateway.requests import Online
+from producer.chat_answer import AnswerFormat
+from producer.contract import stream as stream_entry
 from producer.contract.schema import GenerationResult
 from producer.openai_output import CHAT_URL, ChatCompletion, completion_body
 
@@ -55,6 +57,11 @@ class ChunkWriter:
         choice["finish_reason"] = finish_reason
         return self._dump([choice])
 
+    def delta(self, index: int, delta: dict[str, Any]) -> str:
+        """One chat chunk carrying `delta` (content, reasoning_content or tool_calls)."""
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return self._dump([choice])
+
     def usage(self, result: GenerationResult) -> str:
         """The last chunk of `stream_options.include_usage`: no choices, the usage."""
         u = result.usage
@@ -78,15 +85,21 @@ class ChunkWriter:
             body["usage"] = usage
         return json.dumps(body, separators=(",", ":"))
 
-    def final(self, result: GenerationResult) -> list[str]:
+    def final(self, result: GenerationResult, answer: AnswerFormat | None = None) -> list[str]:
         """The chunks after the streamed text: the other choices of n > 1 (whole), then per
         choice its finish reason with its log-probabilities (from the result)."""
-        body = completion_body(result, self.online.url, self.online.top_k)
+        body = completion_body(result, self.online.url, self.online.top_k, answer)
         out = []
         for choice in body.choices:
-            if choice.index != 0:  # only choice 0 is streamed token by token
-                text = choice.message.content if isinstance(body, ChatCompletion) else choice.text
-                out.append(self.chunk(choice.index, text, role=self.chat))
+            if choice.index != 0 and isinstance(body, ChatCompletion):
+                # Only choice 0 is streamed token by token: the others come whole.
+                message = choice.message.model_dump(exclude_none=True, exclude={"refusal"})
+                calls = message.get("tool_calls") or []
+                for i, call in enumerate(calls):
+                    call["index"] = i
+                out.append(self.delta(choice.index, message))
+            elif choice.index != 0:
+                out.append(self.chunk(choice.index, choice.text))
             logprobs = choice.logprobs.model_dump() if choice.logprobs is not None else None
             text = None if self.chat else ""
             out.append(self.chunk(choice.index, text, choice.finish_reason, logprobs))
@@ -104,13 +117,13 @@ class Relay:
 
     def take(self, entry: dict[str, str]) -> str:
         """The new text an entry adds to what was sent ("" when nothing new)."""
-        event = entry.get("event")
-        if event == "restart":
+        event = entry.get(stream_entry.EVENT)
+        if event == stream_entry.RESTART:
             self.run_text, self.after_restart = "", True
             return ""
-        if event != "token":
+        if event != stream_entry.TOKEN:
             return ""
-        self.run_text += entry.get("delta", "")
+        self.run_text += stream_entry.entry_delta(entry)
         if not self.run_text.startswith(self.sent[: len(self.run_text)]):
             raise StreamDiverged("the job re-ran and produced other text than was sent")
         if len(self.run_text) <= len(self.sent):

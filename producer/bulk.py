@@ -16,6 +16,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from producer.chat_answer import AnswerFormat
 from producer.client import Client
 from producer.contract.keys import result_key
 from producer.contract.shards import hash_tag
@@ -299,7 +300,17 @@ class BulkRun:
                     self.summary.completion_tokens += result.usage.completion_tokens
             else:
                 self.summary.failed += 1
-            self._write(result_line(parsed.custom_id, parsed.url, result, parsed.top_logprobs))
+            answer = AnswerFormat.of(parsed.request, result)
+            self._write(
+                result_line(
+                    parsed.custom_id,
+                    parsed.url,
+                    result,
+                    parsed.top_logprobs,
+                    answer,
+                    options=parsed.options,
+                )
+            )
 
     def _write(self, line: BatchOutputLine) -> None:
         out: IO[str] = self._out

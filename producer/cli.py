@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoPermissionError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.bulk import BadInputFileError, StaleOutputError, run_bulk
@@ -35,9 +35,9 @@ from producer.errors import (
     RedisFullError,
     ReplicaAckError,
 )
+from producer.refusal import RedisRefusedError, refusal
 from producer.retry import redact_url
 from producer.status import format_status, queue_status
-from producer.tls_failure import tls_failure
 
 WORKER_COMMANDS = ("worker", "demo")
 # Exit codes: 1 = a job or line failed / an id is unknown / Redis unreachable; 2 = bad usage
@@ -67,7 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RedisURLError as exc:
         print(f"pagedq: --redis-url {redact_url(args.redis_url)}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except (RedisConnectionError, RedisTimeoutError) as exc:  # auth errors included
+    except RedisRefusedError as exc:
+        print(f"pagedq: {exc.refusal.message(at=f' at {redact_url(args.redis_url)}')}",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_FAILED
+    except (RedisConnectionError, RedisTimeoutError, NoPermissionError) as exc:
         print(f"pagedq: {_unreachable(args.redis_url, exc)}", file=sys.stderr)
         return EXIT_FAILED
     except (RedisFullError, ReplicaAckError) as exc:
@@ -79,11 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _unreachable(url: str, exc: Exception) -> str:
-    """Why Redis could not be used: a refused certificate says so, anything else is
-    'cannot reach'."""
-    tls = tls_failure(exc)
-    if tls is not None:
-        return tls.message(redact_url(url))
+    """Why Redis could not be used: a refusal (credentials, ACL, certificate) says so,
+    anything else is 'cannot reach'."""
+    refused = refusal(exc)
+    if refused is not None:
+        return refused.message(at=f" at {redact_url(url)}")
     return f"cannot reach Redis at {redact_url(url)}: {exc}"
 
 

@@ -14,6 +14,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from producer.connection import is_cluster, redis_client
+from producer.contract import stream as stream_entry
 from producer.contract.keys import (
     CANCEL_CHANNEL,
     DEFAULT_CANCEL_TTL,
@@ -265,40 +266,45 @@ class Client:
         restarts_to_skip = self._count_restarts(job_id)
         seen_tokens = False
         for entry in self._entries(job_id, timeout):
-            event = entry.get("event")
+            event = entry.get(stream_entry.EVENT)
             if restarts_to_skip:
-                restarts_to_skip -= event == "restart"
+                restarts_to_skip -= event == stream_entry.RESTART
                 if not is_final(entry):
                     continue
             if is_final(entry):
                 result = raise_for_status(self._final_result(job_id, entry))
                 if not seen_tokens and result.text:
                     yield result.text
-            elif event == "restart" and seen_tokens:
+            elif event == stream_entry.RESTART and seen_tokens:
                 seen_tokens = False
                 yield RESTART
-            elif event == "token" and entry.get("delta"):
+            elif delta := stream_entry.entry_delta(entry):
                 seen_tokens = True
-                yield entry["delta"]
+                yield delta
 
     def _count_restarts(self, job_id: str) -> int:
         entries = self.redis.xrange(stream_key(job_id))
-        return sum(fields.get(b"event") == b"restart" for _, fields in entries)
+        restart = stream_entry.RESTART.encode()
+        return sum(fields.get(stream_entry.EVENT.encode()) == restart for _, fields in entries)
 
     def _entries(self, job_id: str, timeout: float | None) -> Iterator[dict[str, str]]:
         """The job's stream entries, up to and including its (possibly synthetic) final one.
 
         A job that does not stream writes no entry: its end is found by checking its result,
-        first after 50 ms, then at doubling intervals up to `check_interval`."""
+        first after 50 ms, then at doubling intervals up to `check_interval`; once entries
+        come, only after `check_interval` without one."""
         deadline = None if timeout is None else time.monotonic() + timeout
         interval = min(FIRST_CHECK_S, self.check_interval)
-        follower = StreamFollower(self.redis, [job_id], check_interval=interval)
+        follower = StreamFollower(self.redis, [job_id], check_interval=interval, quiet_checks=True)
         while True:
             block_s = 3600.0 if deadline is None else deadline - time.monotonic()
             if block_s <= 0:
                 raise TimeoutError(f"job {job_id} did not end within {timeout} s")
             events = self._retry(lambda b=block_s: follower.read(b), f"following job {job_id}")
-            follower.check_interval = min(self.check_interval, follower.check_interval * 2)
+            # Checks start quick for a job that writes no entry before its end; once entries
+            # come, its final entry will too: checks only cover a stream gone quiet.
+            grown = self.check_interval if events else follower.check_interval * 2
+            follower.check_interval = min(self.check_interval, grown)
             for _, entry in events:
                 yield entry
                 if is_final(entry):

@@ -61,11 +61,17 @@ def diagnose_worker(w: Mapping[str, Any], slo: float | None = None) -> list[Find
     batch = f"{running} running" + (f" of max_num_seqs {max_seqs}" if max_seqs else "")
 
     if kv >= KV_PRESSURE and (waiting or n_recompute + n_swap):
+        groups = w.get("kv_blocks_by_group") or []
+        by_group = (
+            " (blocks held: " + ", ".join(f"{kind} {n}" for kind, n in groups) + ")"
+            if len(groups) > 1
+            else ""
+        )
         out.append(
             Finding(
                 "memory_pressure",
                 name,
-                f"memory pressure limits the batch: KV cache {kv:.0%} full, {batch}, "
+                f"memory pressure limits the batch: KV cache {kv:.0%} full{by_group}, {batch}, "
                 f"{waiting} waiting, {n_recompute + n_swap} preemptions so far",
                 "give the KV cache more memory (--kv-cache-memory, or --gpu-memory-utilization "
                 "on a GPU), lower --max-model-len or the jobs' max_tokens, or add workers",

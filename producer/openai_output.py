@@ -7,11 +7,13 @@ line with `response` or `error`), so OpenAI's own client types parse every line 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, model_serializer
 
+from producer.chat_answer import AnswerFormat
 from producer.contract.schema import Choice, GenerationResult
+from producer.openai_endpoints import endpoint_body
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -38,12 +40,39 @@ class ChatLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    """The function a tool call calls, with its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
-    """The assistant message of a chat choice."""
+    """The assistant message of a chat choice (`reasoning_content`: a thinking model's
+    thinking, as vLLM returns it)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_parts(self, handler: Any) -> dict[str, Any]:
+        # Answers without tool calls or thinking keep the shape they always had.
+        data = handler(self)
+        for name in ("tool_calls", "reasoning_content"):
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -125,7 +154,8 @@ class BatchResponse(BaseModel):
 
     status_code: int
     request_id: str
-    body: ChatCompletion | Completion | ErrorBody
+    # A Responses object or an embeddings list (producer/openai_endpoints.py) as a dict.
+    body: ChatCompletion | Completion | ErrorBody | dict[str, Any]
 
 
 class BatchError(BaseModel):
@@ -215,10 +245,14 @@ def completion_logprobs(choice: Choice, top_k: int, texts: dict[int, str]) -> Co
     )
 
 
-def completion_body(result: GenerationResult, url: str, top_k: int | None) -> BaseModel:
+def completion_body(
+    result: GenerationResult, url: str, top_k: int | None, answer: AnswerFormat | None = None
+) -> BaseModel:
     """The ChatCompletion or Completion body of a finished result.
 
-    `top_k` is the request's `logprobs` (None: none asked for, `logprobs` is null).
+    `top_k` is the request's `logprobs` (None: none asked for, `logprobs` is null); `answer`
+    cuts a chat answer into reasoning, content and tool calls (default: by the result's
+    parsers, no tools).
     """
     usage = CompletionUsage(
         prompt_tokens=result.usage.prompt_tokens,
@@ -228,17 +262,27 @@ def completion_body(result: GenerationResult, url: str, top_k: int | None) -> Ba
     created, model = int(time.time()), result.model or ""
     wants = top_k is not None
     if url == CHAT_URL:
-        chat_choices = [
-            ChatChoice(
-                index=c.index,
-                message=ChatMessageOut(content=c.text),
-                logprobs=chat_logprobs(c, top_k, _token_texts(result, c))
-                if wants and c.logprobs is not None
-                else None,
-                finish_reason=c.finish_reason,
+        answer = answer or AnswerFormat.of(None, result)
+        chat_choices = []
+        for c in result.all_choices():
+            parts = answer.parts(c.text, c.finish_reason, result.job_id, c.index)
+            calls = [ToolCall.model_validate(t) for t in parts.tool_calls] or None
+            message = ChatMessageOut(
+                content=parts.content, tool_calls=calls, reasoning_content=parts.reasoning
             )
-            for c in result.all_choices()
-        ]
+            logprobs = (
+                chat_logprobs(c, top_k, _token_texts(result, c))
+                if wants and c.logprobs is not None
+                else None
+            )
+            chat_choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=logprobs,
+                    finish_reason=parts.finish_reason,
+                )
+            )
         return ChatCompletion(
             id=f"chatcmpl-{result.job_id}",
             created=created,
@@ -262,8 +306,27 @@ def completion_body(result: GenerationResult, url: str, top_k: int | None) -> Ba
     )
 
 
+# The prefix of a worker's message for a job it refused before running it.
+REFUSED_PREFIXES = ("invalid request: ", "invalid job: ")
+
+
+def refused_by_worker(error: str | None) -> str | None:
+    """The message of a job a worker refused for what its request asked (a constraint the
+    grammar engine refuses, messages the chat template refuses): a 400, not a 500."""
+    if error and error.startswith(REFUSED_PREFIXES):
+        if "structured_outputs" in error or "messages:" in error or "logit_bias" in error:
+            return error
+    return None
+
+
 def result_line(
-    custom_id: str, url: str, result: GenerationResult, top_k: int | None = None
+    custom_id: str,
+    url: str,
+    result: GenerationResult,
+    top_k: int | None = None,
+    answer: AnswerFormat | None = None,
+    *,
+    options: dict | None = None,
 ) -> BatchOutputLine:
     """The output line of an ended job.
 
@@ -276,13 +339,20 @@ def result_line(
     if result.status == "canceled":
         error = BatchError(code="batch_cancelled", message=result.error or "canceled")
         return BatchOutputLine(id=line_id, custom_id=custom_id, response=None, error=error)
+    if result.status != "finished" and refused_by_worker(result.error):
+        detail = ErrorDetail(message=result.error or "", type="invalid_request_error")
+        response = BatchResponse(status_code=400, request_id=job_id, body=ErrorBody(error=detail))
+        return BatchOutputLine(id=line_id, custom_id=custom_id, response=response, error=None)
     if result.status != "finished":
         detail = ErrorDetail(
             message=result.error or "the job failed", type="server_error", code="job_failed"
         )
         response = BatchResponse(status_code=500, request_id=job_id, body=ErrorBody(error=detail))
         return BatchOutputLine(id=line_id, custom_id=custom_id, response=response, error=None)
-    body = completion_body(result, url, top_k)
+    if url in (CHAT_URL, COMPLETIONS_URL):
+        body = completion_body(result, url, top_k, answer)
+    else:
+        body = endpoint_body(result, url, options)
     response = BatchResponse(status_code=200, request_id=job_id, body=body)
     return BatchOutputLine(id=line_id, custom_id=custom_id, response=response, error=None)
 

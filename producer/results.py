@@ -22,12 +22,12 @@ from producer.connection import mget
 from producer.contract.codec import PayloadTooLargeError, inflate, load_job_data
 from producer.contract.keys import result_key, rq_job_key, rq_results_key
 from producer.contract.schema import GenerationResult
+from producer.contract.stream import is_final  # noqa: F401 - where readers import it
 from producer.errors import JobCanceledError, JobFailedError, JobNotFoundError
 
 # Largest result, error text or job payload a reader inflates or parses.
 MAX_READ_BYTES = 16 * 2**20
 
-FINAL_EVENTS = ("done", "error")
 # How long a reader waits for the result key after the final stream entry: the contract has
 # workers write the key first, so this only covers a worker that wrote them the other way round.
 RESULT_GRACE_S = 2.0
@@ -36,11 +36,6 @@ RESULT_GRACE_S = 2.0
 def decode_entry(fields: dict[bytes, bytes]) -> dict[str, str]:
     """A stream entry as str -> str."""
     return {k.decode(): v.decode() for k, v in fields.items()}
-
-
-def is_final(entry: dict[str, str]) -> bool:
-    """True for the done/error entry that ends a job's stream."""
-    return entry.get("event") in FINAL_EVENTS
 
 
 def read_result(connection: Redis, job_id: str) -> GenerationResult | None:

@@ -131,6 +131,7 @@ class EngineStatsCollector(Collector):
         yield self._counter("pagedq:generation_tokens", "Tokens generated.", s.num_generated_tokens)
         yield self._counter("pagedq:engine_steps", "Engine iterations run.", s.num_steps)
         yield from self._preemptions(s)
+        yield self._kv_groups(s)
         yield from self._structured_outputs(s)
         yield self._counter(
             "pagedq:swapped_out_bytes",
@@ -149,6 +150,17 @@ class EngineStatsCollector(Collector):
     def _structured_outputs(self, s: Any) -> Iterator[Metric]:
         for name, doc, field in STRUCTURED_OUTPUT_COUNTERS:
             yield self._counter(name, doc, getattr(s, field, 0))
+
+    def _kv_groups(self, s: Any) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(
+            "pagedq:kv_cache_group_blocks",
+            "KV blocks held per layer group (group: its index; kind: full_attention, "
+            "sliding_window=W).",
+            labels=["model_name", "group", "kind"],
+        )
+        for i, (kind, n) in enumerate(getattr(s, "kv_blocks_by_group", None) or []):
+            g.add_metric([self.model_name, str(i), kind], n)
+        return g
 
     def _preemptions(self, s: Any) -> Iterator[Metric]:
         c = CounterMetricFamily(

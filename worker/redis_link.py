@@ -17,6 +17,7 @@ from redis.retry import Retry
 
 from producer.connection import is_cluster, redis_client
 from producer.contract.lua import LuaScript
+from producer.refusal import refused_error
 
 log = structlog.get_logger("pagedq.worker")
 
@@ -37,6 +38,14 @@ UNAVAILABLE = (
 SAFE_MAXMEMORY_POLICY = "noeviction"
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
+
+
+def raise_if_refused(exc: BaseException) -> None:
+    """Raise RedisRefusedError when `exc` is a refusal (wrong password, ACL, certificate): a
+    setting to fix, which waiting never cures, unlike the outages of UNAVAILABLE."""
+    refused = refused_error(exc)
+    if refused is not None:
+        raise refused from exc
 
 
 def connect(url: str, **options: Any) -> redis.Redis:
@@ -157,6 +166,11 @@ class ScriptRunner:
                 i += 1
         return out
 
+    def load(self, scripts: tuple[LuaScript, ...]) -> None:
+        """SCRIPT LOAD each of `scripts` (EVALSHA would load them on first use anyway)."""
+        for script in scripts:
+            self.connection.script_load(script.source)
+
     def _sha(self, script: LuaScript) -> str:
         sha = self._shas.get(script.name)
         if sha is None:
@@ -249,6 +263,7 @@ class RedisLink:
             if self.outbox:
                 self._write_first()
         except UNAVAILABLE as exc:
+            raise_if_refused(exc)
             backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (self._attempt - 1))
             self._next_attempt_at = time.monotonic() + backoff
             log.warning(
@@ -266,6 +281,7 @@ class RedisLink:
         return self.up
 
     def _went_down(self, exc: Exception) -> None:
+        raise_if_refused(exc)
         if self.up:
             log.warning("redis connection lost; buffering results", error=str(exc))
         self.up = False

@@ -18,14 +18,15 @@ import structlog
 from producer.connection import is_cluster
 from producer.contract.routing import model_queue
 from producer.contract.shards import QueueShards
+from producer.refusal import refusal
 from producer.retry import redact_url
-from producer.tls_failure import tls_failure
 from worker.config import WorkerConfig
 from worker.endpoints import MetricsPortInUse, WorkerHealth
 from worker.logs import log_engine_ready
 from worker.metrics import WorkerMetrics
 from worker.redis_link import ScriptRunner, connect, eviction_risk
 from worker.rq_adapter import RQAdapter
+from worker.rq_scripts import SCRIPTS
 
 log = structlog.get_logger("pagedq.worker")
 
@@ -75,19 +76,27 @@ def run_worker(config: WorkerConfig) -> int:
         return EXIT_ERROR
     try:
         connection.ping()
-    except redis.AuthenticationError as exc:
-        log.error("Redis refused the credentials", redis_url=url, error=str(exc))
+    except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
+        refused = refusal(exc)
+        if refused is not None:  # a setting to fix, not an outage: no waiting it out
+            log.error(refused.message(at=f" at {url}"))
+        elif isinstance(exc, redis.ResponseError):
+            log.error("Redis refused the connection", redis_url=url, error=str(exc))
+        else:
+            log.error("cannot reach Redis", redis_url=url, error=str(exc))
         return EXIT_ERROR
-    except redis.ResponseError as exc:  # e.g. NOPERM: the ACL user may not run PING
-        log.error("Redis refused the connection", redis_url=url, error=str(exc))
+    try:
+        return _serve(config, connection, url)
+    except redis.RedisError as exc:  # e.g. an ACL that allows PING but not pagedq's scripts
+        refused = refusal(exc)
+        if refused is None:
+            raise
+        log.error(refused.message(at=f" at {url}"))
         return EXIT_ERROR
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        tls = tls_failure(exc)
-        if tls is not None:  # a certificate to fix, not an outage: no waiting it out
-            log.error(tls.message(url))
-            return EXIT_ERROR
-        log.error("cannot reach Redis", redis_url=url, error=str(exc))
-        return EXIT_ERROR
+
+
+def _serve(config: WorkerConfig, connection: redis.Redis, url: str) -> int:
+    """Run the worker on a Redis that answered PING; the process exit code."""
     risk = eviction_risk(connection)
     if risk is not None:
         if not config.allow_eviction:
@@ -126,7 +135,10 @@ def run_worker(config: WorkerConfig) -> int:
         aging_seconds=config.engine.priority_aging_seconds or 0,
         rq_results=config.rq_results,
     )
+    # What the worker needs of Redis, tried before the model loads: an ACL that refuses a key
+    # or a command stops the start here, at once.
     claim_name(adapter)
+    ScriptRunner(connection).load(SCRIPTS)
     t0 = time.monotonic()
     log.info(
         "loading model", model=config.model, device=config.engine.device, dtype=config.engine.dtype

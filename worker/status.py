@@ -69,6 +69,8 @@ def build_status(
         "kv_cache_usage": round(stats.kv_cache_usage, 4),
         "num_blocks": stats.num_blocks,
         "num_free_blocks": stats.num_free_blocks,
+        # [kind, blocks held] per KV layer group (full attention, a sliding window).
+        "kv_blocks_by_group": [list(g) for g in getattr(stats, "kv_blocks_by_group", [])],
         "preemptions": {
             "recompute": getattr(stats, "num_preemptions_recompute", stats.num_preemptions),
             "swap": num_swap,

@@ -183,6 +183,10 @@ class Qwen3_5ForCausalLM(MoECausalLM):
             if not isinstance(layer.self_attn, GatedDeltaNet)
         ]
 
+    def kv_cache_indices(self) -> list[int]:
+        """One cache per full-attention layer, in order (the linear layers take none)."""
+        return list(range(len(self.kv_cache_specs())))
+
     def recurrent_state_specs(self) -> list[RecurrentStateSpec]:
         """The linear-attention layers' per-sequence states, in order."""
         return [mixer.state_spec() for mixer in self._linear_layers()]

@@ -11,8 +11,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from producer.contract.embeddings import check_embed_request
 from producer.contract.routing import TENANT_RE
 from producer.contract.structured import check_structured_outputs, from_response_format
+from producer.contract.tool_choice import check_tool_choice, check_tools, forced_schema
 from producer.errors import InvalidRequestError
 
 __all__ = [
@@ -78,6 +80,7 @@ SAMPLING_FIELDS = (
     "max_tokens",
     "min_tokens",
     "logprobs",
+    "logit_bias",
     "structured_outputs",
 )
 # Upper limits of otherwise one-sided ranges: sizes no worker could serve.
@@ -111,7 +114,13 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str = Field(max_length=MAX_PROMPT_CHARS)
+    # An assistant turn's calls ([{"id", "type": "function", "function": {"name", "arguments"}}])
+    # and a tool turn's answer to one of them, rendered by the model's own chat template.
+    tool_calls: list[dict[str, Any]] | None = None
+    # None only for an assistant turn that called tools.
+    content: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS, validate_default=True)
+    tool_call_id: Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = None
+    name: Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -120,6 +129,13 @@ class ChatMessage(BaseModel):
             if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in v):
                 raise ValueError('only {"type": "text", "text": ...} content parts are allowed')
             return "".join(p["text"] for p in v)
+        return v
+
+    @field_validator("content")
+    @classmethod
+    def _content_or_calls(cls, v: str | None, info: Any) -> str | None:
+        if v is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("field required (null only for an assistant turn with tool_calls)")
         return v
 
 
@@ -149,6 +165,8 @@ class GenerationRequest(BaseModel):
     max_tokens: int = 256
     min_tokens: int = 0
     logprobs: int | None = None
+    # OpenAI's {"token id": bias in [-100, 100]}, added to the logits before sampling.
+    logit_bias: dict[str, float] | None = None
     priority: int = 0
     custom_id: Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = None
     metadata: dict[str, Any] | None = None
@@ -158,9 +176,20 @@ class GenerationRequest(BaseModel):
     # response_format is turned into structured_outputs as it is parsed.
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # Function tools, rendered by the model's chat template; a named or "required" tool_choice
+    # also sets structured_outputs (producer/contract/tool_choice.py).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # Keyword arguments of the chat template (e.g. {"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] | None = None
     # Write token entries to the job's stream as they come (someone reads them); without it
     # the stream gets only the final entry.
     stream: bool = False
+    # The embedding job kind (producer/contract/embeddings.py): None is a generation.
+    task: Literal["embed"] | None = None
+    input: list[str | list[int]] | None = None
+    dimensions: int | None = None
 
     @field_validator(*RANGES)
     @classmethod
@@ -249,8 +278,33 @@ class GenerationRequest(BaseModel):
             from_response_format(v)
         return v
 
+    @field_validator("tools")
+    @classmethod
+    def _tools_shape(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return None if v is None else check_tools(v)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_shape(cls, v: Any) -> Any:
+        return None if v is None else check_tool_choice(v)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_shape(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit() or int(key) > MAX_TOKEN_ID:
+                raise ValueError(f"keys must be token ids (as strings), got {_quote(key)}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {bias!r} for {key}")
+        return v
+
     @model_validator(mode="after")
     def _check_combination(self) -> GenerationRequest:
+        if self.task is not None or self.input is not None or self.dimensions is not None:
+            if self.task is None:
+                raise ValueError("input and dimensions belong to embedding jobs (task 'embed')")
+            check_embed_request(self)
+            return self
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         if self.response_format is not None:
@@ -259,6 +313,21 @@ class GenerationRequest(BaseModel):
             # One field carries the constraint on the wire (and into the job id's digest).
             self.structured_outputs = from_response_format(self.response_format)
             self.response_format = None
+        if self.prompt is not None:
+            for name in ("tools", "tool_choice", "chat_template_kwargs"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: only chat messages take it, not a prompt")
+        if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
+            raise ValueError("tool_choice: needs tools")
+        forced = forced_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if forced is not None:
+            # Idempotent: a worker validating the payload again finds the constraint it derives.
+            if self.structured_outputs not in (None, {"json": forced}):
+                raise ValueError(
+                    "tool_choice: a named or required tool choice constrains the output; "
+                    "give no response_format or structured_outputs with it"
+                )
+            self.structured_outputs = check_structured_outputs({"json": forced})
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
@@ -280,6 +349,8 @@ class GenerationRequest(BaseModel):
     def sampling_kwargs(self, max_tokens_cap: int | None = None) -> dict[str, Any]:
         """The engine's SamplingParams keywords, `max_tokens` (and `min_tokens`) capped."""
         kwargs = {name: getattr(self, name) for name in SAMPLING_FIELDS}
+        if self.logit_bias:
+            kwargs["logit_bias"] = {int(t): b for t, b in self.logit_bias.items()}
         if max_tokens_cap is not None:
             kwargs["max_tokens"] = min(kwargs["max_tokens"], max_tokens_cap)
             kwargs["min_tokens"] = min(kwargs["min_tokens"], kwargs["max_tokens"])
@@ -357,6 +428,12 @@ class GenerationResult(BaseModel):
     worker: str | None = None
     error: str | None = None
     metadata: dict[str, Any] | None = None
+    # An embedding job's vectors, one per input, in input order.
+    embeddings: list[list[float]] | None = None
+    # The formats the worker's chat template speaks (names of producer/tool_parsers.py and
+    # producer/reasoning.py), so an answer is cut into content, reasoning and tool calls.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def all_choices(self) -> list[Choice]:
         """`choices`, or the top-level fields as the single choice 0 when n == 1."""

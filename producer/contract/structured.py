@@ -56,6 +56,12 @@ def from_response_format(value: dict[str, Any]) -> dict[str, Any] | None:
     if kind == "text":
         return None
     if kind == "json_object":
+        # Together's and Anyscale's form (instructor's JSON_SCHEMA mode sends it): a schema.
+        schema = value.get("schema")
+        if schema is not None:
+            if not isinstance(schema, dict):
+                raise ValueError(f"schema: must be an object, got {type(schema).__name__}")
+            return check_structured_outputs({"json": schema})
         return {"json_object": True}
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):

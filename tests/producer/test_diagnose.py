@@ -90,6 +90,18 @@ def test_diagnose_names_memory_pressure(redis_server, redis_client, capsys):
     assert "admission" not in out and "preemption rate" not in out
 
 
+def test_diagnose_gives_the_blocks_of_each_layer_group(redis_server, redis_client, capsys):
+    groups = [("full_attention", 120), ("sliding_window=512", 24)]
+    status = publish(
+        redis_client,
+        "gpu-2",
+        stats(num_running=3, num_waiting=9, kv_cache_usage=0.97, kv_blocks_by_group=groups),
+    )
+    assert status["kv_blocks_by_group"] == [["full_attention", 120], ["sliding_window=512", 24]]
+    _, out = run(capsys, redis_server, "diagnose")
+    assert "KV cache 97% full (blocks held: full_attention 120, sliding_window=512 24)" in out
+
+
 def test_diagnose_names_admission_for_an_idle_worker_and_a_full_queue(
     redis_server, redis_client, capsys
 ):

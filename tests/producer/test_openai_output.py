@@ -95,3 +95,16 @@ def test_failed_and_canceled_jobs_get_openai_error_shapes():
     assert line.response is None
     assert line.error.model_dump() == {"code": "batch_cancelled", "message": "canceled"}
     assert BatchOutputLine.model_validate_json(line.model_dump_json()) == line
+
+
+def test_a_request_the_worker_refused_is_a_400_line_not_a_500():
+    refused = GenerationResult(
+        job_id="j",
+        status="failed",
+        error="invalid request: structured_outputs.json: unsupported keyword",
+    )
+    line = result_line("r", CHAT_URL, refused).model_dump(mode="json")
+    assert line["response"]["status_code"] == 400
+    assert line["response"]["body"]["error"]["type"] == "invalid_request_error"
+    crashed = GenerationResult(job_id="j", status="failed", error="engine error: boom")
+    assert result_line("r", CHAT_URL, crashed).response.status_code == 500
