@@ -155,7 +155,7 @@ class EngineStatsCollector(Collector):
         g = GaugeMetricFamily(
             "pagedq:kv_cache_group_blocks",
             "KV blocks held per layer group (group: its index; kind: full_attention, "
-            "sliding_window=W).",
+            "sliding_window=W; recurrent_state: state slots held, hybrid linear attention).",
             labels=["model_name", "group", "kind"],
         )
         for i, (kind, n) in enumerate(getattr(s, "kv_blocks_by_group", None) or []):
