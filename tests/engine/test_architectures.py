@@ -234,7 +234,10 @@ def test_tiny_model_matches_hf(tmp_path_factory, case_id):
 # The regimes run on the families whose layers differ most from Llama's: sliding windows with
 # two RoPE bases and soft caps (Gemma 2/3), post-norm with windows (OLMo 3), length-dependent
 # RoPE with partial rotary (Phi-3 longrope).
-REGIME_CASES = ["gemma2", "gemma3-text", "gemma4-text", "olmo3", "phi3-longrope"]
+REGIME_CASES = [
+    "gemma2", "gemma3-text", "gemma4-text", "olmo3", "phi3-longrope", "qwen3-moe", "gpt-oss",
+    "glm4-moe",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("case_id", REGIME_CASES)
@@ -266,7 +269,7 @@ def test_regimes_match_hf(tmp_path_factory, case_id):
     assert cached.stats.prefix_cache_hits >= 32
 
 
-@pytest.mark.parametrize("case_id", ["gemma3-text", "phi3-longrope"])
+@pytest.mark.parametrize("case_id", ["gemma3-text", "phi3-longrope", "qwen3-moe", "gpt-oss"])
 def test_seeded_samples_and_json_schema(tmp_path_factory, case_id):
     """n > 1 with a seed gives the same samples alone and in a batch; a JSON schema holds."""
     folder, _ = built(case_id, tmp_path_factory)

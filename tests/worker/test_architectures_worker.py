@@ -25,7 +25,7 @@ from tests.engine.test_chat_templates import GEMMA_TEMPLATE, MESSAGES
 
 pytestmark = pytest.mark.slow
 
-CASES = ["gemma3-text", "phi3-longrope"]
+CASES = ["gemma3-text", "phi3-longrope", "qwen3-moe", "gpt-oss"]
 SCHEMA = {
     "type": "object",
     "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
