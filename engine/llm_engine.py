@@ -18,7 +18,7 @@ from engine.config import (
 from engine.cpu_threads import apply_num_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_cache_spec import make_layout
+from engine.kv_cache_spec import LatentAttentionSpec, make_layout
 from engine.model_loader import generation_eos_token_ids, load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -31,6 +31,7 @@ from engine.step_isolation import StepIsolation
 from engine.structured_outputs.manager import StructuredOutputManager
 from engine.swap import INITIAL_PREFILL_TOKENS_PER_S, PreemptionCostModel, SwapSpace
 from kernels import allocate_kv_cache
+from kernels.mla import allocate_latent_cache
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
 # Test-only fault injection: with PAGEDQ_TEST_FAULTS=1 in the environment when the engine is
@@ -213,23 +214,27 @@ class LLMEngine:
         """Each layer's cache tensor; layers at the same place of their groups share one."""
         kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
         self.kv_tensors = [
-            allocate_kv_cache(
-                num_blocks,
-                self.config.block_size,
-                num_kv_heads,
-                head_dim,
-                kv_dtype,
-                self.device,
-                self.config.attention_backend,
-            )  # fmt: skip
-            for num_kv_heads, head_dim in self.kv_layout.tensor_shapes
+            self._allocate_tensor(spec, num_blocks, kv_dtype)
+            for spec in self.kv_layout.tensor_specs
         ]
         return [self.kv_tensors[t] for t in self.kv_layout.layer_tensor]
+
+    def _allocate_tensor(self, spec, num_blocks: int, kv_dtype: torch.dtype) -> torch.Tensor:
+        bs = self.config.block_size
+        if isinstance(spec, LatentAttentionSpec):
+            return allocate_latent_cache(num_blocks, bs, spec.token_elems, kv_dtype, self.device)
+        heads, head_dim = spec.page_shape
+        backend = self.config.attention_backend
+        return allocate_kv_cache(num_blocks, bs, heads, head_dim, kv_dtype, self.device, backend)
 
     def _make_swap_space(self) -> tuple[SwapSpace | None, PreemptionCostModel | None]:
         if not self.config.swap_space:
             return None, None
-        swap = SwapSpace.from_budget(self.kv_tensors, int(self.config.swap_space * 2**30))
+        swap = SwapSpace.from_budget(
+            self.kv_tensors,
+            int(self.config.swap_space * 2**30),
+            [spec.block_dim for spec in self.kv_layout.tensor_specs],
+        )
         if swap is None:
             return None, None
         initial = INITIAL_PREFILL_TOKENS_PER_S.get(self.device.type, 500.0)
