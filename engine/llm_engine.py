@@ -67,7 +67,8 @@ class EngineStats:
     num_swapped: int = 0  # requests in the swap pool now
     swapped_out_bytes: int = 0  # since start
     swap_space_usage: float = 0.0  # fraction of the swap pool held
-    # (kind, blocks held) of each KV layer group: "full_attention", "sliding_window=W"
+    # (kind, blocks held) of each KV layer group: "full_attention", "sliding_window=W",
+    # "latent_attention"
     kv_blocks_by_group: list[tuple[str, int]] = field(default_factory=list)
     tenant_generated_tokens: dict[str, int] = field(default_factory=dict)
     mean_queue_time_s: float = 0.0  # arrival in the engine to first scheduling
