@@ -281,7 +281,9 @@ def test_latent_cache_keeps_one_row_per_token_per_layer(tmp_path_factory):
     2 * heads * (qk_nope + qk_rope) * elem for per-head K and V; the same budget holds that
     many times more blocks."""
     folder, _ = built("deepseek-v3", tmp_path_factory)
-    engine = tiny_llm(folder).llm_engine
+    llm = tiny_llm(folder)
+    engine = llm.llm_engine
+    assert llm.stats.kv_blocks_by_group == [("latent_attention", 0)]
     cfg, bs = engine.hf_config, engine.config.block_size
     layers, width = cfg.num_hidden_layers, cfg.kv_lora_rank + cfg.qk_rope_head_dim
     num_blocks = engine.kv_cache_manager.block_pool.num_blocks
