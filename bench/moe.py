@@ -63,10 +63,9 @@ def make_checkpoint(folder: Path, moe_intermediate_size: int) -> Path:
 
     tok = load_tokenizer(resolve_model("smollm2"))
     wanted = {**CONFIG, "moe_intermediate_size": moe_intermediate_size, "vocab_size": len(tok)}
-    done = folder / "config.json"
-    if done.exists():
-        saved = json.loads(done.read_text())
-        if all(saved.get(k) == v for k, v in wanted.items()) and any(folder.glob("*.safetensors")):
+    if (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
+        saved = transformers.AutoConfig.from_pretrained(folder)  # names as the class maps them
+        if all(getattr(saved, k, None) == v for k, v in wanted.items()):
             return folder
     print(f"making the random Qwen3-MoE checkpoint in {folder} ...", flush=True)
     config = transformers.Qwen3MoeConfig(**wanted)

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
 import heapq
 import multiprocessing as mp
@@ -90,10 +91,11 @@ from producer.contract.keys import (  # noqa: E402
     rq_registry_key,
 )
 from producer.contract.schema import GenerationRequest  # noqa: E402
+from producer.contract.stream import entry_delta  # noqa: E402
 from producer.enqueue import ENQUEUE_IF_ABSENT  # noqa: E402
 from producer.events import EventFollower  # noqa: E402
 from producer.results import final_results, is_final  # noqa: E402
-from worker.coalesce import AdmissionGate, EndCoalescer  # noqa: E402
+from worker.coalesce import AdmissionGate, EndCoalescer, StreamWindow  # noqa: E402
 from worker.endings import JobEnder  # noqa: E402
 from worker.engine_loop import MAX_PENDING_ADDS  # noqa: E402
 from worker.inflight import InFlight, StreamState  # noqa: E402
@@ -109,7 +111,7 @@ MODEL = "sim"
 # The worker's defaults (worker/config.py: WorkerConfig, worker/limits.py: JobLimits), and its
 # control loop's timings (worker/control_loop.py); importing those modules would load torch.
 LEASE_TTL = 60
-STREAM_INTERVAL_S = 0.05
+STREAM_INTERVAL_S = 0.1
 MAX_CRASHES = 2
 JOB_TIMEOUT_S = 3600.0
 MAX_PAYLOAD_BYTES = 1 << 20
@@ -126,6 +128,8 @@ RESULT_GRACE_S = 2.0
 # A held job's max_tokens: it does not end within a fixed-cost window.
 HOLD_TOKENS = 1_000_000
 VOCAB = 49_152
+# Latencies an online producer reports at most (a random sample of what it read).
+LATENCY_SAMPLES = 100_000
 WORDS = [
     " " + "".join(random.Random(i).choices(string.ascii_lowercase, k=2 + i % 6))
     for i in range(2000)
@@ -215,6 +219,8 @@ class Shared:
         self.lost = ctx.Value("q", 0)
         self.read = ctx.Value("q", 0)
         self.sent = ctx.Queue()
+        # Each online producer's delays from a token's sampling to its reading, ms (sampled).
+        self.latency = ctx.Queue()
 
 
 def _add(value: Any, n: int) -> None:
@@ -264,6 +270,7 @@ class Sim:
     window: int
     coalesce_window: float = COALESCE_WINDOW_S
     bulk_coalesce_window: float = BULK_COALESCE_WINDOW_S
+    stream_interval: float = STREAM_INTERVAL_S
     redis_cpu: int | None = None  # the core redis-server has to itself (None: shared)
 
 
@@ -298,6 +305,7 @@ class SimWorker:
         self._next_cancel_poll_at = 0.0
         self.endings: EndCoalescer = EndCoalescer(sim.coalesce_window)
         self.gate = AdmissionGate(sim.coalesce_window)
+        self.window = StreamWindow(sim.stream_interval)
 
     def _stats(self) -> SimpleNamespace:
         n = len(self.in_flight)
@@ -330,6 +338,8 @@ class SimWorker:
         if self.in_flight and t >= self.next_step_at:
             self._step()
             self.next_step_at = max(self.next_step_at + self.step_s, t)
+        if self.window.due(t):
+            self._write(self._window_entries(), [])
         if self.endings.due(t):
             self._write([], [])
         busy_before = bool(self.in_flight)
@@ -339,7 +349,7 @@ class SimWorker:
         self._handle_cancels()
         self._maintain()
         self.status.maybe_publish()
-        ends_in = self.endings.wait_s(time.monotonic())
+        ends_in = _earliest(self.endings.wait_s(t), self.window.wait_s(t))
         if self.in_flight:
             return self.next_step_at if ends_in is None else min(self.next_step_at, t + ends_in)
         if ends_in is not None:
@@ -389,7 +399,7 @@ class SimWorker:
         self.in_flight[claim.job_id] = InFlight(
             claim=claim,
             request=None,
-            stream=StreamState.for_attempt(claim.attempt, stream, STREAM_INTERVAL_S),
+            stream=StreamState.for_attempt(claim.attempt, stream),
             enqueued_at=claim.enqueued_time(),
             started_at=claim.started_at,
             deadline=time.monotonic() + claim.timeout_s(JOB_TIMEOUT_S),
@@ -404,40 +414,63 @@ class SimWorker:
     # one engine step: worker/control_loop.py ControlLoop._on_step
     def _step(self) -> None:
         now = time.time()
+        t = time.monotonic()
         entries: list = []
         ends = []
         rng = self.rng
         for job_id, item in list(self.in_flight.items()):
             completion, target, prompt_ids = self.gen[job_id]
             completion.token_ids.append(rng.randrange(VOCAB))
-            completion.text += rng.choice(WORDS)
+            completion.text += _stamp(now)
             finished = len(completion.token_ids) >= target
             if finished:
                 completion.finish_reason = "length"
-            for fields in item.stream.take(completion, now, finished):
-                entries.append((item.claim, fields, not item.stream.ttl_set))
-                item.stream.ttl_set = True
+            item.last_output = SimpleNamespace(outputs=[completion])
             if item.first_token_at is None:
                 item.first_token_at = now
             item.last_token_at = now
             if finished:
                 del self.in_flight[job_id]
                 del self.gen[job_id]
+                self.window.discard(job_id)
+                entries += self._stream_entries(item)
                 output = SimpleNamespace(
                     outputs=[completion], prompt_token_ids=prompt_ids, finished=True
                 )
                 ending = self.ender.finish(item, output)
                 self.num_tokens += 1
                 window = self.sim.bulk_coalesce_window if item.claim.bulk else None
-                if item.stream.enabled or not self.endings.hold(ending, time.monotonic(), window):
+                if item.stream.enabled or not self.endings.hold(ending, t, window):
                     ends.append(ending)
+            elif item.stream.enabled:
+                if self.window.add(job_id, t, item.stream.num_tokens == 0):
+                    entries += self._stream_entries(item)
+        if self.window.due(t):
+            entries += self._window_entries()
         self.num_steps += 1
         self.num_tokens += len(self.in_flight)
         if entries or ends or self.endings.due(time.monotonic()):
             self._write(entries, ends)
         _add(self.shared.steps, 1)
 
+    def _stream_entries(self, item: InFlight) -> list:
+        entries = []
+        for fields in item.stream.take(item.last_output.outputs[0]):
+            entries.append((item.claim, fields, not item.stream.ttl_set))
+            item.stream.ttl_set = True
+        return entries
+
+    def _window_entries(self) -> list:
+        entries = []
+        for job_id in self.window.take():
+            item = self.in_flight.get(job_id)
+            if item is not None and item.last_output is not None:
+                entries += self._stream_entries(item)
+        return entries
+
     def _write(self, entries: list, ends: list) -> None:
+        if not entries and not ends and not self.endings.pending:
+            return
         ends = self.endings.take() + ends
         calls: list = [self.adapter.stream_call(entries)] if entries else []
         calls += self.adapter.merge_ends([ending.call for ending in ends])
@@ -478,6 +511,25 @@ class SimWorker:
             _add(self.shared.lost, len(lost or []))
         if self.leases.reap_due():
             self.link.attempt(lambda: self.link.scripts.call(self.adapter.reap_call()))
+
+
+def _earliest(*waits: float | None) -> float | None:
+    known = [w for w in waits if w is not None]
+    return min(known) if known else None
+
+
+# A simulated token's text is the time it was sampled (ms, 7 digits: about as long as a real
+# token's text), so a reader measures the latency from sampling to itself exactly.
+STAMP_MOD = 10**7
+
+
+def _stamp(now: float) -> str:
+    return f" {int(now * 1000) % STAMP_MOD:07d}"
+
+
+def _stamp_delays_ms(delta: str, now: float) -> list[float]:
+    now_ms = now * 1000
+    return [(now_ms - int(w)) % STAMP_MOD for w in delta.split()]
 
 
 def drive_workers(url: str, names: list[str], sim: Sim, shared: Shared, seed: int) -> None:
@@ -620,6 +672,7 @@ async def _online(
     hub = StreamHub(url)
     await hub.start()
     left = [n_jobs]
+    delays: list[float] = []
 
     async def request() -> None:
         job_id = await enqueuer.submit(
@@ -627,8 +680,9 @@ async def _online(
         )
         follow = hub.follow(job_id)
         try:
-            while not is_final(await follow.entries.get()):
-                pass
+            while not is_final(entry := await follow.entries.get()):
+                if shared.mark.value == 1 and (delta := entry_delta(entry)):
+                    delays.extend(_stamp_delays_ms(delta, time.time()))
             deadline = time.monotonic() + RESULT_GRACE_S
             while await hub.redis.get(result_key(job_id)) is None:
                 if time.monotonic() > deadline:
@@ -657,6 +711,7 @@ async def _online(
         _log("online producer: the stream hub did not close within 10 s")
     while not shared.stop.value:
         await asyncio.sleep(0.05)
+    shared.latency.put(rng.sample(delays, min(len(delays), LATENCY_SAMPLES)))
     watcher.finish()
 
 
@@ -727,6 +782,8 @@ class Run:
     shared: Shared = field(init=False)
     procs: list = field(default_factory=list)
     sent: dict[str, Counter] = field(default_factory=dict)
+    latency_ms: list[float] = field(default_factory=list)
+    online: int = 0
 
     def __post_init__(self) -> None:
         self.server = PrivateRedis()
@@ -751,6 +808,7 @@ class Run:
         self, kind: str, n_jobs: int, window: int, seed: int, max_tokens: int | None = None
     ) -> None:
         target = produce_bulk if kind == "bulk" else produce_online
+        self.online += target is produce_online
         self._spawn(
             target, self.server.url, n_jobs, window, self.sim, self.shared, seed, max_tokens
         )
@@ -797,6 +855,11 @@ class Run:
                 break
             if before is not None and after is not None:
                 self.sent[role] = self.sent.get(role, Counter()) + (after - before)
+        for _ in range(self.online):
+            try:
+                self.latency_ms += self.shared.latency.get(timeout=30)
+            except queue_mod.Empty:
+                _log("an online producer did not report its latencies")
         for p in self.procs:
             p.join(30)
 
@@ -911,20 +974,37 @@ class Profile:
     finished: int
     lost: int
     followed: int  # streams the online producer follows (its clients)
+    stream_interval: float  # the workers' --stream-interval
+    latency_ms: list[float]  # sorted: a token's sampling to its reading, ms (a sample)
+
+    def latency(self, q: float) -> str:
+        """The q-quantile of `latency_ms`, or "-"."""
+        if not self.latency_ms:
+            return "-"
+        return (
+            f"{self.latency_ms[min(len(self.latency_ms) - 1, int(q * len(self.latency_ms)))]:.0f}"
+        )
 
 
-def parse_profile(spec: str) -> tuple[str, float]:
-    if spec == "bulk":
-        return spec, 0.0
-    if spec == "interactive":
-        return spec, 1.0
-    if spec.startswith("mix:"):
-        return spec, float(spec[4:])
-    raise ValueError(f"profile {spec!r}: bulk, interactive or mix:FRACTION")
+def parse_profile(spec: str, stream_interval: float) -> tuple[str, float, float]:
+    """(name, fraction of jobs streaming, the workers' --stream-interval) of a profile."""
+    name, _, interval = spec.partition("@")
+    at = float(interval) if interval else stream_interval
+    if name == "bulk":
+        return spec, 0.0, at
+    if name in ("stream", "interactive"):
+        return spec, 1.0, at
+    if name.startswith("mix:"):
+        return spec, float(name[4:]), at
+    raise ValueError(
+        f"profile {spec!r}: bulk, stream (alias interactive) or mix:FRACTION, each with an "
+        "optional @SECONDS (the workers' --stream-interval)"
+    )
 
 
 def measure_profile(sim: Sim, ctx: Any, spec: str, jobs: int) -> Profile:
-    name, fraction = parse_profile(spec)
+    name, fraction, interval = parse_profile(spec, sim.stream_interval)
+    sim = dataclasses.replace(sim, stream_interval=interval)
     run = Run(sim, ctx)
     try:
         empty = run.admin.info("memory")["used_memory"]
@@ -958,7 +1038,7 @@ def measure_profile(sim: Sim, ctx: Any, spec: str, jobs: int) -> Profile:
         return Profile(
             name, fraction, b - a, run.sent, sum(memory.values()) / jobs, memory,
             (used - empty) / jobs, jobs, finished, run.shared.lost.value,
-            windows.get("interactive", 0),
+            windows.get("interactive", 0), interval, sorted(run.latency_ms),
         )  # fmt: skip
     finally:
         run.close()
@@ -967,17 +1047,21 @@ def measure_profile(sim: Sim, ctx: Any, spec: str, jobs: int) -> Profile:
 # --- arithmetic and tables ----------------------------------------------------------------------
 
 
-def entries_per_job(tokens: int, steps_per_s: float) -> int:
-    """Token entries a job of `tokens` tokens writes at `steps_per_s`: the worker's own
-    StreamState over a clock (coalesced to one per 50 ms; the final done entry, written by
-    END, is not counted: it is part of the job's own cost)."""
-    state = StreamState.for_attempt(1, True, STREAM_INTERVAL_S)
-    c = SimpleNamespace(text="", token_ids=[])
+def entries_per_job(tokens: int, steps_per_s: float, interval: float) -> int:
+    """Token entries a job of `tokens` tokens writes at `steps_per_s` with the worker's own
+    StreamWindow over a clock (its first token at once, then one entry per `interval`, its
+    last with its end; the final done entry, written by END, is part of the job's own cost)."""
+    window = StreamWindow(interval)
     n = 0
     for k in range(tokens):
-        c.token_ids.append(k)
-        c.text += " x"
-        n += len(state.take(c, k / steps_per_s, k == tokens - 1))
+        t = k / steps_per_s
+        if window.due(t):
+            n += len(window.take())
+        if k == tokens - 1:
+            window.discard("job")
+            n += 1
+        elif window.add("job", t, first=k == 0):
+            n += 1
     return n
 
 
@@ -1061,6 +1145,7 @@ def print_tables(
         "steps/s per worker (achieved)",
         [f"{p.window.steps / p.window.dt / sim.workers:.1f}" for p in profiles],
     )
+    row("workers' --stream-interval (s)", [f"{p.stream_interval:g}" for p in profiles])
     row("tokens per job", [f"{p.window.tokens / p.window.ended:.1f}" for p in profiles])
     row("stream entries per job", [f"{p.window.entries / p.window.ended:.1f}" for p in profiles])
     row("Redis CPU, share of one core", [f"{p.window.rate / 1e6:.1%}" for p in profiles])
@@ -1083,6 +1168,24 @@ def print_tables(
         [f"{p.window.sys_us / p.window.ended:.0f}" for p in profiles],
     )
     row("Redis CPU per generated token, all in (us)", [f"{s.per_token:.2f}" for s in splits])
+    row(
+        "**Redis CPU per streamed token, writers and readers (us)**",
+        [
+            f"**{s.per_token:.2f}**" if p.stream_fraction == 1 else "-"
+            for p, s in zip(profiles, splits)
+        ],
+    )
+    row(
+        "streamed tokens per stream entry",
+        [
+            f"{p.window.tokens / p.window.entries:.1f}" if p.window.entries else "-"
+            for p in profiles
+        ],
+    )
+    row(
+        "latency from sampling to a reader, p50 / p99 (ms)",
+        [f"{p.latency(0.5)} / {p.latency(0.99)}" for p in profiles],
+    )
     row(
         "commands executed per job (commandstats)",
         [f"{sum(c for c, _ in p.window.cmds.values()) / p.window.ended:.1f}" for p in profiles],
@@ -1140,18 +1243,24 @@ def print_tables(
             f"{n * jps * tps:,.0f} |"
         )
 
-    j, t, s = args.target_jobs_per_s, args.target_tokens, args.target_steps_per_s
-    e = entries_per_job(t, s)
+    t, s = args.target_tokens, args.target_token_rate
+    j = args.target_seqs * s / t
+    interval = args.stream_interval
+    e = entries_per_job(t, s, interval)
     per_worker_fixed = (
         f.busy_worker + f.heartbeat / (sim.lease_ttl / 3) + f.reap / (sim.lease_ttl / 2)
     )
     bulk = next((sp for p, sp in zip(profiles, splits) if p.stream_fraction == 0), None)
+    inter_p = next((p for p in profiles if p.stream_fraction == 1), None)
     inter = next((sp for p, sp in zip(profiles, splits) if p.stream_fraction == 1), None)
+    # The readers' cost per entry, as measured in the streaming profile (the hub's XREADs).
+    read_entry = inter.reading * inter_p.window.ended / inter_p.window.entries if inter else 0.0
     print(
         f"\nCapacity of one Redis core at {args.cpu_budget:.0%}, modeled: busy workers each "
-        f"finishing {j:g} jobs/s of {t} tokens ({j * t:g} tokens/s) at {s:g} steps/s ({e} token "
-        "entries per streaming job), from the fixed costs, the job's own cost and the entries' "
-        "(stream readers not included: see below)"
+        f"running {args.target_seqs} sequences at {s:g} tokens/s ({j:.1f} jobs/s of {t} tokens, "
+        f"{j * t:g} tokens/s), --stream-interval {interval:g} ({e} token entries per streaming "
+        f"job), from the fixed costs, the job's own cost and the entries' (each written at "
+        f"{f.entry:.1f} us and read at {read_entry:.1f} us, as the streaming profile measured)"
     )
     print("| profile | Redis CPU per worker | workers per core | jobs/s | tokens/s |")
     print("|---|---:|---:|---:|---:|")
@@ -1159,10 +1268,10 @@ def print_tables(
     if bulk:
         rows.append(("bulk", per_worker_fixed + j * bulk.job))
     if inter:
-        rows.append(("interactive", per_worker_fixed + j * (inter.job + e * f.entry)))
+        rows.append(("stream", per_worker_fixed + j * (inter.job + e * (f.entry + read_entry))))
     if bulk and inter:
         for share in (0.1, 0.3):
-            mixed = (1 - share) * bulk.job + share * (inter.job + e * f.entry)
+            mixed = (1 - share) * bulk.job + share * (inter.job + e * (f.entry + read_entry))
             rows.append((f"{share:.0%} of jobs stream", per_worker_fixed + j * mixed))
     for label, us in rows:
         n = budget / us
@@ -1222,7 +1331,18 @@ def main() -> None:
     p.add_argument("--steps-per-s", type=float, default=40.0, help="engine steps/s per worker")
     p.add_argument("--tokens", type=int, default=200, help="mean tokens per job")
     p.add_argument("--jobs", type=int, default=3000, help="jobs per steady profile")
-    p.add_argument("--profiles", default="bulk,interactive", help="bulk, interactive, mix:F")
+    p.add_argument(
+        "--profiles",
+        default="stream,bulk",
+        help="stream (every job streams, read live; alias interactive), bulk, mix:F (a "
+        "fraction F streams); each with an optional @S, the workers' --stream-interval",
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=float,
+        default=STREAM_INTERVAL_S,
+        help="the workers' --stream-interval (0: every step writes its tokens)",
+    )
     p.add_argument("--prompt-chars", type=int, default=200)
     p.add_argument("--drivers", type=int, default=2, help="processes simulating the workers")
     p.add_argument("--lease-ttl", type=int, default=LEASE_TTL)
@@ -1248,9 +1368,11 @@ def main() -> None:
     p.add_argument("--window", type=int, default=0, help="jobs outstanding (0: 1.25 x slots)")
     p.add_argument("--hold-s", type=float, default=6.0, help="fixed-cost windows, seconds")
     p.add_argument("--cpu-budget", type=float, default=0.7, help="share of one Redis core")
-    p.add_argument("--target-jobs-per-s", type=float, default=10.0)
-    p.add_argument("--target-tokens", type=int, default=200)
-    p.add_argument("--target-steps-per-s", type=float, default=40.0)
+    p.add_argument("--target-seqs", type=int, default=64, help="modeled: sequences per worker")
+    p.add_argument(
+        "--target-token-rate", type=float, default=30.0, help="modeled: tokens/s per sequence"
+    )
+    p.add_argument("--target-tokens", type=int, default=200, help="modeled: tokens per job")
     p.add_argument(
         "--no-calibrate",
         dest="calibrate",
@@ -1269,6 +1391,7 @@ def main() -> None:
         window=args.window or round(1.25 * args.workers * args.slots),
         coalesce_window=args.coalesce_window,
         bulk_coalesce_window=args.bulk_coalesce_window,
+        stream_interval=args.stream_interval,
     )
     cpus = sorted(os.sched_getaffinity(0))
     if args.redis_core and len(cpus) >= 2:

@@ -75,13 +75,14 @@ class PagedAttention:
     def __call__(
         self,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         backend = self.resolve(query.device)
-        write_kv(key, value, kv_cache, meta.slot_mapping, backend=backend)
+        if key is not None:  # None: a layer that reads another layer's cache (Gemma 4)
+            write_kv(key, value, kv_cache, meta.slot_mapping, backend=backend)
         return unified_attention(
             query,
             kv_cache,

@@ -10,7 +10,8 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import EngineStats, LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import EmbeddingRequestOutput, RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -66,6 +67,37 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"messages[{i}]: {e}") from e
         return self._run(prompts, sampling_params, use_tqdm, None, None)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: str | None = None,
+        normalize: bool = True,
+        dimensions: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (``outputs[0].embedding``), in input order.
+
+        ``pooling``: "last", "mean" or "cls"; None takes the checkpoint's own (its
+        sentence-transformers pooling config, else "last"). The prompts join the running batch
+        like any request, stop after their prefill and never sample.
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        params = PoolingParams(pooling, normalize, dimensions)
+        engine = self.llm_engine
+        processed = []
+        for i, prompt in enumerate(prompts):
+            try:
+                processed.append(engine.prompts.process(prompt))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from e
+        ids = [str(next(self._counter)) for _ in processed]
+        for request_id, prompt in zip(ids, processed):
+            engine.add_embedding_request(request_id, [prompt], params)
+        return self._run_engine(ids, use_tqdm)
 
     def _run(self, prompts, sampling_params, use_tqdm, priority, tenant) -> list[RequestOutput]:
         engine = self.llm_engine

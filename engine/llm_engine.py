@@ -19,9 +19,16 @@ from engine.cpu_threads import apply_num_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_spec import LatentAttentionSpec, make_layout
-from engine.model_loader import generation_eos_token_ids, load_model
+from engine.model_loader import load_model, resolve_model
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from engine.pooling import PoolingParams, PoolingState, checkpoint_pooling
 from engine.prompts import ProcessedPrompt, Prompt, PromptProcessor
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampler import Sampler
@@ -162,7 +169,7 @@ class LLMEngine:
             Sampler(self.device, config.seed, config.attention_backend),
             self.eos_token_ids,
             self.structured,
-            self.kv_layout.layer_group,
+            [self.kv_layout.layer_group[c] for c in self.model.kv_cache_indices()],
         )
         self.parents: dict[str, _ParentRequest] = {}
         self.num_steps = 0
@@ -177,6 +184,7 @@ class LLMEngine:
         self._faults_enabled = os.environ.get(FAULT_ENV) == "1"
         self._faulty: set[str] = set()
         self._early_outputs: list[RequestOutput] = []  # ended before a step ran (grammar failed)
+        self._checkpoint_pooling: str | None = None  # read at the first embedding request
 
     # --- set-up -------------------------------------------------------------------------
     def _kv_bytes_per_block(self) -> int:
@@ -212,13 +220,16 @@ class LLMEngine:
         return int(num_blocks)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        """Each layer's cache tensor; layers at the same place of their groups share one."""
+        """Each layer's cache tensor: layers at the same place of their groups share one."""
         kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
         self.kv_tensors = [
             self._allocate_tensor(spec, num_blocks, kv_dtype)
             for spec in self.kv_layout.tensor_specs
         ]
-        return [self.kv_tensors[t] for t in self.kv_layout.layer_tensor]
+        # A layer that reads another's cache (Gemma 4) gets that layer's tensor.
+        return [
+            self.kv_tensors[self.kv_layout.layer_tensor[c]] for c in self.model.kv_cache_indices()
+        ]
 
     def _allocate_tensor(self, spec, num_blocks: int, kv_dtype: torch.dtype) -> torch.Tensor:
         bs = self.config.block_size
@@ -242,7 +253,7 @@ class LLMEngine:
         return swap, PreemptionCostModel(swap.measure_copy_bandwidth(), initial)
 
     def _eos_token_ids(self) -> set[int]:
-        ids: set[int] = set(generation_eos_token_ids(self.model_name))
+        ids: set[int] = set(getattr(self.model, "generation_eos_token_ids", ()))
         for value in (getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
             if isinstance(value, int):
                 ids.add(value)
@@ -310,6 +321,63 @@ class LLMEngine:
             # A constrained request joins the scheduler once its grammar is compiled.
             if not self.structured.hold(child):
                 self.scheduler.add_request(child)
+
+    def add_embedding_request(
+        self,
+        request_id: str,
+        prompts: list[Prompt | ProcessedPrompt],
+        params: PoolingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        tenant: str | None = None,
+    ) -> None:
+        """Queue an embedding request: one vector per prompt, each prompt prefilled and pooled
+        (engine/pooling.py), never sampled; its blocks are freed as its prefill ends.
+        Raises ValueError (and adds nothing) on bad input; `input[i]` names a bad prompt."""
+        if request_id in self.parents:
+            raise ValueError(f"request_id={request_id!r} is already in the engine")
+        if not isinstance(params, PoolingParams):
+            raise ValueError("params must be a PoolingParams")
+        if not prompts:
+            raise ValueError("input: must hold at least one prompt")
+        hidden_size = self.hf_config.hidden_size
+        if params.dimensions is not None and params.dimensions > hidden_size:
+            raise ValueError(
+                f"dimensions: must be <= the model's hidden size {hidden_size}, "
+                f"got {params.dimensions}"
+            )
+        if params.pooling is None:
+            if self._checkpoint_pooling is None:
+                self._checkpoint_pooling = checkpoint_pooling(resolve_model(self.model_name).folder)
+            params = PoolingParams(self._checkpoint_pooling, params.normalize, params.dimensions)
+        processed = []
+        for i, prompt in enumerate(prompts):
+            try:
+                processed.append(self.prompts.process(prompt))
+            except ValueError as e:
+                raise ValueError(f"input[{i}]: {e}") from e
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        children = [
+            Request(
+                request_id if len(processed) == 1 else f"{request_id}#{k}",
+                p.token_ids,
+                SamplingParams(max_tokens=1),  # never sampled: sizes the scheduler's estimates
+                p.text,
+                priority,
+                arrival_time,
+                request_id,
+                k,
+                tenant,
+                pooling=PoolingState(params),
+            )
+            for k, p in enumerate(processed)
+        ]
+        first = processed[0]
+        self.parents[request_id] = _ParentRequest(
+            request_id, first.text, first.token_ids, children, []
+        )
+        for child in children:
+            self.scheduler.add_request(child)
 
     def _check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         """What SamplingParams cannot know alone: the vocabulary and the context."""
@@ -414,13 +482,21 @@ class LLMEngine:
                     s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens
                 )
             req.num_computed_tokens += s.num_new_tokens
+            if req.pooling is not None:
+                if req.pooling.embedding is not None and not req.status.finished:
+                    self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+                    touched[req.parent_id] = self.parents[req.parent_id]
+                continue
             # A sibling's failure may have ended this sample earlier in the loop.
             if row not in sampled or req.status.finished:
                 continue
             token_id, logprobs = sampled[row]
             self._append_token(req, token_id, logprobs, now)
             touched[req.parent_id] = self.parents[req.parent_id]
-        return self._take_early_outputs() + [self._make_output(p) for p in touched.values()]
+        outputs = [self._make_output(p) for p in touched.values()]
+        # An embedding request is given once, when its last input is pooled.
+        outputs = [o for o in outputs if o.finished or isinstance(o, RequestOutput)]
+        return self._take_early_outputs() + outputs
 
     def _append_token(self, req: Request, token_id: int, logprobs, now: float) -> None:
         status = self._record_token(req, token_id, logprobs, now)
@@ -504,6 +580,8 @@ class LLMEngine:
         return None
 
     def _make_output(self, parent: _ParentRequest, keep: bool = False) -> RequestOutput:
+        if parent.children[0].pooling is not None:
+            return self._make_embedding_output(parent, keep)
         outputs = []
         for req, detok in zip(parent.children, parent.detokenizers):
             done = req.status.finished
@@ -521,9 +599,42 @@ class LLMEngine:
                     ),
                 )
             )
+        metrics = self._metrics(parent)
+        if metrics.finished_time is not None and not keep:
+            del self.parents[parent.request_id]
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            outputs,
+            metrics.finished_time is not None,
+            metrics,
+        )
+
+    def _make_embedding_output(
+        self, parent: _ParentRequest, keep: bool = False
+    ) -> EmbeddingRequestOutput:
+        outputs = [
+            EmbeddingOutput(r.sample_index, r.pooling.embedding or [], r.num_prompt_tokens)
+            for r in parent.children
+        ]
+        metrics = self._metrics(parent)
+        if metrics.finished_time is not None and not keep:
+            del self.parents[parent.request_id]
+        return EmbeddingRequestOutput(
+            parent.request_id,
+            parent.prompt_token_ids,
+            outputs,
+            metrics.finished_time is not None,
+            metrics,
+        )
+
+    @staticmethod
+    def _metrics(parent: _ParentRequest) -> RequestMetrics:
+        """A request's milestones over its samples (finished_time: None until all ended)."""
         first = parent.children[0]
         finished = all(r.status.finished for r in parent.children)
-        metrics = RequestMetrics(
+        return RequestMetrics(
             arrival_time=first.arrival_time,
             first_scheduled_time=min(
                 (r.first_scheduled_time for r in parent.children if r.first_scheduled_time),
@@ -535,11 +646,6 @@ class LLMEngine:
             finished_time=max(r.finished_time or 0 for r in parent.children) if finished else None,
             num_cached_tokens=first.num_cached_tokens,
             num_preemptions=sum(r.num_preemptions for r in parent.children),
-        )
-        if finished and not keep:
-            del self.parents[parent.request_id]
-        return RequestOutput(
-            parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished, metrics
         )
 
     def get_stats(self) -> EngineStats:

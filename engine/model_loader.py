@@ -245,13 +245,11 @@ def _skip_weight_init():
             cls.reset_parameters = reset
 
 
-@lru_cache(maxsize=8)
-def generation_eos_token_ids(model: str) -> frozenset[int]:
+def generation_eos_token_ids(folder: str) -> frozenset[int]:
     """The ids ``generation_config.json`` stops at (Gemma's ``<end_of_turn>``, gpt-oss's
     ``<|return|>`` and ``<|call|>``, Llama 3's ``<|eot_id|>``), as Hugging Face's ``generate``
     does; empty when the checkpoint has none."""
-    folder = Path(cached_source(resolve_model(model)).folder)
-    path = folder / "generation_config.json"
+    path = Path(folder) / "generation_config.json"
     if not path.exists():
         return frozenset()
     value = json.loads(path.read_text()).get("eos_token_id")
@@ -280,4 +278,5 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_b
     net.load_weights(dequantized(iter_weights(source), hf_config))
     net = net.to(device=device, dtype=dtype).eval()
     net.move_rotaries(device)
+    net.generation_eos_token_ids = generation_eos_token_ids(source.folder)
     return net, hf_config, tokenizer

@@ -39,6 +39,8 @@ class ModelRunner:
         self.eos_ids = eos_ids
         self.structured = structured  # a StructuredOutputManager: masks constrained rows
         self.block_tables = [BlockTable(g) for g in range(num_groups)]
+        # A length-dependent RoPE needs each request's prompt length (CausalLM.rope_lengths).
+        self.uses_prompt_lens = bool(getattr(model, "uses_prompt_lens", False))
         model.prepack()
 
     def prepare_inputs(self, sched: SchedulerOutput):
@@ -56,8 +58,9 @@ class ModelRunner:
             starts.append(start)
             num_new.append(s.num_new_tokens)
             prompt_lens.append(req.num_prompt_tokens)
-            # Only a request whose every token is now computed gets a next-token sample.
-            if end == req.num_tokens:
+            # Only a request whose every token is now computed gets a next-token sample; an
+            # embedding request never samples.
+            if end == req.num_tokens and req.pooling is None:
                 sample_rows.append(row)
         starts_t = torch.tensor(starts)
         num_new_t = torch.tensor(num_new)
@@ -80,7 +83,7 @@ class ModelRunner:
             self._group_metadata(table, scheduled, positions, token_req, shared)
             for table in self.block_tables
         ]
-        if self.model.uses_prompt_lens:
+        if self.uses_prompt_lens:
             prompt_lens_t = to(torch.tensor(prompt_lens))
             for meta in metas:
                 meta.num_prompt_tokens = prompt_lens_t
@@ -115,6 +118,7 @@ class ModelRunner:
         # The grammars' mask is filled while the model runs, and applied before any sampling.
         mask = self.structured.start_bitmask(requests) if self.structured else None
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self._pool(sched, hidden, metas[0].query_start_loc)
         if not sample_rows:
             return {}
         hidden = hidden[logits_indices]
@@ -128,3 +132,16 @@ class ModelRunner:
             self.structured.apply_bitmask(logits, mask)
         token_ids, logprobs = self.sampler(logits, requests, self.eos_ids)
         return {row: (tok, lp) for row, tok, lp in zip(sample_rows, token_ids, logprobs)}
+
+    @staticmethod
+    def _pool(sched: SchedulerOutput, hidden: torch.Tensor, query_start_loc) -> None:
+        """Give each embedding request's slice of final hidden states to its pooling state."""
+        bounds = None
+        for row, s in enumerate(sched.scheduled):
+            req = s.request
+            if req.pooling is None:
+                continue
+            if bounds is None:
+                bounds = query_start_loc.tolist()
+            chunk = hidden[bounds[row] : bounds[row + 1]]
+            req.pooling.add_chunk(chunk, req.num_computed_tokens, req.num_prompt_tokens)

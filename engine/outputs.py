@@ -47,3 +47,28 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """The pooled vector of one input (vLLM's name)."""
+
+    index: int
+    embedding: list[float]
+    num_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """An embedding request's vectors, one per input; given once, when every input is done."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # of the first input
+    outputs: list[EmbeddingOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens over every input."""
+        return sum(o.num_prompt_tokens for o in self.outputs)

@@ -60,6 +60,7 @@ class Request:
         "cumulative_logprob",
         "generator",
         "structured_output_request",
+        "pooling",
     )
 
     def __init__(
@@ -73,6 +74,7 @@ class Request:
         parent_id: str | None = None,
         sample_index: int = 0,
         tenant: str | None = None,
+        pooling=None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id or request_id
@@ -99,6 +101,8 @@ class Request:
         self.generator = None  # a torch.Generator, made by the sampler for seeded requests
         # Its grammar's state (engine.structured_outputs.matcher), when the output is constrained.
         self.structured_output_request = None
+        # An embedding request's engine.pooling.PoolingState: it ends after its prefill.
+        self.pooling = pooling
 
     @property
     def num_tokens(self) -> int:

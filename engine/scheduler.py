@@ -236,6 +236,9 @@ class Scheduler:
         ):
             request = self.waiting.peek()
             computed_blocks, num_computed = kv.get_computed_blocks(request)
+            if request.pooling is not None and request.pooling.params.needs_every_token:
+                # Mean/CLS pool states a hit would skip: no group takes cached blocks.
+                computed_blocks, num_computed = [[] for _ in computed_blocks], 0
             if request.num_tokens - num_computed > token_budget and not cfg.enable_chunked_prefill:
                 break
             num_new = self._num_new_tokens(request, num_computed, token_budget)

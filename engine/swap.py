@@ -64,6 +64,7 @@ class SwapSpace:
         self.block_dims = block_dims or [1] * len(kv_caches)
         pin = kv_caches[0].device.type == "cuda"
         # torch.empty: host pages are only committed once a block is actually swapped out.
+        # Each host cache is shaped like its own layer's (head sizes may differ per layer).
         self.host_caches = [
             torch.empty(_resized(c, d, num_blocks), dtype=c.dtype, device="cpu", pin_memory=pin)
             for c, d in zip(kv_caches, self.block_dims, strict=True)

@@ -11,14 +11,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway import batches, completions, errors, files, models
+from gateway import batches, completions, embeddings, errors, files, models, responses
 from gateway.batch_runner import BatchRunner
 from gateway.batch_store import BatchStore
 from gateway.config import GatewayConfig
 from gateway.enqueuer import Enqueuer
 from gateway.errors import APIError, error_response
 from gateway.file_store import FileStore
-from gateway.keys import ACTIVE_BATCHES, batch_key
+from gateway.keys import ACTIVE_BATCHES, batch_key, batch_ref
 from gateway.metrics import REGISTRY, ActiveBatches, MetricsMiddleware
 from gateway.models import ModelCatalog
 from gateway.stream_hub import StreamHub
@@ -42,9 +42,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
             outage_timeout=0,
             min_replicas_ack=config.min_replicas_ack,
             replica_ack_timeout_ms=config.replica_ack_timeout_ms,
+            queue_shards=config.queue_shards,
         )
         file_store = FileStore(client.redis, config.file_ttl, config.file_chunk_bytes)
-        batch_store = BatchStore(client.redis, file_store, config.file_ttl, config.queue)
+        batch_store = BatchStore(
+            client.redis, file_store, config.file_ttl, config.queue, config.queue_shards
+        )
         hub = StreamHub(config.redis_url)
         runner = BatchRunner(client.redis, client, file_store, batch_store, config)
         app.state.client, app.state.files, app.state.batches = client, file_store, batch_store
@@ -66,7 +69,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="pagedq gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
     errors.install(app)
-    for module in (files, batches, completions, models):
+    for module in (files, batches, completions, models, embeddings, responses):
         app.include_router(module.router)
 
     @app.get("/health")
@@ -93,7 +96,7 @@ def _active_statuses(client: Client) -> dict[str, int]:
     ids = [raw.decode() for raw in client.redis.smembers(ACTIVE_BATCHES)]
     pipe = client.redis.pipeline(transaction=False)
     for batch_id in ids:
-        pipe.hget(batch_key(batch_id), "status")
+        pipe.hget(batch_key(batch_ref(client.redis, batch_id)), "status")
     for status in pipe.execute() if ids else []:
         if status is not None:
             counts[status.decode()] = counts.get(status.decode(), 0) + 1

@@ -13,6 +13,8 @@ from typing import Any
 
 from gateway.file_store import FileStore, chunk_lines
 from gateway.keys import file_key
+from producer.connection import is_cluster
+from producer.contract.shards import QueueShards
 from producer.enqueue import request_job_id
 from producer.openai_batch import FileFormatError, ParsedLine, parse_line
 
@@ -26,6 +28,7 @@ class BatchLines:
     batch_id: str
     queue: str
     pinned: dict[str, Any]
+    shards: QueueShards | None = None
 
     @classmethod
     def of(cls, files: FileStore, fields: dict[str, str]) -> BatchLines:
@@ -33,7 +36,12 @@ class BatchLines:
         pinned: dict[str, Any] = {"priority": int(fields["priority"])}
         if fields.get("tenant"):
             pinned["tenant"] = fields["tenant"]
-        return cls(files, fields["input_file_id"], fields["id"], fields["queue"], pinned)
+        shards = QueueShards(
+            fields["queue"],
+            int(fields.get("queue_shards") or 1),
+            tagged=is_cluster(files.redis),
+        )
+        return cls(files, fields["input_file_id"], fields["id"], fields["queue"], pinned, shards)
 
     def chunk_starts(self) -> list[int]:
         """The line number before the first line of each chunk."""
@@ -52,7 +60,7 @@ class BatchLines:
         """The job of a valid line (None for a line refused for its body)."""
         if parsed.request is None:
             return None
-        return request_job_id(parsed.request, self.queue, self.batch_id)
+        return request_job_id(parsed.request, self.queue, self.batch_id, shards=self.shards)
 
     def chunks(self, start: int = 0, stop: int | None = None) -> Iterator[list[ParsedLine]]:
         """The parsed lines of chunks [start, stop), one list per chunk."""

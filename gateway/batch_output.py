@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pydantic import ValidationError
 
 from gateway.batch_lines import BatchLines
+from producer.connection import mget
 from producer.contract.keys import result_key
 from producer.contract.schema import GenerationResult
 from producer.openai_batch import ParsedLine, invalid_line_id
@@ -42,7 +43,7 @@ def output_lines(
     for chunk in lines.chunks(0, num_chunks):
         job_ids = [lines.job_id(p) for p in chunk]
         keys = [result_key(j) for j in job_ids if j is not None]
-        raws = iter(redis.mget(keys) if keys else [])
+        raws = iter(mget(redis, keys))
         for parsed, job_id in zip(chunk, job_ids):
             raw = next(raws) if job_id is not None else None
             line = _line(parsed, job_id, raw, stop, created)
@@ -69,9 +70,14 @@ def _line(
         return BatchOutputLine(
             id=f"batch_req_{job_id}", custom_id=parsed.custom_id, response=None, error=error
         )
-    line = result_line(parsed.custom_id, parsed.url, result, parsed.top_logprobs)
+    line = result_line(
+        parsed.custom_id, parsed.url, result, parsed.top_logprobs, options=parsed.options
+    )
     if line.response is not None and isinstance(line.response.body, ChatCompletion | Completion):
         line.response.body.created = created
+    elif line.response is not None and isinstance(line.response.body, dict):
+        if "created_at" in line.response.body:  # a Responses object: the same bytes each time
+            line.response.body["created_at"] = created
     return line
 
 

@@ -35,6 +35,7 @@ from gateway.keys import (
     batch_counts_key,
     batch_key,
     batch_lease_key,
+    batch_ref,
     file_key,
     files_index_key,
 )
@@ -283,7 +284,8 @@ class BatchRunner:
         it = iter(todo)
         while part := list(islice(it, ENQUEUE_CHUNK)):
             self.client.enqueue(part, id_namespace=batch_id, batch_id=batch_id)
-        keys = [batch_key(batch_id), batch_counts_key(batch_id)]
+        ref = batch_ref(self.redis, batch_id)
+        keys = [batch_key(ref), batch_counts_key(ref)]
         self._commit(keys=keys, args=[index, len(parsed), len(parsed) - len(valid)])
 
     def _stopping(self, batch_id: str, fields: dict[str, str]) -> bool:
@@ -305,15 +307,16 @@ class BatchRunner:
                     if st is not None and st.decode() in LIVE_STATUSES:
                         self.client.cancel(job_id)
                 renew()
-            self.redis.hset(batch_key(batch_id), "cancel_sent", "1")
+            self.redis.hset(batch_key(batch_ref(self.redis, batch_id)), "cancel_sent", "1")
         counts = self.batches.counts(batch_id)
         if ended_lines(counts) < int(fields.get("lines_done") or 0):
             return False
         never_enqueued = int(fields["total"]) - int(fields.get("lines_done") or 0)
         if never_enqueued > 0 and fields.get("unrun_counted") != "1":
             pipe = self.redis.pipeline()
-            pipe.hincrby(batch_counts_key(batch_id), "canceled", never_enqueued)
-            pipe.hset(batch_key(batch_id), "unrun_counted", "1")
+            ref = batch_ref(self.redis, batch_id)
+            pipe.hincrby(batch_counts_key(ref), "canceled", never_enqueued)
+            pipe.hset(batch_key(ref), "unrun_counted", "1")
             pipe.execute()
         self._finalize(batch_id, fields, final_status)
         return False

@@ -17,12 +17,17 @@ from gateway.keys import (
     ACTIVE_BATCHES,
     batch_counts_key,
     batch_key,
+    batch_ref,
     batches_index_key,
     file_key,
+    shard_counts_keys,
 )
+from producer.connection import is_cluster
+from producer.contract.shards import QueueShards
+from producer.openai_endpoints import OTHER_URLS
 from producer.openai_output import CHAT_URL, COMPLETIONS_URL
 
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, *OTHER_URLS)
 # OpenAI takes "24h" only; shorter windows ("90s", "30m", "2h") are a pagedq extension.
 WINDOW_RE = re.compile(r"^(\d{1,7})([smhd])$")
 WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -128,9 +133,12 @@ def _decode(raw: dict[bytes, bytes]) -> dict[str, str]:
 class BatchStore:
     """Creates, reads, lists and cancels batches (sync Redis); the runner does the rest."""
 
-    def __init__(self, redis: Redis, files: FileStore, record_ttl: int, queue: str) -> None:
+    def __init__(
+        self, redis: Redis, files: FileStore, record_ttl: int, queue: str, queue_shards: int = 1
+    ) -> None:
         self.redis = redis
         self.queue = queue
+        self.shards = QueueShards(queue, queue_shards, tagged=is_cluster(redis))
         self.files = files
         self.record_ttl = record_ttl
         self._transition = redis.register_script(TRANSITION)
@@ -164,6 +172,7 @@ class BatchStore:
             "id": batch_id,
             "owner": tenant.owner,
             "queue": self.queue,
+            "queue_shards": self.shards.count,
             "tenant": tenant.name or "",
             "priority": tenant.batch_priority,
             "status": "validating",
@@ -178,11 +187,13 @@ class BatchStore:
             "stop": "",
         }
         pipe = self.redis.pipeline()
-        pipe.hset(batch_key(batch_id), mapping=fields)
-        pipe.expire(batch_key(batch_id), self.record_ttl)
-        # The workers' end script counts only while this hash exists.
-        pipe.hset(batch_counts_key(batch_id), "created_at", now)
-        pipe.expire(batch_counts_key(batch_id), self.record_ttl)
+        ref = batch_ref(self.redis, batch_id)
+        pipe.hset(batch_key(ref), mapping=fields)
+        pipe.expire(batch_key(ref), self.record_ttl)
+        # The workers' end script counts only while this hash exists (each shard's, sharded).
+        for counts in [batch_counts_key(ref), *shard_counts_keys(self.shards, batch_id)]:
+            pipe.hset(counts, "created_at", now)
+            pipe.expire(counts, self.record_ttl)
         pipe.zadd(batches_index_key(tenant.owner), {batch_id: time.time_ns() // 1000})
         # A file a batch reads is only hidden when deleted: its outputs are made from it.
         pipe.hincrby(file_key(input_file_id), "batch_refs", 1)
@@ -192,11 +203,20 @@ class BatchStore:
 
     def fields(self, batch_id: str) -> dict[str, str]:
         """A batch's hash ({} when absent)."""
-        return _decode(self.redis.hgetall(batch_key(batch_id)))
+        return _decode(self.redis.hgetall(batch_key(batch_ref(self.redis, batch_id))))
 
     def counts(self, batch_id: str) -> dict[str, str]:
-        """A batch's counts hash."""
-        return _decode(self.redis.hgetall(batch_counts_key(batch_id)))
+        """A batch's counts hash (with its shards' counts added, sharded)."""
+        counts = _decode(self.redis.hgetall(batch_counts_key(batch_ref(self.redis, batch_id))))
+        shards = self.shards
+        queue_shards = int(self.fields(batch_id).get("queue_shards") or 1) if shards.sharded else 1
+        if queue_shards != shards.count:
+            shards = QueueShards(self.queue, queue_shards, tagged=shards.tagged)
+        for key in shard_counts_keys(shards, batch_id):
+            for name, value in _decode(self.redis.hgetall(key)).items():
+                if name != "created_at":
+                    counts[name] = str(int(counts.get(name, 0)) + int(value))
+        return counts
 
     def owned(self, owner: str, batch_id: str) -> dict[str, str]:
         """A batch's hash; 404 when absent or another owner's."""
@@ -260,7 +280,8 @@ class BatchStore:
     def transition(self, batch_id: str, allowed: tuple[str, ...], **fields: Any) -> bool:
         """Set `fields` only if the batch's status is one of `allowed` (atomic)."""
         pairs = [str(x) for kv in fields.items() for x in kv]
-        return bool(self._transition(keys=[batch_key(batch_id)], args=[",".join(allowed), *pairs]))
+        keys = [batch_key(batch_ref(self.redis, batch_id))]
+        return bool(self._transition(keys=keys, args=[",".join(allowed), *pairs]))
 
 
 def _check_metadata(metadata: Any) -> None:

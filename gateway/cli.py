@@ -8,10 +8,13 @@ import os
 import sys
 from collections.abc import Sequence
 
+from redis.exceptions import RedisError
+
 from gateway.config import DEFAULT_BATCH_PRIORITY, GatewayConfig, Tenant, load_api_keys
 from producer.cli import add_replica_ack_flags
-from producer.connection import check_url
-from producer.contract.keys import DEFAULT_QUEUE, DEFAULT_REDIS_URL
+from producer.connection import check_url, redis_client
+from producer.contract.keys import DEFAULT_QUEUE, DEFAULT_REDIS_URL, rq_queue_key
+from producer.refusal import refusal
 from producer.retry import redact_url
 
 
@@ -24,9 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--redis-url",
         default=os.environ.get("PAGEDQ_REDIS_URL", DEFAULT_REDIS_URL),
         help="the Redis holding the queue ($PAGEDQ_REDIS_URL when set): redis://, rediss://, "
-        "unix:// or redis+sentinel://host:port[,host:port...]/service[/db]",
+        "unix://, redis+sentinel://host:port[,host:port...]/service[/db] or "
+        "redis+cluster://host:port[,host:port...]",
     )
     p.add_argument("--queue", default=DEFAULT_QUEUE, help="RQ queue name")
+    p.add_argument(
+        "--queue-shards",
+        type=int,
+        default=1,
+        help="shards the queue is split over, as the workers' --queue-shards",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs keys)")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument(
@@ -97,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     config = GatewayConfig(
         redis_url=args.redis_url,
         queue=args.queue,
+        queue_shards=args.queue_shards,
         host=args.host,
         port=args.port,
         api_keys=keys,
@@ -122,6 +133,10 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"pagedq serve: {exc}", file=sys.stderr)
         return 2
+    refused = redis_refusal(config.redis_url, config.queue)
+    if refused is not None:
+        print(f"pagedq serve: {refused}", file=sys.stderr)
+        return 1
     import uvicorn
 
     from gateway.app import create_app
@@ -150,3 +165,19 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(serve_main())
+
+
+def redis_refusal(url: str, queue: str) -> str | None:
+    """One line when Redis refuses the gateway (credentials, ACL, certificate): a setting to
+    fix, so the gateway stops at once. None otherwise, an unreachable Redis included: the
+    gateway starts and answers 503 until it is back."""
+    client = redis_client(url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        client.ping()
+        client.llen(rq_queue_key(queue))  # a key the ACL must allow
+    except RedisError as exc:
+        found = refusal(exc)
+        return None if found is None else found.message(at=f" at {redact_url(url)}")
+    finally:
+        client.close()
+    return None

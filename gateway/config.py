@@ -38,6 +38,7 @@ class GatewayConfig:
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     queue: str = DEFAULT_QUEUE
+    queue_shards: int = 1  # hash-tagged shards of the queue, as the workers' --queue-shards
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: dict[str, Tenant] = field(default_factory=dict)

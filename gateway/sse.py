@@ -1,10 +1,10 @@
 """Server-sent events in OpenAI's chunk shapes, read from a job's token stream.
 
-Each `token` entry becomes one chunk; a `restart` entry (the job re-ran after its worker died)
-is absorbed: the re-run's text is matched against what was already sent and only what goes
-beyond it is sent (online requests are seeded, so a re-run samples the same tokens). The end
-carries the finish reason, the other choices of n > 1 and the log-probabilities (from the
-result), then usage when asked, then `[DONE]`.
+Each `token` entry (the tokens of one worker window) becomes one chunk; a `restart` entry (the
+job re-ran after its worker died) is absorbed: the re-run's text is matched against what was
+already sent and only what goes beyond it is sent (online requests are seeded, so a re-run
+samples the same tokens). The end carries the finish reason, the other choices of n > 1 and
+the log-probabilities (from the result), then usage when asked, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from gateway.requests import Online
+from producer.contract import stream as stream_entry
 from producer.contract.schema import GenerationResult
 from producer.openai_output import CHAT_URL, ChatCompletion, completion_body
 
@@ -104,13 +105,13 @@ class Relay:
 
     def take(self, entry: dict[str, str]) -> str:
         """The new text an entry adds to what was sent ("" when nothing new)."""
-        event = entry.get("event")
-        if event == "restart":
+        event = entry.get(stream_entry.EVENT)
+        if event == stream_entry.RESTART:
             self.run_text, self.after_restart = "", True
             return ""
-        if event != "token":
+        if event != stream_entry.TOKEN:
             return ""
-        self.run_text += entry.get("delta", "")
+        self.run_text += stream_entry.entry_delta(entry)
         if not self.run_text.startswith(self.sent[: len(self.run_text)]):
             raise StreamDiverged("the job re-ran and produced other text than was sent")
         if len(self.run_text) <= len(self.sent):

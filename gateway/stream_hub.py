@@ -1,7 +1,8 @@
 """Every token stream a gateway follows, read with one blocking XREAD on one connection.
 
-A request follows its job's stream through a `Follow` (an asyncio queue of entries). New
-follows wake the blocked XREAD with CLIENT UNBLOCK, so their first entries come at once; every
+A request follows its job's stream through a `Follow` (an asyncio queue of entries). Reads are
+paced (READ_INTERVAL_S), so one read takes the windows of many workers. New follows wake a
+blocked XREAD with CLIENT UNBLOCK, so their first entries come within one interval; every
 CHECK_S the followed jobs are also looked up, because some ends write no stream entry (a queued
 job canceled through RQ) and streams expire before results do.
 """
@@ -16,13 +17,20 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 from rq.job import Job
 
-from producer.connection import async_redis_client
+from producer.connection import async_redis_client, async_xread, is_cluster
 from producer.contract.keys import result_key, stream_key
 from producer.results import decode_entry, is_final
 
 log = logging.getLogger("pagedq.gateway.streams")
 
 BLOCK_MS = 1000
+# Shortest time between two reads. Each XREAD costs Redis 2.7-5.3 us per stream it names
+# (bench/redis_capacity.py), and every worker's stream window and every new request would
+# otherwise wake the hub on its own: paced, one read takes the windows of many workers and
+# the follows of many requests, so the hub's cost per streamed token is this pace times that
+# cost over a stream's token rate, whatever the number of workers and streams. 20 ms read 45
+# times a second (new requests woke it), 10 us per streamed token at 30 tokens/s.
+READ_INTERVAL_S = 0.05
 CHECK_S = 2.0
 COUNT = 512
 POOL_SIZE = 64
@@ -53,6 +61,7 @@ class StreamHub:
         self._task: asyncio.Task | None = None
         self._next_check = 0.0
         self._wake_scheduled = False
+        self._blocked = False
 
     def __len__(self) -> int:
         return sum(len(f) for f in self._follows.values())
@@ -81,10 +90,11 @@ class StreamHub:
         return follow
 
     async def _wake(self) -> None:
-        """Unblock the reader once for a burst of new follows, so it reads them at once."""
-        await asyncio.sleep(0)
+        """Unblock the reader once for the new follows of one read interval, so it reads them
+        within that interval (a reader between two reads takes them in the next)."""
+        await asyncio.sleep(READ_INTERVAL_S)
         self._wake_scheduled = False
-        if self._reader_id is not None:
+        if self._reader_id is not None and self._blocked:
             with contextlib.suppress(RedisError):
                 await self.redis.client_unblock(self._reader_id)
 
@@ -104,12 +114,15 @@ class StreamHub:
                     self._changed.clear()
                     await self._changed.wait()
                     continue
-                if self._reader_id is None:
+                if self._reader_id is None and not is_cluster(self._reader):
+                    # A cluster's reader polls instead of blocking (async_xread).
                     self._reader_id = await self._reader.client_id()
                 if loop.time() >= self._next_check:
                     self._next_check = loop.time() + CHECK_S
                     await self._check_ended()
+                started = loop.time()
                 await self._read()
+                await asyncio.sleep(max(0.0, started + READ_INTERVAL_S - loop.time()))
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
@@ -117,15 +130,22 @@ class StreamHub:
                 self._reader_id = None
                 await asyncio.sleep(1.0)
 
-    async def _read(self) -> None:
+    async def _read(self) -> bool:
+        """One XREAD of every followed stream (blocking until one has entries); True when
+        entries came."""
         self._changed.clear()
         streams = {stream_key(j): self._last_id(j) for j in self._follows}
         if not streams:  # every follow ended while the check above ran
-            return
-        reply = await self._reader.xread(streams, count=COUNT, block=BLOCK_MS)
+            return False
+        self._blocked = True
+        try:
+            reply = await async_xread(self._reader, streams, COUNT, BLOCK_MS)
+        finally:
+            self._blocked = False
         for key, entries in reply or []:
             job_id = key.decode().split(":", 2)[2]
             self._deliver(job_id, entries)
+        return bool(reply)
 
     def _last_id(self, job_id: str) -> str:
         return min((f.last_id for f in self._follows[job_id]), key=_entry_order)

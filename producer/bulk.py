@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from producer.client import Client
 from producer.contract.keys import result_key
+from producer.contract.shards import hash_tag
 from producer.enqueue import request_job_id
 from producer.errors import JobNotFoundError
 from producer.events import EventFollower
@@ -173,7 +174,8 @@ class BulkRun:
         self.in_flight: dict[str, ParsedLine] = {}
         # One events stream per batch id: a run resumed after an interruption hears the ends
         # of the jobs the interrupted run left in flight.
-        self.follower = EventFollower(client.redis, notify=self.batch_id)
+        tags = [hash_tag(name) for name in client.shards.names]
+        self.follower = EventFollower(client.redis, notify=self.batch_id, tags=tags)
         self._done_at_start: set[str] = set()
         self._pending: list[ParsedLine] = []
         self._reused: set[str] = set()
@@ -182,7 +184,9 @@ class BulkRun:
         """The id an input line's output carries: its job id, or "invalid-<digest>"."""
         if parsed.request is None:
             return invalid_line_id(parsed)
-        return request_job_id(parsed.request, self.client.queue.name, self.batch_id)
+        return request_job_id(
+            parsed.request, self.client.queue.name, self.batch_id, shards=self.client.shards
+        )
 
     def run(self) -> BulkSummary:
         """Process the whole file; safe to interrupt and run again (see run_bulk)."""
@@ -295,7 +299,15 @@ class BulkRun:
                     self.summary.completion_tokens += result.usage.completion_tokens
             else:
                 self.summary.failed += 1
-            self._write(result_line(parsed.custom_id, parsed.url, result, parsed.top_logprobs))
+            self._write(
+                result_line(
+                    parsed.custom_id,
+                    parsed.url,
+                    result,
+                    parsed.top_logprobs,
+                    options=parsed.options,
+                )
+            )
 
     def _write(self, line: BatchOutputLine) -> None:
         out: IO[str] = self._out

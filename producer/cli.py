@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoPermissionError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.bulk import BadInputFileError, StaleOutputError, run_bulk
@@ -35,9 +35,9 @@ from producer.errors import (
     RedisFullError,
     ReplicaAckError,
 )
+from producer.refusal import RedisRefusedError, refusal
 from producer.retry import redact_url
 from producer.status import format_status, queue_status
-from producer.tls_failure import tls_failure
 
 WORKER_COMMANDS = ("worker", "demo")
 # Exit codes: 1 = a job or line failed / an id is unknown / Redis unreachable; 2 = bad usage
@@ -67,7 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RedisURLError as exc:
         print(f"pagedq: --redis-url {redact_url(args.redis_url)}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except (RedisConnectionError, RedisTimeoutError) as exc:  # auth errors included
+    except RedisRefusedError as exc:
+        print(f"pagedq: {exc.refusal.message(at=f' at {redact_url(args.redis_url)}')}",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_FAILED
+    except (RedisConnectionError, RedisTimeoutError, NoPermissionError) as exc:
         print(f"pagedq: {_unreachable(args.redis_url, exc)}", file=sys.stderr)
         return EXIT_FAILED
     except (RedisFullError, ReplicaAckError) as exc:
@@ -79,11 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _unreachable(url: str, exc: Exception) -> str:
-    """Why Redis could not be used: a refused certificate says so, anything else is
-    'cannot reach'."""
-    tls = tls_failure(exc)
-    if tls is not None:
-        return tls.message(redact_url(url))
+    """Why Redis could not be used: a refusal (credentials, ACL, certificate) says so,
+    anything else is 'cannot reach'."""
+    refused = refusal(exc)
+    if refused is not None:
+        return refused.message(at=f" at {redact_url(url)}")
     return f"cannot reach Redis at {redact_url(url)}: {exc}"
 
 
@@ -101,14 +105,22 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--redis-url",
         default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL),
-        help=f"Redis URL: redis://, rediss://, unix:// or "
-        f"redis+sentinel://host:port[,host:port...]/service[/db] (env {REDIS_URL_ENV}; "
+        help=f"Redis URL: redis://, rediss://, unix://, "
+        f"redis+sentinel://host:port[,host:port...]/service[/db] or "
+        f"redis+cluster://host:port[,host:port...] (env {REDIS_URL_ENV}; "
         "default: %(default)s)",
     )
     common.add_argument(
         "--queue",
         default=os.environ.get("PAGEDQ_QUEUE", DEFAULT_QUEUE),
         help="queue name (env PAGEDQ_QUEUE; default: %(default)s)",
+    )
+    common.add_argument(
+        "--queue-shards",
+        type=_int_at_least(1),
+        default=os.environ.get("PAGEDQ_QUEUE_SHARDS", "1"),
+        help="shards the queue is split over, as the workers' --queue-shards "
+        "(env PAGEDQ_QUEUE_SHARDS; default: %(default)s)",
     )
     parser = argparse.ArgumentParser(prog="pagedq", description="Batch LLM inference over Redis.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -230,7 +242,7 @@ def _int_at_least(low: int):
 
 def _connect(args: argparse.Namespace, **options) -> Client:
     """A Client whose Redis answered a PING (raises RedisConnectionError within seconds)."""
-    client = Client(args.redis_url, args.queue, **options)
+    client = Client(args.redis_url, args.queue, queue_shards=args.queue_shards, **options)
     client.redis.ping()
     return client
 

@@ -13,7 +13,8 @@ from redis.exceptions import NoScriptError, OutOfMemoryError, ReadOnlyError
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from producer.connection import redis_client
+from producer.connection import is_cluster, redis_client
+from producer.contract import stream as stream_entry
 from producer.contract.keys import (
     CANCEL_CHANNEL,
     DEFAULT_CANCEL_TTL,
@@ -31,6 +32,7 @@ from producer.contract.keys import (
 )
 from producer.contract.lua import LuaScript
 from producer.contract.schema import GenerationRequest, GenerationResult
+from producer.contract.shards import QueueShards
 from producer.enqueue import (
     RERUN_STATUSES,
     QueuedJob,
@@ -96,7 +98,10 @@ RESTART = StreamRestart("")
 class Client:
     """Submits jobs to a pagedq queue (RQ 3, JSON serializer) and reads results and streams.
 
-    `redis_url` is any form `producer.connection` takes, redis+sentinel:// included.
+    `redis_url` is any form `producer.connection` takes, redis+sentinel:// and
+    redis+cluster:// included. `queue_shards` N > 1 spreads the queue over N hash-tagged
+    shards (each job on one by its id; workers must serve as many); on a cluster every shard
+    is tagged, one included.
     `retries` is RQ's retry count for a job whose execution fails (e.g. its worker died);
     `result_ttl` keeps the RQ job and its result that many seconds after it ends.
     Enqueues, `result()` and `stream()` wait out a Redis outage or failover of up to
@@ -117,6 +122,7 @@ class Client:
         outage_timeout: float | None = DEFAULT_OUTAGE_S,
         min_replicas_ack: int = 0,
         replica_ack_timeout_ms: int = DEFAULT_REPLICA_ACK_TIMEOUT_MS,
+        queue_shards: int = 1,
     ) -> None:
         _check_replica_ack(min_replicas_ack, replica_ack_timeout_ms)
         if connection is None:
@@ -124,10 +130,13 @@ class Client:
         self.redis = connection
         # Enqueues go through a client whose pipelines end with WAIT (producer/replica_ack.py).
         self._writer: Redis = connection
+        if min_replicas_ack and is_cluster(connection):
+            raise ValueError("min_replicas_ack is not available with a redis+cluster:// URL")
         if min_replicas_ack:
             self._writer = ReplicaAckedRedis(connection, min_replicas_ack, replica_ack_timeout_ms)
         self.outage_timeout = outage_timeout
         self.queue = Queue(queue, connection=self.redis, serializer=JSONSerializer)
+        self.shards = QueueShards(queue, queue_shards, tagged=is_cluster(connection))
         self.result_ttl = result_ttl
         self.retries = retries
         self.job_timeout = job_timeout
@@ -187,6 +196,7 @@ class Client:
                 retries=self.retries,
                 job_timeout=self.job_timeout,
                 id_namespace=id_namespace,
+                shards=self.shards,
             )
             for r in requests
         ]
@@ -224,8 +234,10 @@ class Client:
                 return fn()
             except ReadOnlyError as exc:
                 # A demoted primary behind a plain URL: reconnect (a sentinel URL's pool
-                # already turns this into a ConnectionError and asks the Sentinels again).
-                self.redis.connection_pool.disconnect(inuse_connections=False)
+                # already turns this into a ConnectionError and asks the Sentinels again;
+                # a cluster client is redirected by MOVED instead).
+                if not is_cluster(self.redis):
+                    self.redis.connection_pool.disconnect(inuse_connections=False)
                 raise RedisConnectionError(f"Redis is read-only (a replica now?): {exc}") from exc
 
         return call_with_retry(attempt, what, max_wait_s=self.outage_timeout)
@@ -254,40 +266,45 @@ class Client:
         restarts_to_skip = self._count_restarts(job_id)
         seen_tokens = False
         for entry in self._entries(job_id, timeout):
-            event = entry.get("event")
+            event = entry.get(stream_entry.EVENT)
             if restarts_to_skip:
-                restarts_to_skip -= event == "restart"
+                restarts_to_skip -= event == stream_entry.RESTART
                 if not is_final(entry):
                     continue
             if is_final(entry):
                 result = raise_for_status(self._final_result(job_id, entry))
                 if not seen_tokens and result.text:
                     yield result.text
-            elif event == "restart" and seen_tokens:
+            elif event == stream_entry.RESTART and seen_tokens:
                 seen_tokens = False
                 yield RESTART
-            elif event == "token" and entry.get("delta"):
+            elif delta := stream_entry.entry_delta(entry):
                 seen_tokens = True
-                yield entry["delta"]
+                yield delta
 
     def _count_restarts(self, job_id: str) -> int:
         entries = self.redis.xrange(stream_key(job_id))
-        return sum(fields.get(b"event") == b"restart" for _, fields in entries)
+        restart = stream_entry.RESTART.encode()
+        return sum(fields.get(stream_entry.EVENT.encode()) == restart for _, fields in entries)
 
     def _entries(self, job_id: str, timeout: float | None) -> Iterator[dict[str, str]]:
         """The job's stream entries, up to and including its (possibly synthetic) final one.
 
         A job that does not stream writes no entry: its end is found by checking its result,
-        first after 50 ms, then at doubling intervals up to `check_interval`."""
+        first after 50 ms, then at doubling intervals up to `check_interval`; once entries
+        come, only after `check_interval` without one."""
         deadline = None if timeout is None else time.monotonic() + timeout
         interval = min(FIRST_CHECK_S, self.check_interval)
-        follower = StreamFollower(self.redis, [job_id], check_interval=interval)
+        follower = StreamFollower(self.redis, [job_id], check_interval=interval, quiet_checks=True)
         while True:
             block_s = 3600.0 if deadline is None else deadline - time.monotonic()
             if block_s <= 0:
                 raise TimeoutError(f"job {job_id} did not end within {timeout} s")
             events = self._retry(lambda b=block_s: follower.read(b), f"following job {job_id}")
-            follower.check_interval = min(self.check_interval, follower.check_interval * 2)
+            # Checks start quick for a job that writes no entry before its end; once entries
+            # come, its final entry will too: checks only cover a stream gone quiet.
+            grown = self.check_interval if events else follower.check_interval * 2
+            follower.check_interval = min(self.check_interval, grown)
             for _, entry in events:
                 yield entry
                 if is_final(entry):
@@ -309,13 +326,16 @@ class Client:
         pipe = self.redis.pipeline()
         pipe.hget(rq_job_key(job_id), "status")
         pipe.set(cancel_key(job_id), "1", ex=DEFAULT_CANCEL_TTL)
-        pipe.publish(CANCEL_CHANNEL, job_id)
+        if not is_cluster(self.redis):  # a cluster pipeline takes no PUBLISH: sent after it
+            pipe.publish(CANCEL_CHANNEL, job_id)
         # The status before the publish: its worker may cancel the job before we look again.
         was_started = pipe.execute()[0] == b"started"
+        if is_cluster(self.redis):
+            self.redis.publish(CANCEL_CHANNEL, job_id)
         job = job_shell(self.redis, job_id)  # never Job.fetch: nothing stored is deserialized
         if job is None:
             return False
-        with self.redis.pipeline() as pipe:
+        with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     pipe.watch(job.key)

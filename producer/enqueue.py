@@ -25,6 +25,7 @@ from producer.contract.keys import (
 from producer.contract.lua import LuaScript
 from producer.contract.routing import Routing
 from producer.contract.schema import GenerationRequest, GenerationResult
+from producer.contract.shards import QueueShards, hash_tag, shard_name
 from producer.results import job_shell
 
 # RQ's own unique enqueue (Queue.enqueue_job(unique=True)) cannot run inside a pipeline, and
@@ -113,12 +114,15 @@ def request_job_id(
     queue_name: str,
     id_namespace: str | None = None,
     payload: dict | None = None,
+    shards: QueueShards | None = None,
 ) -> str:
-    """The job id `build_job` gives a request (a fresh uuid4 hex when it has no custom_id)."""
+    """The job id `build_job` gives a request (a fresh uuid4 hex when it has no custom_id),
+    placed on its shard when `shards` are tagged (producer/contract/shards.py)."""
     key = request.custom_id
     if key is not None and id_namespace is not None:
         key = f"{id_namespace}/{key}"
-    return job_id_for(key, queue_name, request.payload() if payload is None else payload)
+    plain = job_id_for(key, queue_name, request.payload() if payload is None else payload)
+    return plain if shards is None else shards.place(plain)[0]
 
 
 def build_job(
@@ -129,6 +133,7 @@ def build_job(
     retries: int,
     job_timeout: int,
     id_namespace: str | None = None,
+    shards: QueueShards | None = None,
 ) -> QueuedJob:
     """The RQ job for one request and its routing, ready to be saved (status queued).
 
@@ -137,24 +142,29 @@ def build_job(
     custom_ids are unique only within one file) "{id_namespace}/{custom_id}" stands for it.
     A request naming a `model` goes to that model's queue, `{queue}@{canonical model}`, which
     only workers serving the model read; a priority other than 0 or a tenant puts it in a
-    sub-queue of that base (producer/contract/routing.py).
+    sub-queue of that base (producer/contract/routing.py). With tagged `shards`, all of this
+    is under the shard the job's id places it on.
     """
     payload = request.payload()
-    job_id = request_job_id(request, queue.name, id_namespace, payload)
-    routing = Routing.of(queue.name, payload)
+    shards = shards or QueueShards(queue.name)
+    plain = request_job_id(request, queue.name, id_namespace, payload)
+    job_id, shard = shards.place(plain)
+    routing = Routing.of(shard, payload)
     target = queue
     if routing.queue != queue.name:
         target = Queue(routing.queue, connection=queue.connection, serializer=queue.serializer)
     job = target.create_job(
         GENERATE_FUNC,
         args=[payload],
-        job_id=job_id,
+        # RQ allows letters, digits, '_' and '-' in an id: a shard's tag is set past its check.
+        job_id=None if shards.sharded else job_id,
         result_ttl=result_ttl,
         failure_ttl=result_ttl,
         timeout=job_timeout,
         retry=Retry(max=retries) if retries > 0 else None,
         description=f"{GENERATE_FUNC}({request.custom_id or job_id})",
     )
+    job._id = job_id
     job.enqueued_at = now()
     return QueuedJob(job, routing)
 
@@ -175,36 +185,50 @@ def enqueue_jobs(
     notify: str | None = None,
 ) -> list[bool]:
     """Save and push each job (to its routing's queue) unless it or its result exists; one
-    round trip, one script call. True = created.
+    round trip, one script call per shard. True = created.
 
     With `batch_id` (a gateway batch), the script that ends each job counts it in
-    `batch_counts_key(batch_id)`; with `notify`, it adds the job's end to
-    `events_key(notify)` while that stream exists (producer/follow.py)."""
+    `batch_counts_key(batch_id)` (with the job's shard tag in front, when sharded); with
+    `notify`, it adds the job's end to `events_key(notify)` (likewise) while that stream
+    exists (producer/follow.py)."""
     if not jobs:
         return []
-    queue_keys = sorted({rq_queue_key(queue.name)} | {rq_queue_key(j.routing.queue) for j in jobs})
-    rest: list[bytes | str] = []
-    for queued in jobs:
-        r = queued.routing
-        fields = _hset_args(queued.job)
-        head = {
-            "job_id": queued.id,
-            "queue_name": r.queue,
-            "base": r.base,
-            "meta": r.meta,
-            "cost": str(r.cost),
-            "tenant": r.tenant,
-            "n_fields": str(len(fields)),
+    by_shard: dict[str, list[int]] = {}
+    for i, queued in enumerate(jobs):
+        by_shard.setdefault(hash_tag(queued.routing.queue), []).append(i)
+    queue_keys = sorted({rq_queue_key(j.routing.queue) for j in jobs})
+    if "" in by_shard:  # not sharded: the queue itself is listed, as it always was
+        queue_keys = sorted({rq_queue_key(queue.name), *queue_keys})
+    calls = []
+    for tag, indexes in by_shard.items():
+        rest: list[bytes | str] = []
+        for i in indexes:
+            r = jobs[i].routing
+            fields = _hset_args(jobs[i].job)
+            head = {
+                "job_id": jobs[i].id,
+                "queue_name": r.queue,
+                "base": r.base,
+                "meta": r.meta,
+                "cost": str(r.cost),
+                "tenant": r.tenant,
+                "n_fields": str(len(fields)),
+            }
+            rest += [head[name] for name in ENQUEUE_FIELDS] + fields
+        keys = sorted({rq_queue_key(jobs[i].routing.queue) for i in indexes})
+        extra = {
+            "batch": shard_name(tag, batch_id) if batch_id else "",
+            "notify": shard_name(tag, notify) if notify else "",
         }
-        rest += [head[name] for name in ENQUEUE_FIELDS] + fields
-    _, args = ENQUEUE_IF_ABSENT.keys_and_args(
-        args={"batch": batch_id or "", "notify": notify or ""}, rest=rest
-    )
+        _, args = ENQUEUE_IF_ABSENT.keys_and_args(args=extra, rest=rest)
+        calls.append((keys, args))
 
     def run() -> list:
         pipe = connection.pipeline(transaction=False)
         pipe.sadd(RQ_QUEUES, *queue_keys)
-        pipe.evalsha(ENQUEUE_SHA, 0, *args)
+        for keys, args in calls:
+            # Not pipe.evalsha: a cluster pipeline refuses that method, not the command.
+            pipe.execute_command("EVALSHA", ENQUEUE_SHA, len(keys), *keys, *args)
         return pipe.execute()
 
     # EVALSHA first, the script loaded only when Redis does not know it (a script object in a
@@ -214,7 +238,11 @@ def enqueue_jobs(
     except NoScriptError:
         connection.script_load(ENQUEUE_IF_ABSENT.source)
         replies = run()
-    return [bool(created) for created in replies[1]]
+    created = [False] * len(jobs)
+    for (_, indexes), reply in zip(by_shard.items(), replies[1:], strict=True):
+        for i, flag in zip(indexes, reply, strict=True):
+            created[i] = bool(flag)
+    return created
 
 
 def ended_status(connection: Redis, job_id: str) -> str | None:

@@ -6,7 +6,9 @@ but only while that stream exists (NOMKSTREAM): the producer creates it and keep
 fresh, so a producer that went away leaves nothing behind for long. Reading it is one blocking
 XREAD for every job in flight, instead of one stream per job. Ends that write no event (a queued
 job canceled, an RQ reaper's failure, an event trimmed or expired) are found by a slow check of
-the result keys, every `check_interval` seconds.
+the result keys, every `check_interval` seconds. With a sharded queue each shard's jobs tell
+a stream of the shard's own (`shard_name(tag, notify)`: in the shard's hash slot), and all of
+them are read.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import uuid
 
 from redis import Redis
 
+from producer.connection import xread
 from producer.contract.keys import events_key
+from producer.contract.shards import shard_name
 from producer.follow import RESULT_READY, Event, check_ended
 
 # How long an events stream outlives its producer's last read.
@@ -44,23 +48,25 @@ class EventFollower:
         notify: str | None = None,
         check_interval: float = CHECK_INTERVAL_S,
         count: int = 1024,
+        tags: list[str] | tuple[str, ...] = ("",),
     ) -> None:
         self.connection = connection
         self.notify = notify or new_notify_id()
-        self.key = events_key(self.notify)
+        # One stream per queue shard (hash tag; '' unsharded), each read from its last entry.
+        self._last_ids = {events_key(shard_name(tag, self.notify)): "0" for tag in tags}
         self.check_interval = check_interval
         self.count = count
         self._jobs: set[str] = set()
         self._unchecked: list[str] = []
-        self._last_id = "0"
         self._next_check = 0.0
         self._opened = False
 
     def open(self) -> None:
         """Create the stream (an `open` entry) and give it its TTL; done by `read` too."""
         pipe = self.connection.pipeline(transaction=False)
-        pipe.xadd(self.key, {"event": "open"})
-        pipe.expire(self.key, EVENTS_TTL_S)
+        for key in self._last_ids:
+            pipe.xadd(key, {"event": "open"})
+            pipe.expire(key, EVENTS_TTL_S)
         pipe.execute()
         self._opened = True
         self._next_check = time.monotonic() + self.check_interval
@@ -86,22 +92,22 @@ class EventFollower:
         self._unchecked = []
         if time.monotonic() >= self._next_check:
             self._next_check = time.monotonic() + self.check_interval
-            self.connection.expire(self.key, EVENTS_TTL_S)
+            for key in self._last_ids:
+                self.connection.expire(key, EVENTS_TTL_S)
             events += self._ended(list(self._jobs))
         if events or not self._jobs:
             return events
         wait_s = min(block_s, max(0.0, self._next_check - time.monotonic()))
         block_ms = int(wait_s * 1000)
-        reply = self.connection.xread({self.key: self._last_id}, count=self.count,
-                                      block=block_ms or None)  # fmt: skip
-        for _, entries in reply or []:
+        reply = xread(self.connection, dict(self._last_ids), self.count, block_ms or None)
+        for key, entries in reply or []:
             for entry_id, fields in entries:
-                self._last_id = entry_id.decode()
+                self._last_ids[key.decode()] = entry_id.decode()
                 job_id = fields.get(b"job_id", b"").decode()
                 if job_id in self._jobs:
                     self._jobs.discard(job_id)
                     events.append((job_id, dict(RESULT_READY)))
-        if reply is None and not self.connection.exists(self.key):
+        if not reply and not all(self.connection.exists(k) for k in self._last_ids):
             self.open()  # expired (the producer paused for an hour) or Redis restarted empty
         return events
 

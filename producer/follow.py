@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 from redis import Redis
 
+from producer.connection import xread
 from producer.contract.keys import result_key, rq_job_key, stream_key
 from producer.results import decode_entry, is_final, rq_end
 
@@ -21,7 +22,9 @@ class StreamFollower:
     A job stops being followed after its final done/error entry. Every `check_interval`
     seconds the followed jobs are also checked in Redis, because some ends write no stream
     entry (RQ failing an abandoned job, a queued job canceled) and streams expire before
-    results do; such a job gets a synthetic final entry carrying a "status" field.
+    results do; such a job gets a synthetic final entry carrying a "status" field. With
+    `quiet_checks` (one job followed, as `Client.stream` does) the check runs only once its
+    stream was quiet for `check_interval`: while entries come, its final entry will too.
     """
 
     def __init__(
@@ -30,9 +33,11 @@ class StreamFollower:
         job_ids: Iterable[str] = (),
         check_interval: float = 2.0,
         count: int = 512,
+        quiet_checks: bool = False,
     ) -> None:
         self.connection = connection
         self.check_interval = check_interval
+        self.quiet_checks = quiet_checks
         self.count = count
         self._last_ids: dict[str, str] = {}
         self._next_check = 0.0
@@ -63,11 +68,13 @@ class StreamFollower:
         block_ms = int(wait_s * 1000)
         streams = {stream_key(job_id): last for job_id, last in self._last_ids.items()}
         # block=0 would mean "forever" to Redis, so a zero wait is a plain non-blocking read.
-        reply = self.connection.xread(streams, count=self.count, block=block_ms or None)
+        reply = xread(self.connection, streams, self.count, block_ms or None)
         events: list[Event] = []
         for key, entries in reply or []:
             job_id = key.decode().removeprefix(stream_key(""))
             events += self._take(job_id, entries)
+        if events and self.quiet_checks:
+            self._next_check = time.monotonic() + self.check_interval
         return events
 
     def _take(self, job_id: str, entries: list) -> list[Event]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from producer.contract.schema import GenerationRequest
 from producer.errors import InvalidRequestError
+from producer.openai_endpoints import OTHER_URLS, line_fields
 from producer.openai_output import CHAT_URL, COMPLETIONS_URL
 
 __all__ = [
@@ -48,6 +49,8 @@ class ParsedLine:
     request: GenerationRequest | None = None
     error: str | None = None
     raw_digest: str = ""
+    # How a /v1/responses or /v1/embeddings line's answer is shaped (producer/openai_endpoints).
+    options: dict[str, Any] | None = None
 
     @property
     def top_logprobs(self) -> int | None:
@@ -92,6 +95,7 @@ def parse_line(
     try:
         if is_openai:
             fields = _openai_body(fields, url)
+        fields, options = line_fields(fields, url)
         fields["custom_id"] = custom_id
         if model is not None:
             fields["model"] = model
@@ -101,8 +105,11 @@ def parse_line(
             fields.setdefault(name, value)
         fields.update(pinned or {})
         request = GenerationRequest.parse(fields)
-        return ParsedLine(line_no, custom_id, url, request=request, raw_digest=digest)
+        return ParsedLine(
+            line_no, custom_id, url, request=request, raw_digest=digest, options=options
+        )
     except (InvalidRequestError, ValueError) as exc:
+        options = None
         error = f"line {line_no}: {exc}"
         return ParsedLine(line_no, custom_id, url, error=error, raw_digest=digest)
 
@@ -125,10 +132,9 @@ def _openai_fields(obj: dict[str, Any], line_no: int) -> tuple[dict[str, Any], s
     if not isinstance(body, dict):
         raise FileFormatError(f"line {line_no}: body must be a JSON object, got {body!r:.80}")
     url = obj.get("url", CHAT_URL if "messages" in body else COMPLETIONS_URL)
-    if url not in (CHAT_URL, COMPLETIONS_URL):
-        raise FileFormatError(
-            f"line {line_no}: url must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}"
-        )
+    if url not in (CHAT_URL, COMPLETIONS_URL, *OTHER_URLS):
+        allowed = ", ".join((CHAT_URL, COMPLETIONS_URL, *OTHER_URLS))
+        raise FileFormatError(f"line {line_no}: url must be one of {allowed}, got {url!r}")
     return {k: v for k, v in body.items() if k not in IGNORED_BODY_FIELDS}, url
 
 

@@ -7,11 +7,12 @@ line with `response` or `error`), so OpenAI's own client types parse every line 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
 from producer.contract.schema import Choice, GenerationResult
+from producer.openai_endpoints import endpoint_body
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -125,7 +126,8 @@ class BatchResponse(BaseModel):
 
     status_code: int
     request_id: str
-    body: ChatCompletion | Completion | ErrorBody
+    # A Responses object or an embeddings list (producer/openai_endpoints.py) as a dict.
+    body: ChatCompletion | Completion | ErrorBody | dict[str, Any]
 
 
 class BatchError(BaseModel):
@@ -263,7 +265,12 @@ def completion_body(result: GenerationResult, url: str, top_k: int | None) -> Ba
 
 
 def result_line(
-    custom_id: str, url: str, result: GenerationResult, top_k: int | None = None
+    custom_id: str,
+    url: str,
+    result: GenerationResult,
+    top_k: int | None = None,
+    *,
+    options: dict | None = None,
 ) -> BatchOutputLine:
     """The output line of an ended job.
 
@@ -282,7 +289,10 @@ def result_line(
         )
         response = BatchResponse(status_code=500, request_id=job_id, body=ErrorBody(error=detail))
         return BatchOutputLine(id=line_id, custom_id=custom_id, response=response, error=None)
-    body = completion_body(result, url, top_k)
+    if url in (CHAT_URL, COMPLETIONS_URL):
+        body = completion_body(result, url, top_k)
+    else:
+        body = endpoint_body(result, url, options)
     response = BatchResponse(status_code=200, request_id=job_id, body=body)
     return BatchOutputLine(id=line_id, custom_id=custom_id, response=response, error=None)
 

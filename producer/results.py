@@ -18,15 +18,16 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from producer.connection import mget
 from producer.contract.codec import PayloadTooLargeError, inflate, load_job_data
 from producer.contract.keys import result_key, rq_job_key, rq_results_key
 from producer.contract.schema import GenerationResult
+from producer.contract.stream import is_final  # noqa: F401 - where readers import it
 from producer.errors import JobCanceledError, JobFailedError, JobNotFoundError
 
 # Largest result, error text or job payload a reader inflates or parses.
 MAX_READ_BYTES = 16 * 2**20
 
-FINAL_EVENTS = ("done", "error")
 # How long a reader waits for the result key after the final stream entry: the contract has
 # workers write the key first, so this only covers a worker that wrote them the other way round.
 RESULT_GRACE_S = 2.0
@@ -35,11 +36,6 @@ RESULT_GRACE_S = 2.0
 def decode_entry(fields: dict[bytes, bytes]) -> dict[str, str]:
     """A stream entry as str -> str."""
     return {k.decode(): v.decode() for k, v in fields.items()}
-
-
-def is_final(entry: dict[str, str]) -> bool:
-    """True for the done/error entry that ends a job's stream."""
-    return entry.get("event") in FINAL_EVENTS
 
 
 def read_result(connection: Redis, job_id: str) -> GenerationResult | None:
@@ -76,7 +72,8 @@ def job_shell(connection: Redis, job_id: str) -> Job | None:
     origin = connection.hget(rq_job_key(job_id), "origin")
     if origin is None:
         return None
-    job = Job(job_id, connection=connection, serializer=JSONSerializer)
+    job = Job(connection=connection, serializer=JSONSerializer)
+    job._id = job_id  # past RQ's id check, which a shard's hash tag ("{q.0}...") fails
     job.origin = origin.decode(errors="replace")
     return job
 
@@ -166,7 +163,7 @@ def final_results(
     JobNotFoundError instead of raising, so that one lost job does not hide the others."""
     if not ended:
         return {}
-    raws = connection.mget([result_key(job_id) for job_id, _ in ended])
+    raws = mget(connection, [result_key(job_id) for job_id, _ in ended])
     out: dict[str, GenerationResult | JobNotFoundError] = {}
     for (job_id, entry), raw in zip(ended, raws, strict=True):
         result = _parse_result(job_id, raw)

@@ -8,10 +8,11 @@ from collections.abc import Callable
 from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+from redis.exceptions import ClusterDownError, NoPermissionError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer.tls_failure import tls_failure
+from producer.refusal import refused_error
 
 T = TypeVar("T")
 
@@ -22,7 +23,15 @@ DEFAULT_OUTAGE_S = 600.0
 FIRST_DELAY_S = 0.5
 MAX_DELAY_S = 10.0
 # Connection errors of redis-py; BusyLoadingError (Redis replaying its AOF) is one of them.
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+# A cluster whose primary of a slot is failing over answers CLUSTERDOWN / TRYAGAIN, or has no
+# node for the slot in the client's map yet, until a replica is promoted.
+REDIS_DOWN = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterDownError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 
 
 class RedisUnavailableError(RedisConnectionError):
@@ -70,7 +79,8 @@ def call_with_retry(
     """`fn()`, retried with exponential backoff while Redis is unreachable.
 
     Logs one warning per failed attempt. Gives up with RedisUnavailableError once the outage
-    has lasted `max_wait_s` seconds (None: never). `fn` must be safe to call again after a
+    has lasted `max_wait_s` seconds (None: never). A refusal (wrong password, ACL, refused
+    certificate) raises RedisRefusedError at once. `fn` must be safe to call again after a
     connection error (reads, or writes that are idempotent like pagedq's enqueue script).
     """
     down_since: float | None = None
@@ -81,9 +91,12 @@ def call_with_retry(
             result = fn()
         except RedisUnavailableError:
             raise  # a nested wait already gave up: waiting again here would double the limit
-        except REDIS_DOWN as exc:
-            if tls_failure(exc) is not None:
-                raise  # a refused certificate is a setting to fix, not an outage to wait out
+        except (*REDIS_DOWN, NoPermissionError) as exc:
+            refused = refused_error(exc, f" while {what}")
+            if refused is not None:  # a setting to fix, not an outage to wait out
+                raise refused from exc
+            if not isinstance(exc, REDIS_DOWN):
+                raise
             now = time.monotonic()
             down_since = now if down_since is None else down_since
             attempt += 1

@@ -7,10 +7,10 @@ import time
 from typing import Any
 
 from redis import Redis
-from rq import Worker
+from rq import Queue
 
 from producer.client import Client
-from producer.contract.keys import WORKER_KEY_PATTERN, worker_key
+from producer.contract.keys import WORKER_KEY_PATTERN, rq_workers_of_key, worker_key
 
 
 def read_worker_statuses(redis: Redis) -> list[dict[str, Any]]:
@@ -32,21 +32,21 @@ def read_worker_statuses(redis: Redis) -> list[dict[str, Any]]:
 
 
 def queue_status(client: Client) -> dict[str, Any]:
-    """Counts from RQ's queue and registries, plus each worker's last pagedq heartbeat."""
-    q = client.queue
-    counts = {
-        "queued": q.count,
-        "started": q.started_job_registry.get_job_count(cleanup=False),
-        "finished": q.finished_job_registry.get_job_count(cleanup=False),
-        "failed": q.failed_job_registry.get_job_count(cleanup=False),
-        "canceled": q.canceled_job_registry.get_job_count(cleanup=False),
-        "scheduled": q.scheduled_job_registry.get_job_count(cleanup=False),
-    }
+    """Counts from RQ's queue and registries, plus each worker's last pagedq heartbeat; a
+    sharded queue's counts are its shards' together."""
+    counts = dict.fromkeys(("queued", "started", "finished", "failed", "canceled", "scheduled"), 0)
+    rq_workers: set[bytes] = set()
+    for name in client.shards.names:
+        q = Queue(name, connection=client.redis, serializer=client.queue.serializer)
+        counts["queued"] += q.count
+        for registry in ("started", "finished", "failed", "canceled", "scheduled"):
+            counts[registry] += getattr(q, f"{registry}_job_registry").get_job_count(cleanup=False)
+        rq_workers |= client.redis.smembers(rq_workers_of_key(name))
     workers = read_worker_statuses(client.redis)
     return {
-        "queue": q.name,
+        "queue": client.queue.name,
         "counts": counts,
-        "rq_workers": Worker.count(connection=client.redis, queue=q),
+        "rq_workers": len(rq_workers),
         "workers": workers,
     }
 

@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
-from worker.redis_server import PrivateRedis
+from worker.redis_server import PrivateRedis, find_redis_server, server_version
+
+
+def pytest_report_header() -> str:
+    """Which server the Redis-facing tests start (PAGEDQ_REDIS_SERVER picks another)."""
+    return f"redis server: {server_version(find_redis_server())}"
 
 
 @pytest.fixture(scope="session")

@@ -43,6 +43,8 @@ def make_tiny_model(
     kwargs = {**TINY, "vocab_size": len(tokenizer), **overrides}
     if model_type == "qwen3":
         kwargs.setdefault("head_dim", 16)
+    if model_type == "gemma4_text":  # its per-layer table covers the whole vocabulary
+        kwargs.setdefault("vocab_size_per_layer_input", kwargs["vocab_size"])
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()

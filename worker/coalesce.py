@@ -10,10 +10,14 @@ one more after it, so without gathering every call holds one job.
   key) for at most their window (`window_s`, or a longer one for bulk jobs, whose ends are read
   from an events stream), or until `max_endings` wait, and hands them back to be written in one
   END call. A job that streams is written at once, taking the waiting ones along.
+- `StreamWindow` holds the new tokens of the jobs that stream for at most one window
+  (`--stream-interval`) from the oldest one sampled, then hands back every job with tokens
+  waiting, to be written in one STREAM call (one entry per job carrying all its tokens of the
+  window). A job's first token is written at once, and its last with its end.
 - `AdmissionGate` lets a dequeue run once the engine has room for `min_jobs` jobs, or has had
   room for `window_s`, or is nearly empty (then at once: an idle worker never waits).
 
-`window_s = 0` turns both off: every step writes its own endings, every free slot is claimed
+`window_s = 0` turns each off: every step writes its own endings, every free slot is claimed
 at once. A job held here is still started under this worker's lease in Redis: heartbeats cover
 it, and if the worker dies before the write, the job runs again elsewhere (nothing is lost).
 """
@@ -60,6 +64,47 @@ class EndCoalescer(Generic[T]):
     def wait_s(self, now: float) -> float | None:
         """Seconds until the waiting endings are due (None: none waits)."""
         if not self.pending:
+            return None
+        return max(0.0, self._due_at - now)
+
+
+class StreamWindow:
+    """Jobs whose streamed tokens wait to be written together (see the module docstring)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.waiting: dict[str, None] = {}  # job ids, in the order their tokens came
+        self._due_at = float("inf")
+
+    def add(self, job_id: str, now: float, first: bool) -> bool:
+        """New tokens of `job_id` were sampled at `now`: True when they must be written now
+        (the job's first token, or a window of 0); else they wait for the window."""
+        if first or self.interval_s <= 0:
+            self.waiting.pop(job_id, None)
+            return True
+        if not self.waiting:
+            self._due_at = now + self.interval_s
+        self.waiting[job_id] = None
+        return False
+
+    def discard(self, job_id: str) -> None:
+        """`job_id`'s tokens are written otherwise (it ended) or never will be."""
+        self.waiting.pop(job_id, None)
+        if not self.waiting:
+            self._due_at = float("inf")
+
+    def due(self, now: float) -> bool:
+        """True when the waiting tokens should be written now."""
+        return bool(self.waiting) and now >= self._due_at
+
+    def take(self) -> list[str]:
+        """Every job with tokens waiting; the window is empty after."""
+        taken, self.waiting, self._due_at = list(self.waiting), {}, float("inf")
+        return taken
+
+    def wait_s(self, now: float) -> float | None:
+        """Seconds until the waiting tokens are due (None: none waits)."""
+        if not self.waiting:
             return None
         return max(0.0, self._due_at - now)
 

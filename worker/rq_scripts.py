@@ -6,6 +6,14 @@ ends or streams a job is fenced: it first checks that the job is still `started`
 caller's execution id (the job hash's `F.execution`), and writes nothing otherwise. Keys come
 from the contract's prefix tables (`K`, `RQ`, `F`: producer/contract/lua.py), arguments by name.
 
+Each call is about one queue shard (producer/contract/shards.py): its KEYS are keys of that
+shard (queues, registries, job hashes), and every other key it touches is named after the
+shard's queues or jobs, so all of them carry the shard's hash tag and hash to one Redis Cluster
+slot. Only the queue heads and expired leases a script finds are not known to the caller; their
+keys are built from the ids found, which carry the tag. The worker's own RQ hash is another
+slot: a call writes its counters only on one Redis, unsharded (`counters` 1, its key the last
+of KEYS).
+
 Which job any worker takes next (`pq_pick`, in DEQUEUE): priority with aging across the queue,
 then tenant fairness. Per base queue (producer/contract/routing.py):
 
@@ -148,8 +156,29 @@ local function pq_start(fair, tenant)
     return fair.F[tenant] or fair.v
 end
 
--- The next job across the picker's sub-queues: {{queue, id, base, tenant, cost, f}}, or nil.
-local function pq_pick(P, aging_s, max_wait_s)
+-- A head's priority after aging: lower runs sooner.
+local function pq_aged(P, sub, h, aging_s)
+    local waited = math.max(0, P.now - (tonumber(h.f[1]) or P.now))
+    if aging_s > 0 then return sub.prio - math.floor(waited / aging_s) end
+    return sub.prio
+end
+
+-- The best aged priority among the heads, or nil when every sub-queue is empty.
+local function pq_best(P, aging_s)
+    local best = nil
+    for _, sub in ipairs(P.subs) do
+        local h = pq_head(P, sub)
+        if h then
+            local prio = pq_aged(P, sub, h, aging_s)
+            if best == nil or prio < best then best = prio end
+        end
+    end
+    return best
+end
+
+-- The next job across the picker's sub-queues: {{queue, id, base, tenant, cost, f}}, or nil
+-- (also when the best head's aged priority is above `limit`, if given).
+local function pq_pick(P, aging_s, max_wait_s, limit)
     local best = nil
     for _, sub in ipairs(P.subs) do
         local h = pq_head(P, sub)
@@ -157,8 +186,7 @@ local function pq_pick(P, aging_s, max_wait_s)
             local enq = tonumber(h.f[1]) or P.now
             local cost = tonumber(h.f[2]) or {DEFAULT_JOB_COST}
             local waited = math.max(0, P.now - enq)
-            local prio = sub.prio
-            if aging_s > 0 then prio = prio - math.floor(waited / aging_s) end
+            local prio = pq_aged(P, sub, h, aging_s)
             local v = sub.fair.v
             local start = pq_start(sub.fair, sub.tenant)
             local finish = start + cost / pq_weight(P, sub.root, sub.tenant)
@@ -170,7 +198,7 @@ local function pq_pick(P, aging_s, max_wait_s)
             end
         end
     end
-    if best == nil then return nil end
+    if best == nil or (limit and best.prio > limit) then return nil end
     local sub = best.sub
     local h = sub.head
     sub.head = nil
@@ -355,9 +383,10 @@ end
 _ENDING_LIBS = (UTIL_LUA, CHARGE_LUA, END_LUA, ENDING_LUA)
 
 # KEYS after the named ones: the base queue keys the worker serves (its model's, the generic).
-# Picks up to `max_jobs` jobs across the sub-queues of those bases, pops them and marks each
-# started under a lease (execution id `execution` .. its number in hex), in one step: a worker
-# killed at any instant leaves each job either queued or visible in the started registry.
+# Picks up to `max_jobs` jobs (none whose aged priority is above `max_priority`, unless '')
+# across the sub-queues of those bases, pops them and marks each started under a lease
+# (execution id `execution` .. its number in hex), in one step: a worker killed at any instant
+# leaves each job either queued or visible in the started registry.
 # Returns per job {queue, job_id, execution, attempt, data, enqueued_at, timeout, canceled,
 # prior status, plain (1: enqueued by a plain RQ producer)}; empty when nothing is queued.
 DEQUEUE = LuaScript(
@@ -372,9 +401,11 @@ DEQUEUE = LuaScript(
         "max_pops",
         "aging_s",
         "max_wait_s",
+        "max_priority",
     ),
     libraries=(UTIL_LUA, PICK_LUA),
     body="""
+local limit = tonumber(a_max_priority)
 local bases = {}
 for i = KEYS_REST, #KEYS do bases[#bases + 1] = string.sub(KEYS[i], string.len(RQ.queue) + 1) end
 local max_jobs = tonumber(a_max_jobs)
@@ -383,7 +414,7 @@ local P = pq_picker(bases, max_jobs, tonumber(a_max_pops))
 local deadline = tonumber(a_now) + tonumber(a_lease_ttl)
 local taken, wip, cancels = {}, {}, {}
 for n = 1, max_jobs do
-    local picked = pq_pick(P, tonumber(a_aging_s), tonumber(a_max_wait_s))
+    local picked = pq_pick(P, tonumber(a_aging_s), tonumber(a_max_wait_s), limit)
     if not picked then break end
     local f, id = picked.f, picked.id
     local execution = a_execution .. string.format('%x', n)
@@ -408,15 +439,32 @@ return taken
 """,
 )
 
+# KEYS: the job hashes of the endings (one shard), then the worker's key when `counters` is 1.
+# KEYS: the base queue keys of one shard, as DEQUEUE's. Returns {best aged priority of its
+# queued jobs} (as text), or {} when none is queued: a sharded worker asks every shard, then
+# dequeues from the best one up to the next best's priority (DEQUEUE's `max_priority`).
+PEEK = LuaScript(
+    "peek",
+    args=("aging_s", "max_pops"),
+    libraries=(UTIL_LUA, PICK_LUA),
+    body="""
+local bases = {}
+for i = KEYS_REST, #KEYS do bases[#bases + 1] = string.sub(KEYS[i], string.len(RQ.queue) + 1) end
+local best = pq_best(pq_picker(bases, 1, tonumber(a_max_pops)), tonumber(a_aging_s))
+if best == nil then return {} end
+return {tostring(best)}
+""",
+)
+
 # ARGV after the named ones: endings (ENDING_FIELDS and their entries), one per job.
 # Ends each held job as finished, failed or canceled. Returns per job 1 when ended, 0 when
 # this execution no longer holds it (nothing written for it).
 END = LuaScript(
     "end",
-    keys=("worker",),
-    args=("maxlen",),
+    args=("maxlen", "counters"),
     libraries=_ENDING_LIBS,
     body="""
+local k_worker = a_counters == '1' and KEYS[#KEYS] or ''
 local acc, replies = new_acc(), {}
 local i = REST
 while i <= #ARGV do
@@ -435,16 +483,17 @@ return replies
 """,
 )
 
+# KEYS: the job's hash, then the worker's key when `counters` is 1.
 # ARGV after the named ones: one ending (the failure written when the crash count reaches
 # max_crashes). Puts a held job back at the front of its queue (a graceful stop, or an engine
 # crash that counts against the job). Returns 1 requeued, 2 failed (too many crashes), 0 not
 # held.
 REQUEUE = LuaScript(
     "requeue",
-    keys=("worker",),
-    args=("count_crash", "max_crashes", "maxlen"),
+    args=("count_crash", "max_crashes", "maxlen", "counters"),
     libraries=_ENDING_LIBS,
     body="""
+local k_worker = a_counters == '1' and KEYS[#KEYS] or ''
 local e = ending_at(REST)
 local jkey = RQ.job .. e.job_id
 local s = job_state(jkey)
@@ -466,7 +515,8 @@ return 1
 """,
 )
 
-# ARGV after the named ones, per job: job_id, execution, set_ttl (0/1), n, n field/values.
+# KEYS: the job hashes (one shard). ARGV after the named ones, per job: job_id, execution,
+# set_ttl (0/1), n, n field/values.
 # Appends one step's token entries, each only if its execution still holds the job.
 # Returns the job ids whose entries were refused (the lease was lost).
 STREAM = LuaScript(
@@ -491,13 +541,14 @@ return lost
 """,
 )
 
-# ARGV after the named ones: (queue, member) pairs of every held execution.
-# Renews every lease still in its started registry (one ZMSCORE and one ZADD XX per queue) and
-# the worker's registration. Returns the members whose lease was lost (the entry is gone).
+# KEYS: the started registries of the held executions (one shard), then the worker's key when
+# `counters` is 1. ARGV after the named ones: (queue, member) pairs of every held execution.
+# Renews every lease still in its started registry (one ZMSCORE and one ZADD XX per queue) and,
+# with the worker's key, its registration. Returns the members whose lease was lost (the entry
+# is gone).
 HEARTBEAT = LuaScript(
     "heartbeat",
-    keys=("worker",),
-    args=("lease_deadline", "worker_ttl", "now", "last_heartbeat", "state"),
+    args=("lease_deadline", "worker_ttl", "now", "last_heartbeat", "state", "counters"),
     libraries=(UTIL_LUA,),
     body="""
 local lost, by_queue = {}, {}
@@ -516,14 +567,18 @@ for queue, members in pairs(by_queue) do
     end
     if #renew > 0 then redis.call('ZADD', wip, 'XX', unpack(renew)) end
 end
-redis.call('HSET', k_worker, 'last_heartbeat', a_last_heartbeat, 'pagedq_heartbeat', a_now,
-    'state', a_state)
-redis.call('EXPIRE', k_worker, a_worker_ttl)
+if a_counters == '1' then
+    local k_worker = KEYS[#KEYS]
+    redis.call('HSET', k_worker, 'last_heartbeat', a_last_heartbeat, 'pagedq_heartbeat', a_now,
+        'state', a_state)
+    redis.call('EXPIRE', k_worker, a_worker_ttl)
+end
 return lost
 """,
 )
 
-# KEYS after the named ones: the started registries (RQ.wip .. queue) of the worker's queues.
+# KEYS after the named ones: the started registries (RQ.wip .. queue) of the worker's queues
+# of one shard.
 # Our replacement for RQ's StartedJobRegistry.cleanup: an expired lease means the worker
 # holding it died; its job goes back to the queue front, or fails once it was in flight
 # during max_crashes crashes. Also drops expired finished/failed/canceled registry entries.
@@ -598,14 +653,13 @@ return {requeued, failed}
 """,
 )
 
-# KEYS after the named ones: RQ's per-queue worker sets (RQ.workers_of .. queue).
-# ARGV after the named ones: `n_fields` field/values of the worker hash, then the queue keys to
-# add to RQ's set of queues. Registers the worker like RQ's register_birth, but takes over a
-# registration under the same name whose heartbeat is older than a lease (its process died).
-# Returns 1, or 0 if it is live.
+# ARGV after the named ones: `n_fields` field/values of the worker hash. Writes the worker hash
+# like RQ's register_birth, but takes over a registration under the same name whose heartbeat
+# is older than a lease (its process died). Returns 1, or 0 if it is live. RQ's sets of workers
+# and queues are other slots: the caller adds to them after (RQAdapter.register_calls).
 REGISTER = LuaScript(
     "register",
-    keys=("worker", "workers"),
+    keys=("worker",),
     args=("now", "lease_ttl", "key_ttl", "n_fields"),
     body="""
 if redis.call('EXISTS', k_worker) == 1 then
@@ -618,11 +672,8 @@ redis.call('DEL', k_worker)
 local n = tonumber(a_n_fields)
 redis.call('HSET', k_worker, unpack(ARGV, REST, REST + n - 1))
 redis.call('EXPIRE', k_worker, a_key_ttl)
-redis.call('SADD', k_workers, k_worker)
-for k = KEYS_REST, #KEYS do redis.call('SADD', KEYS[k], k_worker) end
-if #ARGV >= REST + n then redis.call('SADD', RQ.queues, unpack(ARGV, REST + n)) end
 return 1
 """,
 )
 
-SCRIPTS = (DEQUEUE, END, REQUEUE, STREAM, HEARTBEAT, REAP, REGISTER)
+SCRIPTS = (DEQUEUE, PEEK, END, REQUEUE, STREAM, HEARTBEAT, REAP, REGISTER)

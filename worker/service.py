@@ -15,15 +15,18 @@ import uuid
 import redis
 import structlog
 
+from producer.connection import is_cluster
 from producer.contract.routing import model_queue
+from producer.contract.shards import QueueShards
+from producer.refusal import refusal
 from producer.retry import redact_url
-from producer.tls_failure import tls_failure
 from worker.config import WorkerConfig
 from worker.endpoints import MetricsPortInUse, WorkerHealth
 from worker.logs import log_engine_ready
 from worker.metrics import WorkerMetrics
 from worker.redis_link import ScriptRunner, connect, eviction_risk
 from worker.rq_adapter import RQAdapter
+from worker.rq_scripts import SCRIPTS
 
 log = structlog.get_logger("pagedq.worker")
 
@@ -68,21 +71,32 @@ def run_worker(config: WorkerConfig) -> int:
         error = str(exc).replace(config.redis_url, url)
         log.error("invalid --redis-url", redis_url=url, error=error)
         return EXIT_USAGE
-    try:
-        connection.ping()
-    except redis.AuthenticationError as exc:
-        log.error("Redis refused the credentials", redis_url=url, error=str(exc))
-        return EXIT_ERROR
-    except redis.ResponseError as exc:  # e.g. NOPERM: the ACL user may not run PING
-        log.error("Redis refused the connection", redis_url=url, error=str(exc))
-        return EXIT_ERROR
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        tls = tls_failure(exc)
-        if tls is not None:  # a certificate to fix, not an outage: no waiting it out
-            log.error(tls.message(url))
-            return EXIT_ERROR
+    except redis.exceptions.RedisClusterException as exc:  # no node answered the slot map
         log.error("cannot reach Redis", redis_url=url, error=str(exc))
         return EXIT_ERROR
+    try:
+        connection.ping()
+    except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
+        refused = refusal(exc)
+        if refused is not None:  # a setting to fix, not an outage: no waiting it out
+            log.error(refused.message(at=f" at {url}"))
+        elif isinstance(exc, redis.ResponseError):
+            log.error("Redis refused the connection", redis_url=url, error=str(exc))
+        else:
+            log.error("cannot reach Redis", redis_url=url, error=str(exc))
+        return EXIT_ERROR
+    try:
+        return _serve(config, connection, url)
+    except redis.RedisError as exc:  # e.g. an ACL that allows PING but not pagedq's scripts
+        refused = refusal(exc)
+        if refused is None:
+            raise
+        log.error(refused.message(at=f" at {url}"))
+        return EXIT_ERROR
+
+
+def _serve(config: WorkerConfig, connection: redis.Redis, url: str) -> int:
+    """Run the worker on a Redis that answered PING; the process exit code."""
     risk = eviction_risk(connection)
     if risk is not None:
         if not config.allow_eviction:
@@ -105,10 +119,15 @@ def run_worker(config: WorkerConfig) -> int:
             )
             return EXIT_ERROR
         log.info("metrics served", host=config.metrics_host, port=config.metrics_port)
+    try:
+        queues = served_queues(config, is_cluster(connection))
+    except ValueError as exc:  # a queue name pagedq cannot tag, or a shard count out of range
+        log.error("invalid --queue / --queue-shards", error=str(exc))
+        return EXIT_USAGE
     adapter = RQAdapter(
         connection,
         config.name or uuid.uuid4().hex,
-        [model_queue(config.queue, config.model), config.queue],
+        queues,
         lease_ttl=config.lease_ttl,
         result_ttl=config.result_ttl,
         stream_ttl=config.stream_ttl,
@@ -116,7 +135,10 @@ def run_worker(config: WorkerConfig) -> int:
         aging_seconds=config.engine.priority_aging_seconds or 0,
         rq_results=config.rq_results,
     )
+    # What the worker needs of Redis, tried before the model loads: an ACL that refuses a key
+    # or a command stops the start here, at once.
     claim_name(adapter)
+    ScriptRunner(connection).load(SCRIPTS)
     t0 = time.monotonic()
     log.info(
         "loading model", model=config.model, device=config.engine.device, dtype=config.engine.dtype
@@ -132,6 +154,12 @@ def run_worker(config: WorkerConfig) -> int:
     except WorkerNameTaken:
         _log_name_taken(adapter.name)
         return EXIT_ERROR
+
+
+def served_queues(config: WorkerConfig, cluster: bool) -> list[str]:
+    """The base queues the worker serves: per shard its model's queue, then the generic one."""
+    shards = QueueShards(config.queue, config.queue_shards, tagged=cluster)
+    return [q for shard in shards.names for q in (model_queue(shard, config.model), shard)]
 
 
 def claim_name(adapter: RQAdapter) -> None:

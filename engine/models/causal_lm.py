@@ -49,6 +49,8 @@ class CausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_lm_head = None
+        # Set by the loader from generation_config.json: where generation also stops.
+        self.generation_eos_token_ids: frozenset[int] = frozenset()
 
     def make_norm(self, unit_offset: bool = False) -> RMSNorm:
         """The final norm (and any hidden-size norm) of this config."""
@@ -88,9 +90,12 @@ class CausalLM(nn.Module):
         return torch.maximum(per_token, positions + 1)
 
     def kv_cache_specs(self) -> list[FullAttentionSpec]:
-        """What each layer keeps per token in the paged KV cache, in layer order."""
+        """What each paged KV cache keeps per token, in layer order: one per layer, except that
+        a layer reading another's cache (``kv_shared_from``, Gemma 4) has none."""
         specs = []
         for layer in self.layers:
+            if getattr(layer, "kv_shared_from", None) is not None:
+                continue
             attn = layer.self_attn
             window = attn.sliding_window
             if window is None:
@@ -98,6 +103,20 @@ class CausalLM(nn.Module):
             else:
                 specs.append(SlidingWindowSpec(attn.num_kv_heads, attn.head_dim, window))
         return specs
+
+    def kv_cache_indices(self) -> list[int]:
+        """For each layer, the index of the cache it uses in ``kv_cache_specs()``'s list."""
+        indices = getattr(self, "_kv_cache_indices", None)
+        if indices is None:
+            own: dict[int, int] = {}
+            indices = []
+            for i, layer in enumerate(self.layers):
+                source = getattr(layer, "kv_shared_from", None)
+                if source is None:
+                    own[i] = len(own)
+                indices.append(own[i if source is None else source])
+            self._kv_cache_indices = indices
+        return indices
 
     def move_rotaries(self, device: torch.device) -> None:
         """Move every fp32 cos/sin cache to ``device``."""

@@ -17,10 +17,18 @@ class RMSNorm(nn.Module):
     """
 
     def __init__(
-        self, size: int, eps: float, backend: str = "auto", unit_offset: bool = False
+        self,
+        size: int,
+        eps: float,
+        backend: str = "auto",
+        unit_offset: bool = False,
+        with_scale: bool = True,
     ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        if not with_scale:  # a norm with no learned scale (Gemma 4's v_norm): weight of ones
+            self.register_buffer("weight", torch.ones(size), persistent=False)
+        else:
+            self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.backend = backend
         if unit_offset:

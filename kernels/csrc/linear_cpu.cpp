@@ -83,6 +83,14 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return out;
 }
 
+// Declared for every target: the dispatch below names it even where only the fallback builds.
+// A thread's run of column tasks with its argmax per row: the runs are merged in column order.
+struct ArgmaxRun {
+  int64_t first_task;
+  std::vector<float> best;
+  std::vector<int64_t> index;
+};
+
 #if defined(__AVX512F__)
 
 // The 4 x 16 outputs of one row: bias added, stored as fp32, or rounded to bf16 (and widened
@@ -205,13 +213,6 @@ inline int64_t row_passes(int64_t M, int64_t units, int64_t threads) {
 
 // N is the output width; with `silu_mul` the weight holds 2N features (gate, then up, N a
 // multiple of kNR) and the output is silu(gate) * up.
-// A thread's run of column tasks with its argmax per row: the runs are merged in column order.
-struct ArgmaxRun {
-  int64_t first_task;
-  std::vector<float> best;
-  std::vector<int64_t> index;
-};
-
 template <typename T, template <int, int> class Kernel>
 void run_linear(const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64_t K,
                 int64_t block_elems, const float* bias, void* out, bool fp32_out, bool silu_mul,

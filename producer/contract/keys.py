@@ -43,6 +43,7 @@ PAGEDQ = {
     "batch_counts": "pagedq:batch-counts:",  # + batch id: line ends, counted by ending scripts
     "batch_lease": "pagedq:batch-lease:",  # + batch id: the gateway working on it
     "batches": "pagedq:batches:",  # + owner: zset of batch ids by creation time (us)
+    "response": "pagedq:response:",  # + response id: a stored Responses object and its turns
 }
 ACTIVE_BATCHES = "pagedq:active-batches"  # set of batches still needing a gateway's work
 CANCEL_CHANNEL = "pagedq:cancel"
@@ -118,6 +119,12 @@ def file_data_key(file_id: str) -> str:
 def files_index_key(owner: str) -> str:
     """Sorted set of an owner's file ids, scored by creation time (microseconds)."""
     return PAGEDQ["files"] + owner
+
+
+def response_key(response_id: str) -> str:
+    """A stored Responses API response (`store`): the object, its owner and the conversation
+    it ends (for `previous_response_id`), JSON, with a TTL."""
+    return PAGEDQ["response"] + response_id
 
 
 def batch_key(batch_id: str) -> str:

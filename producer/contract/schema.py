@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from producer.contract.embeddings import check_embed_request
 from producer.contract.routing import TENANT_RE
 from producer.contract.structured import check_structured_outputs, from_response_format
 from producer.errors import InvalidRequestError
@@ -161,6 +162,10 @@ class GenerationRequest(BaseModel):
     # Write token entries to the job's stream as they come (someone reads them); without it
     # the stream gets only the final entry.
     stream: bool = False
+    # The embedding job kind (producer/contract/embeddings.py): None is a generation.
+    task: Literal["embed"] | None = None
+    input: list[str | list[int]] | None = None
+    dimensions: int | None = None
 
     @field_validator(*RANGES)
     @classmethod
@@ -251,6 +256,11 @@ class GenerationRequest(BaseModel):
 
     @model_validator(mode="after")
     def _check_combination(self) -> GenerationRequest:
+        if self.task is not None or self.input is not None or self.dimensions is not None:
+            if self.task is None:
+                raise ValueError("input and dimensions belong to embedding jobs (task 'embed')")
+            check_embed_request(self)
+            return self
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         if self.response_format is not None:
@@ -357,6 +367,8 @@ class GenerationResult(BaseModel):
     worker: str | None = None
     error: str | None = None
     metadata: dict[str, Any] | None = None
+    # An embedding job's vectors, one per input, in input order.
+    embeddings: list[list[float]] | None = None
 
     def all_choices(self) -> list[Choice]:
         """`choices`, or the top-level fields as the single choice 0 when n == 1."""

@@ -138,6 +138,39 @@ CASES = [
             },
         },
     ),
+    (
+        "gemma4-text",  # 4 layers: sliding 16-dim heads, full 32-dim heads with K = V and a
+        # proportional RoPE; the last two read the first two's caches; per-layer inputs
+        "gemma4_text",
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "num_global_key_value_heads": 1,
+            "layer_types": SLIDING_FULL * 2,
+            "sliding_window": 8,
+            "num_kv_shared_layers": 2,
+            "attention_k_eq_v": True,
+            "use_double_wide_mlp": True,
+            "hidden_size_per_layer_input": 8,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
+    (
+        "gemma4-moe",  # 26B-A4B's block: routed GeGLU experts beside the dense MLP
+        "gemma4_text",
+        {
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "layer_types": SLIDING_FULL,
+            "sliding_window": 8,
+            "hidden_size_per_layer_input": 8,
+            "enable_moe_block": True,
+            "num_experts": 6,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+        },
+    ),
     ("olmo2", "olmo2", {}),
     ("olmo3", "olmo3", {"sliding_window": 8, "layer_types": SLIDING_FULL}),
     # Mixtures of experts: several experts per token, per-expert and fused 3-D checkpoints.
@@ -216,7 +249,7 @@ def test_tiny_model_matches_hf(tmp_path_factory, case_id):
 # The regimes run on the families whose layers differ most from Llama's: sliding windows with
 # two RoPE bases and soft caps (Gemma 2/3), post-norm with windows (OLMo 3), length-dependent
 # RoPE with partial rotary (Phi-3 longrope); a latent cache (DeepSeek-V3).
-REGIME_CASES = ["gemma2", "gemma3-text", "olmo3", "phi3-longrope", "deepseek-v3"]
+REGIME_CASES = ["gemma2", "gemma3-text", "gemma4-text", "olmo3", "phi3-longrope", "deepseek-v3"]
 
 
 @pytest.mark.parametrize("case_id", REGIME_CASES)
@@ -328,3 +361,11 @@ def test_checkpoint_that_does_not_match_its_config_is_refused(tmp_path, change, 
     save_file(tensors, str(path), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=match):
         tiny_llm(folder)
+
+
+def test_gemma4_layers_that_share_kv_get_no_cache_of_their_own(tmp_path_factory):
+    folder, _ = built("gemma4-text", tmp_path_factory)
+    model = tiny_llm(folder).llm_engine.model
+    # Layers 2 (sliding) and 3 (full) read the caches of layers 0 and 1.
+    assert [s.page_shape for s in model.kv_cache_specs()] == [(2, 16), (1, 32)]
+    assert model.kv_cache_indices() == [0, 1, 0, 1]

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
 import openai
 import pytest
+
+from producer.contract.keys import stream_key
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -55,6 +58,45 @@ def test_streamed_chat_deltas_join_to_the_non_streamed_text(oai):
     assert [f for f in finishes if f] == [finishes[-1]]
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
     assert sum(bool(c.choices and c.choices[0].delta.content) for c in chunks) > 1
+
+
+def test_every_streamed_job_reads_the_same_text_over_sse_and_client_stream(oai, stack):
+    """Several jobs at once, their tokens written in shared windows: the SSE text and the
+    Python client's stream of each job are its whole result, token for token."""
+    sse_texts: dict[str, str] = {}
+    live: dict[str, str] = {}
+
+    def request(i: int) -> None:
+        chunks = oai.completions.create(
+            model="any", prompt=f"Item {i}:", max_tokens=24, temperature=0.9, seed=i, stream=True
+        )
+        job_id, parts = None, []
+        for chunk in chunks:
+            if job_id is None:
+                job_id = chunk.id.removeprefix("cmpl-")
+                reader = threading.Thread(target=read_live, args=(job_id,))
+                reader.start()
+            parts += [c.text for c in chunk.choices]
+        sse_texts[job_id] = "".join(parts)
+        reader.join()
+
+    def read_live(job_id: str) -> None:
+        with stack.client() as client:
+            live[job_id] = "".join(client.stream(job_id, timeout=120))
+
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(sse_texts) == len(live) == 6
+    with stack.client() as client:
+        for job_id, text in sse_texts.items():
+            result = client.result(job_id, timeout=30)
+            assert text == live[job_id] == result.text
+            entries = stack.redis.xrange(stream_key(job_id))
+            ids = [json.loads(f[b"token_ids"]) for _, f in entries if f[b"event"] == b"token"]
+            assert sum(ids, []) == result.token_ids
 
 
 def test_completions_whole_and_streamed_with_n_and_logprobs(oai):

@@ -48,17 +48,18 @@ FORMS = {
     "recurrent": gated_delta_rule_recurrent_torch,
     "chunked": gated_delta_rule_chunked_torch,
     "torch": lambda *a, **kw: gated_delta_rule(*a, **kw, backend="torch"),
-    "cpu": pytest.param(
-        lambda *a, **kw: gated_delta_rule(*a, **kw, backend="cpu"), marks=needs_cpu
-    ),
+    "cpu": lambda *a, **kw: gated_delta_rule(*a, **kw, backend="cpu"),
     "triton": lambda *a, **kw: gated_delta_rule(*a, **kw, backend="triton"),
 }
+NAMES = [pytest.param(n, marks=needs_cpu) if n == "cpu" else n for n in FORMS]
 
 
-@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
-def test_forms_match_transformers(rng, form):
-    """One sequence of 80 tokens (two chunks, the last partial) from a non-zero state."""
-    q, k, v, g, beta, pool = _inputs(rng, 80)
+@pytest.mark.parametrize("name", NAMES)
+def test_forms_match_transformers(rng, name):
+    """One sequence of 80 tokens (two chunks, the last partial) from a non-zero state; 24 on
+    Triton's interpreter (slow per token; the kernel has one form for every length)."""
+    n = 24 if name == "triton" else 80
+    q, k, v, g, beta, pool = _inputs(rng, n)
     batch = [x[None] for x in (q, k, v, g, beta)]
     kwargs = dict(initial_state=pool[3:4].clone(), output_final_state=True)
     want_c, state_c = torch_chunk_gated_delta_rule(*batch, **kwargs, use_qk_l2norm_in_kernel=True)
@@ -66,21 +67,24 @@ def test_forms_match_transformers(rng, form):
         *batch, **kwargs, use_qk_l2norm_in_kernel=True
     )
     torch.testing.assert_close(want_c, want_r, atol=1e-5, rtol=0)  # transformers' two agree
-    got = form(q, k, v, g, beta, pool, _loc([80]), torch.tensor([3]))
+    got = FORMS[name](q, k, v, g, beta, pool, _loc([n]), torch.tensor([3]))
     torch.testing.assert_close(got, want_c[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(pool[3], state_c[0], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
-def test_split_over_steps_equals_one_pass(rng, form):
+@pytest.mark.parametrize("name", NAMES)
+def test_split_over_steps_equals_one_pass(rng, name):
     """A prompt cut at arbitrary points (inside and across chunks, single tokens) carries its
     state from call to call and equals one pass; a first call without an initial state starts
-    from zero whatever the slot held."""
-    q, k, v, g, beta, pool = _inputs(rng, 100)
+    from zero whatever the slot held. (Triton's interpreter takes a shorter prompt: its kernel
+    has one form for every length.)"""
+    form = FORMS[name]
+    cuts = [0, 1, 9, 10, 23, 24] if name == "triton" else [0, 1, 37, 38, 70, 99, 100]
+    n = cuts[-1]
+    q, k, v, g, beta, pool = _inputs(rng, n)
     whole_pool = pool.clone()
-    whole = form(q, k, v, g, beta, whole_pool, _loc([100]), torch.tensor([2]),
+    whole = form(q, k, v, g, beta, whole_pool, _loc([n]), torch.tensor([2]),
                  has_initial_state=torch.tensor([False]))  # fmt: skip
-    cuts = [0, 1, 37, 38, 70, 99, 100]
     for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
         part = form(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], pool, _loc([b - a]),
                     torch.tensor([2]), has_initial_state=torch.tensor([i > 0]))  # fmt: skip
@@ -88,15 +92,17 @@ def test_split_over_steps_equals_one_pass(rng, form):
     torch.testing.assert_close(pool, whole_pool, atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
-def test_varlen_batch_with_slots(rng, form):
+@pytest.mark.parametrize("name", NAMES)
+def test_varlen_batch_with_slots(rng, name):
     """A prefill chunk, decodes and an empty sequence in one call, each on its own slot, equal
     each sequence run alone; slots nobody names stay as they were."""
     lens, slots = [70, 1, 0, 5, 1], [4, 1, 0, 3, 2]
     q, k, v, g, beta, pool = _inputs(rng, sum(lens), num_slots=7)
     fresh = torch.tensor([True, True, True, False, True])
     before = pool.clone()
-    got = form(q, k, v, g, beta, pool, _loc(lens), torch.tensor(slots), has_initial_state=fresh)
+    got = FORMS[name](
+        q, k, v, g, beta, pool, _loc(lens), torch.tensor(slots), has_initial_state=fresh
+    )
     starts = _loc(lens).tolist()
     alone_pool = before.clone()
     for i, (a, b) in enumerate(zip(starts[:-1], starts[1:], strict=True)):
@@ -109,6 +115,18 @@ def test_varlen_batch_with_slots(rng, form):
         torch.testing.assert_close(got[a:b], want, atol=1e-5, rtol=0)
     torch.testing.assert_close(pool, alone_pool, atol=1e-5, rtol=0)
     assert torch.equal(pool[[0, 5, 6]], before[[0, 5, 6]])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_batch(rng, name):
+    """One token for each of four sequences (the decode step), slots out of order."""
+    q, k, v, g, beta, pool = _inputs(rng, 4)
+    slots = torch.tensor([3, 0, 4, 1])
+    want_pool = pool.clone()
+    want = gated_delta_rule_chunked_torch(q, k, v, g, beta, want_pool, _loc([1] * 4), slots)
+    got = FORMS[name](q, k, v, g, beta, pool, _loc([1] * 4), slots)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=0)
 
 
 def test_fp32_forms_against_float64(rng):

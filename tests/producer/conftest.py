@@ -23,6 +23,7 @@ from worker.redis_server import PrivateRedis
 
 SERVED_QUEUE = "served"
 WORKER_NAME = "producer-tests"
+STREAM_INTERVAL_S = 0.2
 
 
 @dataclass
@@ -77,6 +78,10 @@ def served(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
             # RQ's result stream on every job: one entry per run, what `executions` counts.
             "--rq-results",
             "all",
+            # Windows longer than a tiny model's steps, even on a loaded machine: several tokens
+            # per stream entry (test_client.py counts them).
+            "--stream-interval",
+            str(STREAM_INTERVAL_S),
             model=model,
             kv_cache_memory="16MiB",
             # 2 cores are shared with pytest: one OpenMP thread avoids oversubscription.

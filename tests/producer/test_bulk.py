@@ -82,7 +82,7 @@ def test_parse_completion_and_plain_lines():
         ("[1, 2]", "line 3: not a JSON object"),
         ('{"custom_id": 5, "prompt": "x"}', "custom_id must be a non-empty str"),
         ('{"method": "POST", "url": "/v1/completions", "body": {}}', "custom_id is required"),
-        ('{"custom_id": "b", "url": "/v1/embeddings", "body": {}}', "url must be"),
+        ('{"custom_id": "b", "url": "/v1/moderations", "body": {}}', "url must be"),
         ('{"custom_id": "b", "method": "GET", "body": {"prompt": "x"}}', "method must be"),
         ('{"custom_id": "b", "body": [1]}', "body must be a JSON object"),
         ('{"custom_id": "b", "body": {}, "extra": 1}', "unknown top-level field(s) ['extra']"),

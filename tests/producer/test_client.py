@@ -228,6 +228,21 @@ def test_stream_yields_deltas_in_order_then_ends(served):
         assert "".join(deltas) == client.result(job_id).text
 
 
+def test_a_window_carries_several_tokens_in_one_entry_and_the_first_token_goes_at_once(served):
+    with served.client() as client:
+        job_id = client.submit(prompt="Once upon", max_tokens=40, ignore_eos=True)
+        deltas = list(client.stream(job_id, timeout=60))
+        result = client.result(job_id)
+        *tokens, final = stream_entries(served.redis, job_id)
+        assert final == {"event": "done", "finish_reason": "length"}
+        ids = [json.loads(e["token_ids"]) for e in tokens]
+        assert len(ids[0]) == 1  # the first token did not wait for a window
+        assert len(tokens) < len(result.token_ids) == 40  # later ones shared entries
+        assert max(len(i) for i in ids) > 1
+        assert sum(ids, []) == result.token_ids
+        assert "".join(deltas) == "".join(e["delta"] for e in tokens) == result.text
+
+
 def test_stream_of_a_job_whose_stream_expired_yields_the_whole_text(served):
     with served.client() as client:
         job_id = client.submit(prompt="hi", max_tokens=4, ignore_eos=True)

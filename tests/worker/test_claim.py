@@ -192,18 +192,15 @@ def test_token_texts_decode_every_id_of_the_logprobs_once_per_choice():
     assert build_result("j", request, output, **args).choices[0].token_texts is None
 
 
-def test_stream_entries_are_coalesced_to_one_per_interval_and_flushed_at_the_end():
-    state = StreamState.for_attempt(2, interval_s=0.05)
-    assert state.take(_completion("a", [1]), now=10.0) == [
+def test_a_take_gives_every_token_not_written_yet_in_one_entry():
+    state = StreamState.for_attempt(2)
+    assert state.take(_completion("a", [1])) == [
         {"event": "restart"},
         {"event": "token", "delta": "a", "token_ids": "[1]"},
     ]
-    assert state.take(_completion("ab", [1, 2]), now=10.02) == []  # within the interval
-    assert state.take(_completion("abc", [1, 2, 3]), now=10.06) == [
+    assert state.num_new(_completion("abc", [1, 2, 3])) == 2  # two steps wait for a window
+    assert state.take(_completion("abc", [1, 2, 3])) == [
         {"event": "token", "delta": "bc", "token_ids": "[2, 3]"}
     ]
-    assert state.take(_completion("abcd", [1, 2, 3, 4]), now=10.07, final=True) == [
-        {"event": "token", "delta": "d", "token_ids": "[4]"}
-    ]
     quiet = StreamState.for_attempt(2, enabled=False)
-    assert quiet.take(_completion("a", [1]), now=1.0, final=True) == []
+    assert quiet.take(_completion("a", [1])) == []

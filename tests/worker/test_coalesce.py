@@ -14,7 +14,7 @@ from rq.registry import FinishedJobRegistry
 from worker_helpers import make_client
 
 from producer.contract.keys import result_key
-from worker.coalesce import AdmissionGate, EndCoalescer
+from worker.coalesce import AdmissionGate, EndCoalescer, StreamWindow
 
 QUEUE = "q-coalesce"
 
@@ -48,6 +48,22 @@ def test_no_window_means_every_ending_is_written_at_once():
     c: EndCoalescer[str] = EndCoalescer(window_s=0)
     assert not c.hold("a", now=1.0)
     assert c.pending == [] and not c.due(now=1.0)
+
+
+def test_streamed_tokens_wait_one_window_from_the_oldest_then_all_go_together():
+    w = StreamWindow(interval_s=0.05)
+    assert w.add("a", now=1.0, first=True)  # a first token: written at once
+    assert not w.add("a", now=1.01, first=False)
+    assert not w.add("b", now=1.03, first=False)
+    assert not w.add("a", now=1.04, first=False)  # still one entry for "a"
+    assert not w.due(now=1.059) and w.wait_s(now=1.03) == pytest.approx(0.03)
+    assert w.due(now=1.06)  # one window after the oldest waiting token
+    assert w.take() == ["a", "b"]
+    assert not w.due(now=9.0) and w.wait_s(now=9.0) is None
+    assert not w.add("c", now=2.0, first=False)
+    w.discard("c")  # it ended: its tokens went with its end
+    assert w.wait_s(now=2.0) is None
+    assert StreamWindow(interval_s=0).add("d", now=3.0, first=False)  # 0: every step
 
 
 def test_a_dequeue_waits_for_room_for_several_jobs_unless_the_engine_is_nearly_empty():

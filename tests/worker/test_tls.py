@@ -13,12 +13,12 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import redis
 from openai import OpenAI
 from tls_redis import TlsRedis
 from worker_process import REPO, WorkerProcess
 
 from producer.client import Client
+from producer.refusal import RedisRefusedError
 from worker.redis_server import free_port
 
 QUEUE = "q-tls"
@@ -97,7 +97,7 @@ def test_client_certificates_are_presented_from_url_parameters():
 def test_a_producer_with_a_wrong_ca_fails_at_once_instead_of_waiting_out_an_outage(server):
     start = time.monotonic()
     with Client(wrong_ca_url(server), queue=QUEUE) as client:
-        with pytest.raises(redis.ConnectionError, match="certificate verify failed"):
+        with pytest.raises(RedisRefusedError, match="certificate verify failed"):
             client.submit(prompt="never queued", max_tokens=2)
     assert time.monotonic() - start < 5
 
