@@ -9,7 +9,12 @@ fell wholly out of its window, keeping the shared null block in their place in t
 from __future__ import annotations
 
 from engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
-from engine.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from engine.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheGroup,
+    LatentAttentionSpec,
+    SlidingWindowSpec,
+)
 from engine.request import Request
 
 GroupBlocks = list[list[KVCacheBlock]]
@@ -214,4 +219,6 @@ class KVCacheManager:
 def _kind(group: KVCacheGroup) -> str:
     if isinstance(group.spec, SlidingWindowSpec):
         return f"sliding_window={group.spec.sliding_window}"
+    if isinstance(group.spec, LatentAttentionSpec):
+        return "latent_attention"
     return "full_attention"

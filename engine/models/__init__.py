@@ -27,6 +27,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "mixtral": ("engine.models.mixtral", "MixtralForCausalLM"),
     "gpt_oss": ("engine.models.gpt_oss", "GptOssForCausalLM"),
     "glm4_moe": ("engine.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "deepseek_v3": ("engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 
 

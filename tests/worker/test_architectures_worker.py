@@ -1,6 +1,7 @@
 """Families beyond Llama through a real worker and Redis: a Gemma 3 (sliding and global layers,
-two RoPE bases, Gemma's chat template) and a Phi-3 with longrope (length-dependent rotary),
-one worker each, both on the module's Redis. Token-id prompts give Hugging Face's greedy
+two RoPE bases, Gemma's chat template), a Phi-3 with longrope (length-dependent rotary) and a
+DeepSeek-V3 (latent attention over a latent cache, grouped-sigmoid experts), one worker each,
+all on the module's Redis. Token-id prompts give Hugging Face's greedy
 tokens; a chat, seeded n > 1 samples and a JSON schema give what the offline engine gives."""
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tests.engine.test_chat_templates import GEMMA_TEMPLATE, MESSAGES
 
 pytestmark = pytest.mark.slow
 
-CASES = ["gemma3-text", "phi3-longrope", "qwen3-moe", "gpt-oss"]
+CASES = ["gemma3-text", "phi3-longrope", "deepseek-v3", "qwen3-moe", "gpt-oss"]
 SCHEMA = {
     "type": "object",
     "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
