@@ -10,7 +10,12 @@ recurrent-state group (engine/state_cache.py) holds one state slot per running r
 from __future__ import annotations
 
 from engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
-from engine.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from engine.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheGroup,
+    LatentAttentionSpec,
+    SlidingWindowSpec,
+)
 from engine.request import Request
 
 GroupBlocks = list[list[KVCacheBlock]]
@@ -259,4 +264,6 @@ class KVCacheManager:
 def _kind(group: KVCacheGroup) -> str:
     if isinstance(group.spec, SlidingWindowSpec):
         return f"sliding_window={group.spec.sliding_window}"
+    if isinstance(group.spec, LatentAttentionSpec):
+        return "latent_attention"
     return "full_attention"

@@ -10,6 +10,7 @@ whichever group needs it (a window that frees blocks leaves them to the full-att
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,11 +19,18 @@ class FullAttentionSpec:
 
     num_kv_heads: int
     head_dim: int
+    # The layer's tensor is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    block_dim: ClassVar[int] = 1
 
     @property
     def page_shape(self) -> tuple[int, int]:
         """``(num_kv_heads, head_dim)`` of one token's K (and V) in the cache."""
         return (self.num_kv_heads, self.head_dim)
+
+    @property
+    def token_elems(self) -> int:
+        """Values one token keeps in one layer: its K and its V."""
+        return 2 * self.num_kv_heads * self.head_dim
 
     def first_needed_block(self, first_query_pos: int, block_size: int) -> int:
         """The first block a query at ``first_query_pos`` or later still reads."""
@@ -50,7 +58,37 @@ class SlidingWindowSpec(FullAttentionSpec):
         return min(-(-num_tokens // block_size), window_blocks)
 
 
-KVCacheSpec = FullAttentionSpec
+@dataclass(frozen=True, slots=True)
+class LatentAttentionSpec:
+    """Multi-head latent attention (DeepSeek-V2/V3): one compressed latent and one rope key per
+    token, shared by every head, no separate K and V (``kernels/mla.py``): 512 + 64 = 576 values
+    at DeepSeek-V3's sizes. Every token is kept, as with full attention."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    # The layer's tensor is ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``.
+    block_dim: ClassVar[int] = 0
+
+    @property
+    def page_shape(self) -> tuple[int]:
+        """``(kv_lora_rank + qk_rope_head_dim,)``: one token's row of the latent cache."""
+        return (self.kv_lora_rank + self.qk_rope_head_dim,)
+
+    @property
+    def token_elems(self) -> int:
+        """Values one token keeps in one layer: its latent row."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def first_needed_block(self, first_query_pos: int, block_size: int) -> int:
+        """The first block a query at ``first_query_pos`` or later still reads."""
+        return 0
+
+    def max_blocks(self, num_tokens: int, block_size: int) -> int:
+        """Blocks one sequence of ``num_tokens`` holds at most."""
+        return -(-num_tokens // block_size)
+
+
+KVCacheSpec = FullAttentionSpec | LatentAttentionSpec
 
 
 @dataclass(slots=True)
@@ -63,13 +101,18 @@ class KVCacheGroup:
 
 @dataclass(slots=True)
 class KVCacheLayout:
-    """The groups of a model, for each layer its group and its cache tensor, and the
-    ``(num_kv_heads, head_dim)`` of each tensor."""
+    """The groups of a model, for each layer its group and its cache tensor, and the spec of
+    each tensor (what one token keeps there)."""
 
     groups: list[KVCacheGroup]
     layer_group: list[int]
     layer_tensor: list[int]
-    tensor_shapes: list[tuple[int, int]]
+    tensor_specs: list[KVCacheSpec]
+
+    @property
+    def tensor_shapes(self) -> list[tuple[int, ...]]:
+        """Each tensor's page shape: ``(num_kv_heads, head_dim)``, or a latent row's width."""
+        return [s.page_shape for s in self.tensor_specs]
 
     @property
     def has_windows(self) -> bool:
@@ -78,8 +121,9 @@ class KVCacheLayout:
 
     @property
     def block_elems(self) -> int:
-        """K and V elements of one block id, per token: every tensor at that id."""
-        return 2 * sum(heads * dim for heads, dim in self.tensor_shapes)
+        """Elements of one block id, per token: every tensor at that id (K and V, or a latent
+        row)."""
+        return sum(s.token_elems for s in self.tensor_specs)
 
 
 def make_layout(specs: list[KVCacheSpec]) -> KVCacheLayout:
@@ -88,10 +132,8 @@ def make_layout(specs: list[KVCacheSpec]) -> KVCacheLayout:
     only the blocks behind them are not given back)."""
     num_layers = len(specs)
     if len({s.page_shape for s in specs}) > 1:
-        group = KVCacheGroup(FullAttentionSpec(*specs[0].page_shape), list(range(num_layers)))
-        return KVCacheLayout(
-            [group], [0] * num_layers, list(range(num_layers)), [s.page_shape for s in specs]
-        )
+        group = KVCacheGroup(_keeping_every_token(specs[0]), list(range(num_layers)))
+        return KVCacheLayout([group], [0] * num_layers, list(range(num_layers)), list(specs))
     by_spec: dict[KVCacheSpec, list[int]] = {}
     for i, spec in enumerate(specs):
         by_spec.setdefault(spec, []).append(i)
@@ -103,4 +145,10 @@ def make_layout(specs: list[KVCacheSpec]) -> KVCacheLayout:
             for j, layer in enumerate(chunk):
                 layer_group[layer], layer_tensor[layer] = len(groups), j
             groups.append(KVCacheGroup(spec, chunk))
-    return KVCacheLayout(groups, layer_group, layer_tensor, [specs[0].page_shape] * group_size)
+    return KVCacheLayout(groups, layer_group, layer_tensor, [specs[0]] * group_size)
+
+
+def _keeping_every_token(spec: KVCacheSpec) -> KVCacheSpec:
+    if isinstance(spec, SlidingWindowSpec):
+        return FullAttentionSpec(spec.num_kv_heads, spec.head_dim)
+    return spec

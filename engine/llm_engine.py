@@ -18,7 +18,7 @@ from engine.config import (
 from engine.cpu_threads import apply_num_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_cache_spec import make_layout
+from engine.kv_cache_spec import LatentAttentionSpec, make_layout
 from engine.model_loader import load_model, resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import (
@@ -39,6 +39,7 @@ from engine.step_isolation import StepIsolation
 from engine.structured_outputs.manager import StructuredOutputManager
 from engine.swap import INITIAL_PREFILL_TOKENS_PER_S, PreemptionCostModel, SwapSpace
 from kernels import allocate_kv_cache
+from kernels.mla import allocate_latent_cache
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
 # Test-only fault injection: with PAGEDQ_TEST_FAULTS=1 in the environment when the engine is
@@ -74,7 +75,8 @@ class EngineStats:
     num_swapped: int = 0  # requests in the swap pool now
     swapped_out_bytes: int = 0  # since start
     swap_space_usage: float = 0.0  # fraction of the swap pool held
-    # (kind, blocks held) of each KV layer group: "full_attention", "sliding_window=W"
+    # (kind, blocks held) of each KV layer group: "full_attention", "sliding_window=W",
+    # "latent_attention"
     kv_blocks_by_group: list[tuple[str, int]] = field(default_factory=list)
     tenant_generated_tokens: dict[str, int] = field(default_factory=dict)
     mean_queue_time_s: float = 0.0  # arrival in the engine to first scheduling
@@ -260,26 +262,30 @@ class LLMEngine:
         """Each layer's cache tensor: layers at the same place of their groups share one."""
         kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
         self.kv_tensors = [
-            allocate_kv_cache(
-                num_blocks,
-                self.config.block_size,
-                num_kv_heads,
-                head_dim,
-                kv_dtype,
-                self.device,
-                self.config.attention_backend,
-            )  # fmt: skip
-            for num_kv_heads, head_dim in self.kv_layout.tensor_shapes
+            self._allocate_tensor(spec, num_blocks, kv_dtype)
+            for spec in self.kv_layout.tensor_specs
         ]
         # A layer that reads another's cache (Gemma 4) gets that layer's tensor.
         return [
             self.kv_tensors[self.kv_layout.layer_tensor[c]] for c in self.model.kv_cache_indices()
         ]
 
+    def _allocate_tensor(self, spec, num_blocks: int, kv_dtype: torch.dtype) -> torch.Tensor:
+        bs = self.config.block_size
+        if isinstance(spec, LatentAttentionSpec):
+            return allocate_latent_cache(num_blocks, bs, spec.token_elems, kv_dtype, self.device)
+        heads, head_dim = spec.page_shape
+        backend = self.config.attention_backend
+        return allocate_kv_cache(num_blocks, bs, heads, head_dim, kv_dtype, self.device, backend)
+
     def _make_swap_space(self) -> tuple[SwapSpace | None, PreemptionCostModel | None]:
         if not self.config.swap_space:
             return None, None
-        swap = SwapSpace.from_budget(self.kv_tensors, int(self.config.swap_space * 2**30))
+        swap = SwapSpace.from_budget(
+            self.kv_tensors,
+            int(self.config.swap_space * 2**30),
+            [spec.block_dim for spec in self.kv_layout.tensor_specs],
+        )
         if swap is None:
             return None, None
         initial = INITIAL_PREFILL_TOKENS_PER_S.get(self.device.type, 500.0)

@@ -45,6 +45,19 @@ def project_output(out_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor
     return torch.bmm(out_latent.transpose(0, 1), w).transpose(0, 1)
 
 
+def allocate_latent_cache(
+    num_blocks: int, block_size: int, width: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """A zeroed paged latent cache of one layer, ``[num_blocks, block_size, width]`` (``width =
+    kv_lora_rank + rope_dim``), on huge pages on the CPU where Linux gives them."""
+    shape = (num_blocks, block_size, width)
+    if torch.device(device).type == "cpu":
+        from kernels.huge_pages import zeros_huge
+
+        return zeros_huge(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def _check_cache(latent: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch.Tensor) -> None:
     width = latent.shape[-1] + k_pe.shape[-1]
     if latent_cache.dim() != 3 or latent_cache.shape[2] != width:

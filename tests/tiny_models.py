@@ -58,6 +58,9 @@ def make_tiny_model(
                 p.normal_(0, 0.1)
             elif "norm" in name:  # around its init: 1 (Llama) or 0 (Gemma's 1 + w)
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros at init: routing ignores it
+                b.normal_(0, 0.1)
     model.save_pretrained(
         folder, safe_serialization=True, save_original_format=save_original_format
     )

@@ -30,6 +30,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "qwen3_5_text": ("engine.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "qwen3_5_moe_text": ("engine.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
     "qwen3_next": ("engine.models.qwen3_5", "Qwen3NextForCausalLM"),
+    "deepseek_v3": ("engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 
 

@@ -73,6 +73,14 @@ QWEN3_5 = {
     "linear_value_head_dim": 16,
 }  # fmt: skip
 
+# Three layers, the first dense; experts in 4 groups of 2, 3 experts per token from the best 2.
+DEEPSEEK = {
+    "num_hidden_layers": 3, "first_k_dense_replace": 1, "num_key_value_heads": 4,
+    "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 24,
+    "n_routed_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+    "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.0,
+}  # fmt: skip
+
 CASES = [
     ("llama", "llama", {}),
     (
@@ -225,6 +233,13 @@ CASES = [
         {**QWEN3_5, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
          "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]},
     ),
+    # Latent attention: DeepSeek-V3's own options (q LoRA, interleaved rope, yarn's mscale in
+    # the softmax scale), and the q_proj path with plain rope.
+    ("deepseek-v3", "deepseek_v3", {**DEEPSEEK, "q_lora_rank": 24, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "original_max_position_embeddings": 32}}),
+    ("deepseek-v3-q-proj", "deepseek_v3",
+     {**DEEPSEEK, "q_lora_rank": None, "rope_interleave": False}),
 ]  # fmt: skip
 
 
@@ -254,8 +269,11 @@ def test_tiny_model_matches_hf(tmp_path_factory, case_id):
 
 # The regimes run on the families whose layers differ most from Llama's: sliding windows with
 # two RoPE bases and soft caps (Gemma 2/3), post-norm with windows (OLMo 3), length-dependent
-# RoPE with partial rotary (Phi-3 longrope).
-REGIME_CASES = ["gemma2", "gemma3-text", "gemma4-text", "olmo3", "phi3-longrope"]
+# RoPE with partial rotary (Phi-3 longrope); a latent cache (DeepSeek-V3); experts.
+REGIME_CASES = [
+    "gemma2", "gemma3-text", "gemma4-text", "olmo3", "phi3-longrope", "deepseek-v3", "qwen3-moe",
+    "gpt-oss", "glm4-moe",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("case_id", REGIME_CASES)
@@ -287,7 +305,9 @@ def test_regimes_match_hf(tmp_path_factory, case_id):
     assert cached.stats.prefix_cache_hits >= 32
 
 
-@pytest.mark.parametrize("case_id", ["gemma3-text", "phi3-longrope"])
+@pytest.mark.parametrize(
+    "case_id", ["gemma3-text", "phi3-longrope", "deepseek-v3", "qwen3-moe", "gpt-oss"]
+)
 def test_seeded_samples_and_json_schema(tmp_path_factory, case_id):
     """n > 1 with a seed gives the same samples alone and in a batch; a JSON schema holds."""
     folder, _ = built(case_id, tmp_path_factory)
@@ -313,6 +333,25 @@ def test_seeded_samples_and_json_schema(tmp_path_factory, case_id):
     out = llm.generate(PROMPTS[0:1], params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop"
     jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_latent_cache_keeps_one_row_per_token_per_layer(tmp_path_factory):
+    """A latent layer's bytes per token are (kv_lora_rank + qk_rope_head_dim) * elem, against
+    2 * heads * (qk_nope + qk_rope) * elem for per-head K and V; the same budget holds that
+    many times more blocks."""
+    folder, _ = built("deepseek-v3", tmp_path_factory)
+    llm = tiny_llm(folder)
+    engine = llm.llm_engine
+    assert llm.stats.kv_blocks_by_group == [("latent_attention", 0)]
+    cfg, bs = engine.hf_config, engine.config.block_size
+    layers, width = cfg.num_hidden_layers, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    num_blocks = engine.kv_cache_manager.block_pool.num_blocks
+    assert [tuple(t.shape) for t in engine.kv_tensors] == [(num_blocks, bs, width)] * layers
+    per_token_layer = engine._kv_bytes_per_block() // (bs * layers)
+    assert per_token_layer == width * 4 == 192
+    per_head = 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) * 4
+    assert per_head == 1024
+    assert num_blocks == 2**22 // (bs * layers * per_token_layer)
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
@@ -354,5 +393,5 @@ def test_gemma4_layers_that_share_kv_get_no_cache_of_their_own(tmp_path_factory)
     folder, _ = built("gemma4-text", tmp_path_factory)
     model = tiny_llm(folder).llm_engine.model
     # Layers 2 (sliding) and 3 (full) read the caches of layers 0 and 1.
-    assert model.kv_cache_shapes() == [(2, 16), (1, 32)]
+    assert [s.page_shape for s in model.kv_cache_specs()] == [(2, 16), (1, 32)]
     assert model.kv_cache_indices() == [0, 1, 0, 1]

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec, make_layout
+from engine.kv_cache_spec import (
+    FullAttentionSpec,
+    LatentAttentionSpec,
+    SlidingWindowSpec,
+    make_layout,
+)
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -41,6 +48,19 @@ def test_mixed_page_shapes_fall_back_to_one_full_group():
     layout = make_layout([FullAttentionSpec(2, 16), SlidingWindowSpec(2, 32, sliding_window=8)])
     assert len(layout.groups) == 1 and layout.tensor_shapes == [(2, 16), (2, 32)]
     assert not layout.has_windows
+
+
+def test_a_latent_layer_keeps_one_576_value_row_per_token():
+    """DeepSeek-V3's sizes (61 layers, 128 heads, kv_lora_rank 512, rope 64, nope 128): the
+    latent row against per-head K and V of qk_head_dim 192."""
+    latent = make_layout([LatentAttentionSpec(512, 64)] * 61)
+    per_head = make_layout([FullAttentionSpec(128, 128 + 64)] * 61)
+    assert len(latent.groups) == 1 and latent.tensor_shapes == [(576,)] * 61
+    assert latent.block_elems == 61 * 576
+    assert per_head.block_elems == 61 * 2 * 128 * 192
+    assert per_head.block_elems / latent.block_elems == pytest.approx(85.33, abs=0.01)
+    kv = KVCacheManager(64, BS, True, latent.groups)
+    assert kv.num_blocks_for(100) == 25  # every token kept, as full attention
 
 
 def decode(kv: KVCacheManager, req: Request, steps: int) -> list[int]:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
-from engine.swap import PreemptionCostModel
+from engine.swap import PreemptionCostModel, SwapSpace
 from tests.engine.conftest import CHAT_PROMPTS
 from tests.engine.test_scheduler import PER_BLOCK, check_invariants, make_engine
 
@@ -29,6 +30,24 @@ def test_cost_rule_recomputes_a_short_prompt():
     model = PreemptionCostModel(**GPU_LIKE)
     # 3 tokens still fill a whole block: 2 x 8 MiB / 25 GB/s = 0.67 ms against 0.3 ms.
     assert model.choose(BLOCK_BYTES, 3) == "recompute"
+
+
+def test_swap_copies_each_tensor_along_its_block_axis():
+    """A K/V tensor ``[2, blocks, ...]`` and a latent cache ``[blocks, block_size, width]`` in
+    one space: a request's blocks come back whole into other device blocks."""
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 6, 4, 2, 8, generator=gen)
+    latent = torch.randn(6, 4, 24, generator=gen)
+    swap = SwapSpace([kv, latent], 3, block_dims=[1, 0])
+    assert swap.bytes_per_block == (2 * 4 * 2 * 8 + 4 * 24) * 4
+    assert swap.host_caches[1].shape == (3, 4, 24)
+    want_kv, want_latent = kv[:, [1, 3]].clone(), latent[[1, 3]].clone()
+    swap.swap_out("r", [1, 3])
+    kv.zero_(), latent.zero_()
+    swap.swap_in("r", [5, 0])
+    assert torch.equal(kv[:, [5, 0]], want_kv) and torch.equal(latent[[5, 0]], want_latent)
+    assert kv[:, [1, 2, 3, 4]].abs().sum() == 0 and latent[[1, 2, 3, 4]].abs().sum() == 0
+    assert swap.num_free_blocks == 3
 
 
 def test_prefill_speed_is_a_moving_average():

@@ -1,8 +1,9 @@
 """Families beyond Llama through a real worker and Redis: a Gemma 3 (sliding and global layers,
-two RoPE bases, Gemma's chat template), a Phi-3 with longrope (length-dependent rotary) and a
-Qwen3.5 (hybrid linear attention: state slots beside paged KV),
-one worker each, all on the module's Redis. Token-id prompts give Hugging Face's greedy
-tokens; a chat, seeded n > 1 samples and a JSON schema give what the offline engine gives."""
+two RoPE bases, Gemma's chat template), a Phi-3 with longrope (length-dependent rotary), a
+DeepSeek-V3 (latent attention over a latent cache, grouped-sigmoid experts) and a Qwen3.5
+(hybrid linear attention: state slots beside paged KV), one worker each, all on the module's
+Redis. Token-id prompts give Hugging Face's greedy tokens; a chat, seeded n > 1 samples and a
+JSON schema give what the offline engine gives."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from tests.engine.test_chat_templates import GEMMA_TEMPLATE, MESSAGES
 
 pytestmark = pytest.mark.slow
 
-CASES = ["gemma3-text", "phi3-longrope", "qwen3.5"]
+CASES = ["gemma3-text", "phi3-longrope", "deepseek-v3", "qwen3-moe", "gpt-oss", "qwen3.5"]
 SCHEMA = {
     "type": "object",
     "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},

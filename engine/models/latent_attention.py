@@ -1,0 +1,113 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) over the paged latent cache.
+
+Per token the layer caches one row, ``[c | k_pe]``: the latent ``c`` (``kv_a_proj_with_mqa``'s
+first ``kv_lora_rank`` outputs after ``kv_a_layernorm``) and the rotated rope key ``k_pe``
+shared by every head. Attention runs absorbed, in the latent space, for prefill chunks and
+decodes alike (``kernels/mla.py``): each head's ``q_nope`` is taken through ``W_UK`` (the key
+half of ``kv_b_proj``) into the latent space, and the output back through ``W_UV``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.kv_cache_spec import LatentAttentionSpec
+from engine.models.linear import MergedLinear
+from engine.models.norm import RMSNorm
+from engine.models.rotary import rope_parameters
+from kernels import apply_rotary, select_backend
+from kernels.mla import absorb_query, mla_attention, project_output, split_kv_b_proj, write_latent
+
+# transformers' DeepseekV3RMSNorm of q_a and kv_a keeps its default eps, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+def softmax_scale(config) -> float:
+    """``qk_head_dim ** -0.5``, times ``mscale ** 2`` under a scaled RoPE with
+    ``mscale_all_dim`` (yarn), as transformers' ``DeepseekV3Attention.scaling``."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = rope_parameters(config)
+    mscale_all_dim = params.get("mscale_all_dim", 0)
+    factor = params.get("factor", 1.0)
+    if params["rope_type"] != "default" and mscale_all_dim and factor > 1:
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class LatentAttention(nn.Module):
+    """Queries through a LoRA (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``; merged with
+    ``kv_a_proj_with_mqa`` into one GEMM as ``qkv_a_proj``) or a plain ``q_proj``; RoPE on the
+    ``qk_rope_head_dim`` part only, in DeepSeek's interleaved pairs where ``rope_interleave``."""
+
+    def __init__(self, config, backend: str = "auto") -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank, self.rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
+        self.nope_dim, self.v_head_dim = config.qk_nope_head_dim, config.v_head_dim
+        self.qk_head_dim = self.nope_dim + self.rope_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        kv_a = self.kv_lora_rank + self.rope_dim
+        if self.q_lora_rank is not None:
+            self.qkv_a_proj = MergedLinear(hidden, {"q_a": self.q_lora_rank, "kv_a": kv_a}, bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, backend)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(hidden, heads * self.qk_head_dim, bias=False)
+            self.kv_a_proj_with_mqa = nn.Linear(hidden, kv_a, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, backend)
+        self.kv_b_proj = nn.Linear(
+            self.kv_lora_rank, heads * (self.nope_dim + self.v_head_dim), bias=False
+        )
+        # Never run as a linear: its weight is read as W_UK and W_UV (views, per head).
+        self.kv_b_proj.no_prepack = True
+        self.o_proj = nn.Linear(heads * self.v_head_dim, hidden, bias=bias)
+        self.rope_interleave = bool(getattr(config, "rope_interleave", True))
+        self.scale = softmax_scale(config)
+        self.backend = backend
+        self._resolved: dict[torch.device, str] = {}
+
+    def kv_cache_spec(self) -> LatentAttentionSpec:
+        """One latent row per token."""
+        return LatentAttentionSpec(self.kv_lora_rank, self.rope_dim)
+
+    def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """``rope`` is the step's ``(cos, signed_sin)`` of width ``qk_rope_head_dim``;
+        ``kv_cache`` the layer's ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``."""
+        num_tokens, heads, rank = hidden.shape[0], self.num_heads, self.kv_lora_rank
+        if self.q_lora_rank is not None:
+            q_a, kv_a = self.qkv_a_proj(hidden).split([self.q_lora_rank, rank + self.rope_dim], 1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
+        else:
+            q, kv_a = self.q_proj(hidden), self.kv_a_proj_with_mqa(hidden)
+        q_nope, q_pe = q.view(num_tokens, heads, self.qk_head_dim).split(
+            [self.nope_dim, self.rope_dim], dim=-1
+        )
+        latent = self.kv_a_layernorm(kv_a[:, :rank])
+        # Every head's rope query and the shared rope key: one rotation for all of them.
+        pe = torch.cat((q_pe, kv_a[:, None, rank:]), dim=1)
+        if self.rope_interleave:
+            # Pairs (x0, x1), (x2, x3)... rotate together: as transformers does, rotate the
+            # even features with the odd ones, laid out [evens | odds] (rotate-half's layout).
+            pe = torch.cat((pe[..., 0::2], pe[..., 1::2]), dim=-1)
+        pe = apply_rotary(pe, *rope, backend=self.backend)
+        backend = self._backend(hidden.device)
+        write_latent(latent, pe[:, heads], kv_cache, meta.slot_mapping, backend=backend)
+        w_uk, w_uv = split_kv_b_proj(self.kv_b_proj.weight, heads, self.nope_dim, self.v_head_dim)
+        out = mla_attention(
+            absorb_query(q_nope, w_uk), pe[:, :heads], kv_cache, meta.query_start_loc,
+            meta.seq_lens, meta.block_table, self.scale, backend=backend,
+        )  # fmt: skip
+        return self.o_proj(project_output(out, w_uv).reshape(num_tokens, -1))
+
+    def _backend(self, device: torch.device) -> str:
+        chosen = self._resolved.get(device)
+        if chosen is None:
+            chosen = self._resolved[device] = select_backend(device, self.backend)
+        return chosen
