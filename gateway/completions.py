@@ -22,7 +22,7 @@ from gateway.auth import TenantDep
 from gateway.config import Tenant
 from gateway.errors import APIError, error_body
 from gateway.metrics import CANCELED_ON_DISCONNECT, OPEN_STREAMS, TTFT
-from gateway.requests import Online, parse_online
+from gateway.requests import Online, json_object, parse_online
 from gateway.sse import DONE, ChunkWriter, Relay, StreamDiverged
 from gateway.stream_hub import Follow
 from gateway.stream_parts import StreamParts
@@ -51,11 +51,7 @@ async def completions(request: Request, tenant: TenantDep) -> Any:
 
 
 async def _answer(request: Request, tenant: Tenant, url: str) -> Any:
-    try:
-        body = json.loads(await request.body())
-    except ValueError:
-        raise APIError(400, "the request body is not valid JSON") from None
-    online = parse_online(body, url, tenant)
+    online = parse_online(await json_object(request), url, tenant)
     state = request.app.state
     await state.limiter.admit(online.request.priority, _estimated_tokens(online))
     routed = await state.catalog.route(online.model)

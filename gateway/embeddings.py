@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,6 +10,7 @@ from fastapi.responses import JSONResponse
 from gateway.auth import TenantDep
 from gateway.errors import APIError, error_body
 from gateway.job_wait import ClientGone, job_error, submit, whole_result
+from gateway.requests import json_object, model_and_stream
 from producer.contract.schema import GenerationRequest
 from producer.errors import InvalidRequestError
 from producer.openai_embeddings import EmbeddingFieldError, embedding_body, embedding_fields
@@ -21,15 +21,8 @@ router = APIRouter()
 @router.post("/v1/embeddings")
 async def create_embeddings(request: Request, tenant: TenantDep) -> Any:
     """OpenAI's embeddings: one vector per input, pooled and normalised by the worker."""
-    try:
-        body = json.loads(await request.body())
-    except ValueError:
-        raise APIError(400, "the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise APIError(400, f"model must be a string, got {model!r:.80}", param="model")
+    body = await json_object(request)
+    model, _ = model_and_stream(body)
     try:
         fields, encoding = embedding_fields(body)
     except EmbeddingFieldError as exc:

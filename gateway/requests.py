@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,16 +36,31 @@ class Online:
     answer: AnswerFormat = field(default_factory=AnswerFormat)
 
 
-def parse_online(body: Any, url: str, tenant: Tenant) -> Online:
-    """Validate a /v1/chat/completions or /v1/completions body; APIError 400 names the field."""
+async def json_object(request) -> dict[str, Any]:
+    """The request's JSON body, which must be an object; APIError 400 otherwise."""
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        raise APIError(400, "the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def model_and_stream(body: dict[str, Any]) -> tuple[str | None, bool]:
+    """A body's ``model`` (a string or absent) and ``stream`` (a boolean, default false)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(400, f"model must be a string, got {model!r:.80}", param="model")
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise APIError(400, f"stream must be a boolean, got {stream!r:.80}", param="stream")
+    return model, stream
+
+
+def parse_online(body: dict[str, Any], url: str, tenant: Tenant) -> Online:
+    """Validate a /v1/chat/completions or /v1/completions body; APIError 400 names the field."""
+    model, stream = model_and_stream(body)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", param="stream_options")

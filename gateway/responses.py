@@ -24,6 +24,7 @@ from gateway.config import Tenant
 from gateway.errors import APIError, error_body, not_found
 from gateway.job_wait import ClientGone, job_error, now, submit, whole_result
 from gateway.keys import response_key
+from gateway.requests import json_object, model_and_stream
 from gateway.responses_stream import response_events
 from producer.contract.schema import MAX_SEED, GenerationRequest
 from producer.errors import InvalidRequestError
@@ -40,18 +41,8 @@ router = APIRouter()
 @router.post("/v1/responses")
 async def create_response(request: Request, tenant: TenantDep) -> Any:
     """Create a model response (stream=True answers with the Responses API's events)."""
-    try:
-        body = json.loads(await request.body())
-    except ValueError:
-        raise APIError(400, "the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise APIError(400, f"model must be a string, got {model!r:.80}", param="model")
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise APIError(400, f"stream must be a boolean, got {stream!r:.80}", param="stream")
+    body = await json_object(request)
+    model, stream = model_and_stream(body)
     history = await _history(request, body.get("previous_response_id"), tenant)
     try:
         fields, options = responses_fields(body, history)
