@@ -102,20 +102,28 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         if not segments[1].isdigit():
             raise RedisURLError(f"db must be a number >= 0, got {segments[1]!r}", SENTINEL_FORM)
         options["db"] = int(segments[1])
+    options.update(_url_options(parts, userinfo, SENTINEL_FORM))
+    return SentinelURL(sentinels, unquote(segments[0]), options)
+
+
+def _url_options(parts, userinfo: str, form: str) -> dict[str, Any]:
+    """Query options, the data nodes' user and password, and TLS (a ``rediss+`` scheme) of a
+    sentinel or cluster URL."""
+    options: dict[str, Any] = {}
     if parts.query:
         try:
             options.update(parse_url(f"redis://?{parts.query}"))
         except ValueError as exc:
-            raise RedisURLError(f"bad query option: {exc}", SENTINEL_FORM) from None
+            raise RedisURLError(f"bad query option: {exc}", form) from None
     if userinfo:
         user, colon, password = userinfo.partition(":")
         if user:
             options["username"] = unquote(user)
         if colon:
             options["password"] = unquote(password)
-    if parts.scheme.lower() == "rediss+sentinel":
+    if parts.scheme.lower().startswith("rediss+"):
         options["ssl"] = True
-    return SentinelURL(sentinels, unquote(segments[0]), options)
+    return options
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,19 +162,7 @@ def parse_cluster_url(url: str) -> ClusterURL:
             f"a cluster has only db 0, the URL's path is {parts.path!r}", CLUSTER_FORM
         )
     options: dict[str, Any] = {}
-    if parts.query:
-        try:
-            options.update(parse_url(f"redis://?{parts.query}"))
-        except ValueError as exc:
-            raise RedisURLError(f"bad query option: {exc}", CLUSTER_FORM) from None
-    if userinfo:
-        user, colon, password = userinfo.partition(":")
-        if user:
-            options["username"] = unquote(user)
-        if colon:
-            options["password"] = unquote(password)
-    if parts.scheme.lower() == "rediss+cluster":
-        options["ssl"] = True
+    options.update(_url_options(parts, userinfo, CLUSTER_FORM))
     return ClusterURL(nodes, options)
 
 
