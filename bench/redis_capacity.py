@@ -98,7 +98,7 @@ from producer.results import final_results, is_final  # noqa: E402
 from worker.coalesce import AdmissionGate, EndCoalescer, StreamWindow  # noqa: E402
 from worker.endings import JobEnder  # noqa: E402
 from worker.engine_loop import MAX_PENDING_ADDS  # noqa: E402
-from worker.inflight import InFlight, StreamState  # noqa: E402
+from worker.inflight import InFlight, StreamState, stream_entries, window_entries  # noqa: E402
 from worker.leases import Leases  # noqa: E402
 from worker.redis_link import RedisLink, connect  # noqa: E402
 from worker.redis_server import PrivateRedis  # noqa: E402
@@ -339,7 +339,7 @@ class SimWorker:
             self._step()
             self.next_step_at = max(self.next_step_at + self.step_s, t)
         if self.window.due(t):
-            self._write(self._window_entries(), [])
+            self._write(window_entries(self.window.take(), self.in_flight), [])
         if self.endings.due(t):
             self._write([], [])
         busy_before = bool(self.in_flight)
@@ -433,7 +433,7 @@ class SimWorker:
                 del self.in_flight[job_id]
                 del self.gen[job_id]
                 self.window.discard(job_id)
-                entries += self._stream_entries(item)
+                entries += stream_entries(item)
                 output = SimpleNamespace(
                     outputs=[completion], prompt_token_ids=prompt_ids, finished=True
                 )
@@ -444,29 +444,14 @@ class SimWorker:
                     ends.append(ending)
             elif item.stream.enabled:
                 if self.window.add(job_id, t, item.stream.num_tokens == 0):
-                    entries += self._stream_entries(item)
+                    entries += stream_entries(item)
         if self.window.due(t):
-            entries += self._window_entries()
+            entries += window_entries(self.window.take(), self.in_flight)
         self.num_steps += 1
         self.num_tokens += len(self.in_flight)
         if entries or ends or self.endings.due(time.monotonic()):
             self._write(entries, ends)
         _add(self.shared.steps, 1)
-
-    def _stream_entries(self, item: InFlight) -> list:
-        entries = []
-        for fields in item.stream.take(item.last_output.outputs[0]):
-            entries.append((item.claim, fields, not item.stream.ttl_set))
-            item.stream.ttl_set = True
-        return entries
-
-    def _window_entries(self) -> list:
-        entries = []
-        for job_id in self.window.take():
-            item = self.in_flight.get(job_id)
-            if item is not None and item.last_output is not None:
-                entries += self._stream_entries(item)
-        return entries
 
     def _write(self, entries: list, ends: list) -> None:
         if not entries and not ends and not self.endings.pending:

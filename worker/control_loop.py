@@ -38,7 +38,7 @@ from worker.engine_loop import (
     RequestFailed,
     StepOutputs,
 )
-from worker.inflight import InFlight, StreamState
+from worker.inflight import InFlight, StreamState, stream_entries, window_entries
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
 from worker.redis_link import (
@@ -155,7 +155,9 @@ class ControlLoop:
                     self._admit()
                 if not self._handle_events(self._event_wait() if self.in_flight else 0):
                     break
-                if self.window.due(time.monotonic()) and (entries := self._window_entries()):
+                if self.window.due(time.monotonic()) and (
+                    entries := window_entries(self.window.take(), self.in_flight)
+                ):
                     self._write_ends([], entries)
                 if self.endings.due(time.monotonic()):
                     self._write_ends([])
@@ -403,7 +405,7 @@ class ControlLoop:
             if output.finished:
                 del self.in_flight[item.job_id]
                 self.window.discard(item.job_id)
-                entries += self._stream_entries(item)  # its last tokens go with its end
+                entries += stream_entries(item)  # its last tokens go with its end
                 ending = self.ender.finish(item, output)
                 # A streamed job's reader waits on its final entry: written with this step.
                 window = self.config.bulk_coalesce_window if item.claim.bulk else None
@@ -412,28 +414,11 @@ class ControlLoop:
             elif item.stream.enabled and item.stream.num_new(output.outputs[0]) > 0:
                 first = item.stream.num_tokens == 0
                 if self.window.add(item.job_id, now, first):
-                    entries += self._stream_entries(item)
+                    entries += stream_entries(item)
         if self.window.due(now):
-            entries += self._window_entries()
+            entries += window_entries(self.window.take(), self.in_flight)
         if entries or ends or self.endings.due(now):
             self._write_ends(ends, entries)
-
-    def _stream_entries(self, item: InFlight) -> list:
-        """The entries of `item`'s tokens not written yet: (claim, fields, set_ttl) each."""
-        entries = []
-        for fields in item.stream.take(item.last_output.outputs[0]):
-            entries.append((item.claim, fields, not item.stream.ttl_set))
-            item.stream.ttl_set = True
-        return entries
-
-    def _window_entries(self) -> list:
-        """The entries of every job whose tokens waited for the window (one per job)."""
-        entries = []
-        for job_id in self.window.take():
-            item = self.in_flight.get(job_id)
-            if item is not None and item.last_output is not None:
-                entries += self._stream_entries(item)
-        return entries
 
     def _write_ends(self, ends: list[Ending], entries: list | None = None) -> None:
         """Write stream entries and endings, with every ending waiting in the coalescer, in one

@@ -79,3 +79,22 @@ class InFlight:
     def job_id(self) -> str:
         """The RQ job id (also the engine's request id)."""
         return self.claim.job_id
+
+
+def stream_entries(item: InFlight) -> list:
+    """The entries of `item`'s tokens not written yet: (claim, fields, set_ttl) each."""
+    entries = []
+    for fields in item.stream.take(item.last_output.outputs[0]):
+        entries.append((item.claim, fields, not item.stream.ttl_set))
+        item.stream.ttl_set = True
+    return entries
+
+
+def window_entries(job_ids, in_flight: dict[str, InFlight]) -> list:
+    """The entries of every job whose tokens waited for the window (one per job)."""
+    entries = []
+    for job_id in job_ids:
+        item = in_flight.get(job_id)
+        if item is not None and item.last_output is not None:
+            entries += stream_entries(item)
+    return entries
