@@ -30,6 +30,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_gemm_cpu.h"
 #include "gemm_cpu.h"
 #include "vec_cpu.h"
 
@@ -50,6 +51,28 @@ bool fused_moe_available(c10::ScalarType dtype) {
 }
 
 #if defined(__AVX512F__)
+
+#if defined(PAGEDQ_AMX)
+constexpr int64_t kAmxMinRows = 16;  // an expert's rows from which its products go to AMX
+constexpr int kActRows = kAmxRows > kMR ? kAmxRows : kMR;
+#else
+constexpr int kActRows = kMR;
+#endif
+
+// A thread's tile configuration for the AMX paths while it lives (`on`), released after.
+struct TileScope {
+  bool on;
+  explicit TileScope(bool use) : on(use) {
+#if defined(PAGEDQ_AMX)
+    if (on) amx_gemm_configure();
+#endif
+  }
+  ~TileScope() {
+#if defined(PAGEDQ_AMX)
+    if (on) _tile_release();
+#endif
+  }
+};
 
 // (token, slot) pairs grouped by expert: expert e owns rows [offsets[e], offsets[e + 1]) of the
 // gathered x, row r being pair order[r] (= token * top_k + slot).
@@ -171,7 +194,17 @@ std::pair<int64_t, int64_t> share(const std::vector<double>& prefix, int64_t i, 
 // gate block then the up block per micro-kernel (the activation fused, in `gate`/`mul`).
 template <typename T, template <int, int> class Kernel, int NV, class O>
 void rows_of_block(const T* x, int64_t ldx, const T* w, int64_t K, const char* next, O o,
-                   int64_t m0, int64_t m1, int64_t col0) {
+                   int64_t m0, int64_t m1, int64_t col0, bool amx) {
+#if defined(PAGEDQ_AMX)
+  if constexpr (sizeof(T) == 2) {
+    if (amx) {
+      for (int64_t m = m0; m < m1; m += kAmxRows)
+        amx_rows<NV>(static_cast<int>(std::min<int64_t>(kAmxRows, m1 - m)), x, ldx, w, K, o, m,
+                     col0);
+      return;
+    }
+  }
+#endif
   for (int64_t m = m0; m < m1; m += kMR) {
     const int rows = static_cast<int>(std::min<int64_t>(kMR, m1 - m));
     micro_rows<T, Kernel, NV>(rows, x, ldx, w, K, next, o, m, col0);
@@ -194,12 +227,26 @@ void run_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, c
   const int64_t pairs = T_ * top_k;
   const Routing g = group_by_expert(ids, pairs, E);
   const int64_t threads = at::get_num_threads();
+  // Experts with this many rows run on AMX tiles where the host has them (bf16): a prefill's.
+  // With fewer (a decode's 4) the step streams the weights, and the AVX kernels prefetch them.
+  bool amx = false;
+#if defined(PAGEDQ_AMX)
+  if constexpr (bf16) {
+    int64_t most = 0;
+    for (int64_t e = 0; e < E; ++e) most = std::max(most, g.offsets[e + 1] - g.offsets[e]);
+    amx = most >= kAmxMinRows && amx_gemm_usable(H) && amx_gemm_usable(Ip);
+  }
+#endif
+  auto on_amx = [&](int64_t e) { return amx && g.offsets[e + 1] - g.offsets[e] >= kAmxMinRows; };
+  // The tile paths read whole tiles of 16 rows: 16 spare rows past the last.
+  const int64_t spare = amx ? 16 : 0;
 
   // 1. x's rows in expert order. Up to 1 MB (a decode step's 32 x top-8 rows of 1024 are 0.5 MB
   // in bf16) are copied by the calling thread: one parallel region fewer per layer, each of
   // which waits for every thread to be scheduled (on a loaded host, a time slice).
-  at::Tensor xs = at::empty({pairs, H}, x.options());
+  at::Tensor xs = at::empty({pairs + spare, H}, x.options());
   T* xsp = reinterpret_cast<T*>(xs.data_ptr());
+  if (spare) std::memset(xsp + pairs * H, 0, spare * H * sizeof(T));
   const int64_t gather_grain = std::max<int64_t>(1, (int64_t(1) << 20) / (H * int64_t(sizeof(T))));
   at::parallel_for(0, pairs, gather_grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
@@ -221,10 +268,12 @@ void run_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, c
       prefix.push_back(prefix.back() + kStreamRows + rows);
     }
   }
-  at::Tensor inter = at::empty({pairs, Ip}, x.options());
+  at::Tensor inter = at::empty({pairs + spare, Ip}, x.options());
   T* interp = reinterpret_cast<T*>(inter.data_ptr());
+  if (spare) std::memset(interp + pairs * Ip, 0, spare * Ip * sizeof(T));
   at::parallel_for(0, threads, 1, [&](int64_t i0, int64_t i1) {
-    alignas(64) float act[kMR * kNR];
+    alignas(64) float act[kActRows * kNR];
+    const TileScope tiles(amx);
     for (int64_t i = i0; i < i1; ++i) {
       const auto [first, last] = share(prefix, i, threads);
       for (int64_t t = first; t < last; ++t) {
@@ -245,6 +294,19 @@ void run_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, c
           o.bias = b13 + e * 2 * Ip + b * kNR;
           mul.bias = o.bias + Ip;
         }
+#if defined(PAGEDQ_AMX)
+        if constexpr (bf16) {
+          if (on_amx(e)) {
+            for (int64_t m = g.offsets[e]; m < g.offsets[e + 1]; m += kAmxRows) {
+              const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, g.offsets[e + 1] - m));
+              o.act_row0 = mul.act_row0 = m;
+              amx_rows<4>(rows, xsp, H, gate, H, o, m, b * kNR);
+              amx_rows<4>(rows, xsp, H, up, H, mul, m, b * kNR);
+            }
+            continue;
+          }
+        }
+#endif
         for (int64_t m = g.offsets[e]; m < g.offsets[e + 1]; m += kMR) {
           const int rows = static_cast<int>(std::min<int64_t>(kMR, g.offsets[e + 1] - m));
           o.act_row0 = mul.act_row0 = m;
@@ -266,6 +328,7 @@ void run_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, c
   for (int64_t e = 0; e < E; ++e)
     if (g.offsets[e + 1] > g.offsets[e]) experts.push_back(e);
   at::parallel_for(0, threads, 1, [&](int64_t i0, int64_t i1) {
+    const TileScope tiles(amx);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t u0 = units * i / threads, u1 = units * (i + 1) / threads;
       const int64_t c0 = std::min(H, u0 * half), c1 = std::min(H, u1 * half);
@@ -288,10 +351,10 @@ void run_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, c
           o.bias = b2 ? b2 + e * H + col0 : nullptr;
           if (whole) {
             rows_of_block<T, Kernel, 4>(interp, Ip, block, Ip, next, o, g.offsets[e],
-                                        g.offsets[e + 1], col0);
+                                        g.offsets[e + 1], col0, on_amx(e));
           } else {
             rows_of_block<T, Kernel, 2>(interp, Ip, block, Ip, next, o, g.offsets[e],
-                                        g.offsets[e + 1], col0);
+                                        g.offsets[e + 1], col0, on_amx(e));
           }
         }
       }

@@ -31,14 +31,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_cpu.h"
 #include "vec_cpu.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
-#endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace {
@@ -923,34 +920,9 @@ void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
 // has its own configuration with every operand in two tiles, tile t + 1 loading while tile t
 // multiplies (one configuration for both passes, tiles reused: 0.83-0.85x of the AVX path's
 // time cache-resident, against 0.72-0.81x; two loads of a configuration cost ~95 ns an item).
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define PAGEDQ_AMX 1
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// GCC's tile loads and ldtilecfg tell the compiler of no memory they read: this barrier keeps
-// the stores they depend on before them.
-#define PQ_MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
-
-// Linux hands out AMX's 8 KiB register state only to processes that ask (once per process;
-// asking again is harmless, and oneDNN asks too). False if the kernel refuses.
-inline bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                 18 /* XFEATURE_XTILEDATA */) == 0;
-  return ok;
-}
-
-// PAGEDQ_CPU_AMX=0 turns the AMX path off (read at each call: bench/attention_cpu.py --amx
-// times both in one process).
-inline bool amx_enabled() {
-  const char* env = std::getenv("PAGEDQ_CPU_AMX");
-  if (env != nullptr && env[0] == '0' && env[1] == '\0') return false;
-  return amx_permitted();
-}
+#if defined(PAGEDQ_AMX)
+using pagedq_amx::amx_enabled;
+using pagedq_amx::TileConfig;
 
 // Keys of one tile: 16 for blocks of a multiple of 16, 8 for blocks of 8 (a tile never crosses a
 // block); 0 otherwise (the AVX path runs).

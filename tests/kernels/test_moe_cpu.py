@@ -109,3 +109,33 @@ def test_tokens_with_no_rows_and_bad_ids():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, fused_moe_cpu(x, packed, weights, ids))
+
+
+def _amx_here() -> bool:
+    from kernels.cpu_attention import amx_decode_available, cpu_kernels_available
+
+    return cpu_kernels_available() and amx_decode_available() and fused_moe_available(bf16)
+
+
+# Experts with 16 or more rows (a prefill's) run bf16 on AMX tiles: whole and partial tiles of
+# rows, a hidden size with a half column block (96), an intermediate padded to a block (96).
+AMX_SHAPES = [(150, 96, 64, 9, 2), (70, 128, 96, 8, 3), (40, 64, 64, 4, 2)]
+
+
+@pytest.mark.skipif(not _amx_here(), reason="no AMX here (or PAGEDQ_CPU_AMX=0)")
+@pytest.mark.parametrize(("activation", "with_bias"), ACTS)
+@pytest.mark.parametrize("shape", AMX_SHAPES)
+def test_amx_experts_match_float64_and_the_avx_path(shape, activation, with_bias, monkeypatch):
+    args = case(*shape, activation, with_bias, bf16, seed=sum(shape))
+    x, w13, w2, weights, ids, b13, b2 = args
+    exact = per_expert_float64(x, w13, w2, weights, ids, b13, b2, activation)
+    packed = pack_moe_weights(w13, w2, b13, b2)
+    amx = fused_moe_cpu(x, packed, weights, ids, activation, out_dtype=fp32)
+    monkeypatch.setenv("PAGEDQ_CPU_AMX", "0")
+    avx = fused_moe_cpu(x, packed, weights, ids, activation, out_dtype=fp32)
+    scale = exact.abs().max()
+    assert (amx.double() - exact).abs().max() <= 3e-2 * scale
+    # The same products summed in another order: the intermediate's bf16 roundings may differ
+    # by an ulp, no more.
+    assert (amx - avx).abs().max() <= 2e-2 * scale
+    assert not torch.equal(amx, avx) or shape[1] <= 64  # the tile path did run
