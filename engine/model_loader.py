@@ -126,12 +126,25 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _gguf_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from hf_model_from_gguf(source).state_dict().items()
+
+
+def hf_model_from_gguf(source: ModelSource):
+    """Hugging Face's fp32 model read from the GGUF file, refused when transformers' reader
+    leaves weights out (gpt-oss's experts in transformers 5.24): it would fill them at random
+    and only warn."""
     from transformers import AutoModelForCausalLM
 
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        source.folder, gguf_file=source.gguf_file, dtype=torch.float32
+    hf_model, info = AutoModelForCausalLM.from_pretrained(
+        source.folder, gguf_file=source.gguf_file, dtype=torch.float32, output_loading_info=True
     )
-    yield from hf_model.state_dict().items()
+    if missing := sorted(info["missing_keys"]):
+        raise ValueError(
+            f"model={source.name!r}: transformers' GGUF reader finds no tensor in the file for "
+            f"{len(missing)} weights of model_type={hf_model.config.model_type!r} (first: "
+            f"{missing[:4]}); load this model from its Hugging Face folder instead"
+        )
+    return hf_model
 
 
 def model_cache_dir() -> Path:
@@ -185,14 +198,12 @@ def cached_source(source: ModelSource, cache_dir: Path | None = None) -> ModelSo
     if (folder / COMPLETE_MARKER).exists():
         log.info("model %s: loading the cached dequantized weights from %s", source.name, folder)
         return ModelSource(source.name, str(folder))
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     log.info("model %s: dequantizing %s once into %s", source.name, gguf_path, folder)
     with _one_gguf_parse():
         tokenizer = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            source.folder, gguf_file=source.gguf_file, dtype=torch.float32
-        )
+        hf_model = hf_model_from_gguf(source)
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     try:
         _save_dequantized(hf_model, tokenizer, tmp)

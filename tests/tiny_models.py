@@ -31,20 +31,14 @@ def default_tokenizer():
     return load_tokenizer(cached_source(resolve_model("smollm2")))
 
 
-def make_tiny_model(
-    folder: Path, model_type: str, seed: int = 0, save_original_format: bool = True, **overrides
-) -> Path:
-    """Save a random ``model_type`` model (transformers' own config class and model, built
-    from ``TINY`` and ``overrides``) with the default model's tokenizer into ``folder``;
-    ``save_original_format=False`` writes transformers 5's own layout (fused 3-D experts)."""
+def tiny_hf_model(model_type: str, seed: int = 0, **overrides):
+    """A random ``model_type`` model of transformers' own config class and model, built from
+    ``TINY`` and ``overrides``, with weights spread wider than the default init."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    tokenizer = default_tokenizer()
-    kwargs = {**TINY, "vocab_size": len(tokenizer), **overrides}
+    kwargs = {**TINY, **overrides}
     if model_type == "qwen3":
         kwargs.setdefault("head_dim", 16)
-    if model_type == "gemma4_text":  # its per-layer table covers the whole vocabulary
-        kwargs.setdefault("vocab_size_per_layer_input", kwargs["vocab_size"])
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
@@ -61,6 +55,20 @@ def make_tiny_model(
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zeros at init: routing ignores it
                 b.normal_(0, 0.1)
+    return model
+
+
+def make_tiny_model(
+    folder: Path, model_type: str, seed: int = 0, save_original_format: bool = True, **overrides
+) -> Path:
+    """Save a random ``model_type`` model (transformers' own config class and model, built
+    from ``TINY`` and ``overrides``) with the default model's tokenizer into ``folder``;
+    ``save_original_format=False`` writes transformers 5's own layout (fused 3-D experts)."""
+    tokenizer = default_tokenizer()
+    kwargs = {"vocab_size": len(tokenizer), **overrides}
+    if model_type == "gemma4_text":  # its per-layer table covers the whole vocabulary
+        kwargs.setdefault("vocab_size_per_layer_input", kwargs["vocab_size"])
+    model = tiny_hf_model(model_type, seed, **kwargs)
     model.save_pretrained(
         folder, safe_serialization=True, save_original_format=save_original_format
     )

@@ -21,10 +21,12 @@ LENGTH_DEPENDENT = ("dynamic", "longrope")
 
 
 def is_per_layer_type(config) -> bool:
-    """True when ``rope_parameters`` holds one entry per layer type (Gemma 3, OLMo 3)."""
+    """True when ``rope_parameters`` holds one entry per layer type (Gemma 3, OLMo 3). A
+    type may have no layer: a Gemma 3 config read from GGUF keeps both entries with the
+    default layer pattern, all sliding for a model of fewer than six layers."""
     params = getattr(config, "rope_parameters", None) or {}
     types = set(getattr(config, "layer_types", None) or ())
-    return bool(params) and bool(types) and set(params) <= types
+    return bool(params) and bool(types) and all(isinstance(v, dict) for v in params.values())
 
 
 def rope_parameters(config, layer_type: str | None = None) -> dict:

@@ -1,0 +1,137 @@
+"""A GGUF file of each family that transformers reads from GGUF loads with
+``LLM(model="file.gguf")`` and gives the greedy tokens of Hugging Face's model read from the same
+file (fp32).
+
+The files are tiny random checkpoints written at test time (``tests/gguf_files.py``). Where
+transformers' reader takes a size from the config class's defaults instead of the file (it reads
+only ``GGUF_CONFIG_MAPPING``'s keys), the checkpoint is built at that default, as a real file
+of that family has it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf_files import hf_from_gguf, write_gguf
+from tiny_models import tiny_hf_model
+
+from engine import LLM, SamplingParams
+
+VOCAB = 320  # the 3 special tokens, 256 bytes, 61 merges
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPTS = [[1, 104, 300, 72, 9, 250], [5, 77, 201, 12, 12, 300, 45, 8, 9, 10, 11] * 2]
+EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2}
+SLIDING_FULL = ["sliding_attention", "full_attention"]
+
+# (model_type, config overrides of tests/tiny_models.TINY)
+FAMILIES = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 128},  # the reader reads no head size for qwen3: Qwen3Config's
+    # The reader reads no expert widths: Qwen2MoeConfig's 1408 / 5632, Qwen3MoeConfig's 768;
+    # it sets norm_topk_prob for qwen3moe files, as llama.cpp runs them.
+    "qwen2_moe": EXPERTS,
+    "qwen3_moe": {**EXPERTS, "head_dim": 16, "norm_topk_prob": True},
+    "phi3": {"pad_token_id": 0},  # Phi3Config's pad id 32000 is past this vocabulary
+    # Gemma 2 files have no output.weight; the softmax scale is the default 256, not head_dim.
+    "gemma2": {"head_dim": 16, "tie_word_embeddings": True, "sliding_window": 8},
+    "gemma3_text": {"head_dim": 16, "sliding_window": 8, "layer_types": SLIDING_FULL},
+}
+SKIPS = {
+    "gemma4_text": (
+        "transformers 5.24's reader sets only GGUF_CONFIG_MAPPING['gemma4'] from the file and takes "
+        "Gemma4TextConfig's defaults for the rest (sliding head_dim 256, hidden_size_per_layer_input "
+        "256, vocab_size_per_layer_input 262144, layer_types, num_kv_shared_layers 0, no MoE "
+        "block): only a file at those sizes loads, with a 262144 x 256-per-layer input table "
+        "(268 MB in fp32 for one layer), too large for this test"
+    ),
+    "gpt_oss": (
+        "transformers 5.24's reader maps no gpt-oss expert tensor (ffn_{gate,up,down}_exps, "
+        "weights and biases): it leaves the experts at random init; pagedq refuses such a file "
+        "(test_gguf_file_transformers_reads_incompletely_is_refused)"
+    ),
+}
+# llama.cpp writes Mistral as a llama file, and transformers reads it so (a file whose
+# general.name is exactly "mistral" is read as Mistral, and then its weights fail to map: gguf
+# has no "mistral" architecture).
+READ_AS = {"mistral": "llama"}
+CASES = [*FAMILIES, *(pytest.param(t, marks=pytest.mark.skip(reason=r)) for t, r in SKIPS.items())]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread_and_own_cache(tmp_path_factory):
+    """One thread (tiny models on a shared 2-core host), and a model cache of this module's own
+    for the dequantized files."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDQ_CACHE_DIR", str(tmp_path_factory.mktemp("model-cache")))
+        yield
+    torch.set_num_threads(saved)
+
+
+_FILES: dict[str, tuple[object, object]] = {}
+
+
+def gguf_file(model_type, tmp_path_factory, **overrides):
+    """``(path, original model)`` of a family's tiny GGUF file, written once per module."""
+    if model_type not in _FILES:
+        config = {"vocab_size": VOCAB, **FAMILIES.get(model_type, {}), **overrides}
+        model = tiny_hf_model(model_type, **config)
+        path = tmp_path_factory.mktemp("gguf") / f"tiny-{model_type}.gguf"
+        _FILES[model_type] = write_gguf(model, path), model
+    return _FILES[model_type]
+
+
+def hf_greedy(model, prompts):
+    """Hugging Face ``generate``'s greedy tokens for each prompt (no EOS stop)."""
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outs.append(out[0, len(prompt) :].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("model_type", CASES)
+def test_transformers_reads_the_file_back(tmp_path_factory, model_type):
+    """The file holds the checkpoint: transformers reads back its type, sizes and weights (Gemma's
+    norms to float32 rounding: the file holds 1 + w)."""
+    path, model = gguf_file(model_type, tmp_path_factory)
+    hf = hf_from_gguf(path)
+    assert hf.config.model_type == READ_AS.get(model_type, model_type)
+    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        assert getattr(hf.config, field) == getattr(model.config, field), field
+    got, want = hf.state_dict(), model.state_dict()
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("model_type", CASES)
+def test_gguf_file_matches_hf(tmp_path_factory, model_type):
+    path, _ = gguf_file(model_type, tmp_path_factory)
+    expected = hf_greedy(hf_from_gguf(path), PROMPTS)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=2**22, block_size=16, num_threads=1)
+    assert llm.llm_engine.hf_config.model_type == READ_AS.get(model_type, model_type)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_gguf_file_transformers_reads_incompletely_is_refused(tmp_path_factory):
+    """gpt-oss: transformers' reader would run the experts at random init; pagedq says which
+    weights the file does not give instead."""
+    config = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}
+    path, _ = gguf_file("gpt_oss", tmp_path_factory, head_dim=64, sliding_window=8, **config)
+    with pytest.raises(ValueError, match=r"no tensor in the file for 8 weights of "
+                       r"model_type='gpt_oss' \(first: \['model\.layers\.0\.mlp\.experts"):
+        LLM(str(path), dtype="float32", kv_cache_memory=2**22)
