@@ -76,10 +76,9 @@ def _config_value(config, attr: str):
     if attr == "rope_theta":
         rope = config.rope_parameters
         return rope.get("full_attention", rope)["rope_theta"]
-    if attr == "sliding_window" and not any(
-        t == "sliding_attention" for t in getattr(config, "layer_types", None) or ()
-    ):
-        return None
+    if attr == "global_head_dim":  # Gemma 4 keeps the full layers' head size per layer
+        per_layer = config.to_dict().get("per_layer_config") or {}
+        return max((c.get("head_dim", 0) for c in per_layer.values()), default=None)
     return getattr(config, attr, None)
 
 

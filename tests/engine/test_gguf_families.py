@@ -27,7 +27,7 @@ SLIDING_FULL = ["sliding_attention", "full_attention"]
 # (model_type, config overrides of tests/tiny_models.TINY)
 FAMILIES = {
     "llama": {},
-    "mistral": {},
+    "mistral": {"seed": 1, "tie_word_embeddings": True},  # a file without output.weight
     "qwen2": {},
     "qwen3": {"head_dim": 128},  # the reader reads no head size for qwen3: Qwen3Config's
     # The reader reads no expert widths: Qwen2MoeConfig's 1408 / 5632, Qwen3MoeConfig's 768;
@@ -38,15 +38,15 @@ FAMILIES = {
     # Gemma 2 files have no output.weight; the softmax scale is the default 256, not head_dim.
     "gemma2": {"head_dim": 16, "tie_word_embeddings": True, "sliding_window": 8},
     "gemma3_text": {"head_dim": 16, "sliding_window": 8, "layer_types": SLIDING_FULL},
+    # The reader states Gemma 4's full-attention head size and takes Gemma4TextConfig's defaults
+    # for the rest: sliding heads of 256, per-layer inputs 256 wide over 262144 tokens, the layer
+    # pattern, no KV sharing, no MoE block. One (full) layer keeps that table to 268 MB.
+    "gemma4_text": {"num_hidden_layers": 1, "global_head_dim": 32, "tie_word_embeddings": True},
 }
+# Tied and scaled by sqrt(hidden_size), wide embeddings make each token its own likeliest
+# successor: the greedy tokens would repeat the last prompt token.
+NARROW_EMBEDDINGS = ("gemma2", "gemma4_text")
 SKIPS = {
-    "gemma4_text": (
-        "transformers 5.24's reader sets only GGUF_CONFIG_MAPPING['gemma4'] from the file and takes "
-        "Gemma4TextConfig's defaults for the rest (sliding head_dim 256, hidden_size_per_layer_input "
-        "256, vocab_size_per_layer_input 262144, layer_types, num_kv_shared_layers 0, no MoE "
-        "block): only a file at those sizes loads, with a 262144 x 256-per-layer input table "
-        "(268 MB in fp32 for one layer), too large for this test"
-    ),
     "gpt_oss": (
         "transformers 5.24's reader maps no gpt-oss expert tensor (ffn_{gate,up,down}_exps, "
         "weights and biases): it leaves the experts at random init; pagedq refuses such a file "
@@ -80,6 +80,9 @@ def gguf_file(model_type, tmp_path_factory, **overrides):
     if model_type not in _FILES:
         config = {"vocab_size": VOCAB, **FAMILIES.get(model_type, {}), **overrides}
         model = tiny_hf_model(model_type, **config)
+        if model_type in NARROW_EMBEDDINGS:
+            with torch.no_grad():
+                model.model.embed_tokens.weight.mul_(0.15)
         path = tmp_path_factory.mktemp("gguf") / f"tiny-{model_type}.gguf"
         _FILES[model_type] = write_gguf(model, path), model
     return _FILES[model_type]
@@ -135,3 +138,6 @@ def test_gguf_file_transformers_reads_incompletely_is_refused(tmp_path_factory):
     with pytest.raises(ValueError, match=r"no tensor in the file for 8 weights of "
                        r"model_type='gpt_oss' \(first: \['model\.layers\.0\.mlp\.experts"):
         LLM(str(path), dtype="float32", kv_cache_memory=2**22)
+
+
+
