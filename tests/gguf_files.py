@@ -5,8 +5,9 @@ transformers' GGUF reader reads back (``transformers.integrations.ggml.GGUF_CONF
 ``transformers.modeling_gguf_pytorch_utils``): the config as ``<arch>.*`` metadata, a small
 byte-level BPE vocabulary as ``tokenizer.ggml.*``, and the tensors under gguf's own names, with
 llama.cpp's transforms (Llama's q/k row permutation, Gemma 2/3's norms as ``1 + w``, experts
-stacked as 3-D ``ffn_{gate,up,down}_exps``). Tensors are F32, so what transformers reads back
-is bit for bit the checkpoint.
+stacked as 3-D ``ffn_{gate,up,down}_exps``). Tensors are F32, so transformers reads back the
+checkpoint bit for bit (Gemma 2/3's and Qwen3.5's norms to float32 rounding: the file holds
+``1 + w``). Qwen3.5's layout is ``gguf_qwen3_5.py``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf_qwen3_5 import qwen35_array, qwen35_fields, qwen35_name
 
 # transformers' model_type -> llama.cpp's architecture name
 GGUF_ARCH = {
     "llama": "llama",
-    "mistral": "llama",  # llama.cpp writes Mistral as llama; transformers reads the name
+    "mistral": "llama",  # llama.cpp writes Mistral as a llama file
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen2_moe": "qwen2moe",
@@ -29,7 +31,10 @@ GGUF_ARCH = {
     "gemma3_text": "gemma3",
     "gemma4_text": "gemma4",
     "gpt_oss": "gpt-oss",
+    "qwen3_5_text": "qwen35",  # read by transformers' newer GGUF path (gguf_qwen3_5.py)
+    "qwen3_5_moe_text": "qwen35moe",
 }
+QWEN35 = ("qwen35", "qwen35moe")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 # ggml token types: 1 normal, 3 control
 NORMAL, CONTROL = 1, 3
@@ -63,6 +68,8 @@ def _config_fields(config, arch: str) -> dict:
     from the config the way the reader writes it (the table inverted)."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
+    if arch in QWEN35:
+        return qwen35_fields(config, arch)
     model_type = config.model_type.removesuffix("_text")
     fields = {}
     for key, attr in GGUF_CONFIG_MAPPING[model_type].items():
@@ -89,8 +96,12 @@ def _add_value(writer, key: str, value) -> None:
         writer.add_uint32(key, value)
     elif isinstance(value, float):
         writer.add_float32(key, value)
+    elif isinstance(value, list):
+        writer.add_array(key, value)
     else:
-        raise TypeError(f"{key}={value!r}: only int, float and bool config values are written")
+        raise TypeError(
+            f"{key}={value!r}: only int, float, bool and list config values are written"
+        )
 
 
 def _add_tokenizer(writer, config) -> None:
@@ -131,6 +142,9 @@ def gguf_tensors(model, arch: str):
             yield from _expert_tensors(hf_name, array, arch)
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if arch in QWEN35:
+            name = name or qwen35_name(hf_name)
+            array = qwen35_array(name, array, config) if name else array
         if name is None:
             raise ValueError(f"{hf_name}: gguf has no {arch} tensor name for it")
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
@@ -145,8 +159,10 @@ def gguf_tensors(model, arch: str):
 
 def _permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's rotary layout for q/k rows: each head's two halves interleaved."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
     )
 
 
@@ -182,6 +198,3 @@ def hf_from_gguf(path: Path):
     return AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
-
-
-__all__ = ["GGUF_ARCH", "write_gguf", "gguf_tensors", "hf_from_gguf"]

@@ -23,6 +23,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 PROMPTS = [[1, 104, 300, 72, 9, 250], [5, 77, 201, 12, 12, 300, 45, 8, 9, 10, 11] * 2]
 EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2}
 SLIDING_FULL = ["sliding_attention", "full_attention"]
+QWEN3_5 = {
+    "head_dim": 32, "layer_types": ["linear_attention", "full_attention"],
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}  # fmt: skip
 
 # (model_type, config overrides of tests/tiny_models.TINY)
 FAMILIES = {
@@ -42,6 +47,15 @@ FAMILIES = {
     # for the rest: sliding heads of 256, per-layer inputs 256 wide over 262144 tokens, the layer
     # pattern, no KV sharing, no MoE block. One (full) layer keeps that table to 268 MB.
     "gemma4_text": {"num_hidden_layers": 1, "global_head_dim": 32, "tie_word_embeddings": True},
+    # Hybrid linear attention, read by transformers' newer GGUF path (llama.cpp's qwen35 files:
+    # value heads tiled, -exp(A_log), 1 + w norms); 8 rotary dims make the 3 mrope sections.
+    "qwen3_5_text": QWEN3_5,
+    "qwen3_5_moe_text": {
+        **QWEN3_5,
+        **EXPERTS,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+    },
 }
 # Tied and scaled by sqrt(hidden_size), wide embeddings make each token its own likeliest
 # successor: the greedy tokens would repeat the last prompt token.
@@ -107,8 +121,8 @@ def hf_greedy(model, prompts):
 
 @pytest.mark.parametrize("model_type", CASES)
 def test_transformers_reads_the_file_back(tmp_path_factory, model_type):
-    """The file holds the checkpoint: transformers reads back its type, sizes and weights (Gemma's
-    norms to float32 rounding: the file holds 1 + w)."""
+    """The file holds the checkpoint: transformers reads back its type, sizes and weights (the
+    norms Gemma 2/3 and Qwen3.5 files hold as 1 + w to float32 rounding)."""
     path, model = gguf_file(model_type, tmp_path_factory)
     hf = hf_from_gguf(path)
     assert hf.config.model_type == READ_AS.get(model_type, model_type)
@@ -135,9 +149,9 @@ def test_gguf_file_transformers_reads_incompletely_is_refused(tmp_path_factory):
     weights the file does not give instead."""
     config = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}
     path, _ = gguf_file("gpt_oss", tmp_path_factory, head_dim=64, sliding_window=8, **config)
-    with pytest.raises(ValueError, match=r"no tensor in the file for 8 weights of "
-                       r"model_type='gpt_oss' \(first: \['model\.layers\.0\.mlp\.experts"):
+    with pytest.raises(
+        ValueError,
+        match=r"no tensor in the file for 8 weights of "
+        r"model_type='gpt_oss' \(first: \['model\.layers\.0\.mlp\.experts",
+    ):
         LLM(str(path), dtype="float32", kv_cache_memory=2**22)
-
-
-
