@@ -130,13 +130,18 @@ def _gguf_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def hf_model_from_gguf(source: ModelSource):
-    """Hugging Face's fp32 model read from the GGUF file, refused when transformers' reader
-    leaves weights out (gpt-oss's experts in transformers 5.24): it would fill them at random
-    and only warn."""
-    from transformers import AutoModelForCausalLM
+    """Hugging Face's fp32 model read from the GGUF file, every weight dense, refused when
+    transformers' reader leaves weights out (gpt-oss's experts in transformers 5.24): it would
+    fill them at random and only warn."""
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     hf_model, info = AutoModelForCausalLM.from_pretrained(
-        source.folder, gguf_file=source.gguf_file, dtype=torch.float32, output_loading_info=True
+        source.folder,
+        gguf_file=source.gguf_file,
+        dtype=torch.float32,
+        # with the `kernels` package, transformers would keep quantized blocks in GgufLinear
+        quantization_config=GgufConfig(dequantize=True),
+        output_loading_info=True,
     )
     if missing := sorted(info["missing_keys"]):
         raise ValueError(

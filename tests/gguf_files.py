@@ -40,9 +40,10 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 NORMAL, CONTROL = 1, 3
 
 
-def write_gguf(model, path: Path) -> Path:
+def write_gguf(model, path: Path, quantize: bool = False) -> Path:
     """Write ``model`` (a transformers causal LM) with a ``config.vocab_size``-token byte-level
-    BPE tokenizer as the GGUF file ``path``."""
+    BPE tokenizer as the GGUF file ``path``; ``quantize`` stores the matrices as Q8_0, as
+    llama.cpp would (norms, biases and rows not a multiple of 32 stay F32)."""
     import gguf
 
     config = model.config
@@ -55,7 +56,11 @@ def write_gguf(model, path: Path) -> Path:
         _add_value(writer, key, value)
     _add_tokenizer(writer, config)
     for name, array in gguf_tensors(model, arch):
-        writer.add_tensor(name, array)
+        if quantize and array.ndim >= 2 and array.shape[-1] % 32 == 0:
+            q8_0 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(array, q8_0), raw_dtype=q8_0)
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -192,9 +197,12 @@ def _expert_tensors(hf_name: str, array: np.ndarray, arch: str):
 
 
 def hf_from_gguf(path: Path):
-    """Hugging Face's model from the GGUF file ``path``, in fp32."""
-    from transformers import AutoModelForCausalLM
+    """Hugging Face's model from the GGUF file ``path``, in fp32, dense."""
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     return AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
+        str(path.parent),
+        gguf_file=path.name,
+        dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True),
     ).eval()

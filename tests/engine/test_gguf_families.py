@@ -89,17 +89,19 @@ def one_thread_and_own_cache(tmp_path_factory):
 _FILES: dict[str, tuple[object, object]] = {}
 
 
-def gguf_file(model_type, tmp_path_factory, **overrides):
-    """``(path, original model)`` of a family's tiny GGUF file, written once per module."""
-    if model_type not in _FILES:
+def gguf_file(model_type, tmp_path_factory, quantize=False, **overrides):
+    """``(path, original model)`` of a family's tiny GGUF file (``quantize``: Q8_0 matrices),
+    written once per module."""
+    key = f"{model_type}-q8_0" if quantize else model_type
+    if key not in _FILES:
         config = {"vocab_size": VOCAB, **FAMILIES.get(model_type, {}), **overrides}
         model = tiny_hf_model(model_type, **config)
         if model_type in NARROW_EMBEDDINGS:
             with torch.no_grad():
                 model.model.embed_tokens.weight.mul_(0.15)
-        path = tmp_path_factory.mktemp("gguf") / f"tiny-{model_type}.gguf"
-        _FILES[model_type] = write_gguf(model, path), model
-    return _FILES[model_type]
+        path = tmp_path_factory.mktemp("gguf") / f"tiny-{key}.gguf"
+        _FILES[key] = write_gguf(model, path, quantize), model
+    return _FILES[key]
 
 
 def hf_greedy(model, prompts):
@@ -136,7 +138,17 @@ def test_transformers_reads_the_file_back(tmp_path_factory, model_type):
 
 @pytest.mark.parametrize("model_type", CASES)
 def test_gguf_file_matches_hf(tmp_path_factory, model_type):
-    path, _ = gguf_file(model_type, tmp_path_factory)
+    assert_matches_hf(*gguf_file(model_type, tmp_path_factory), model_type)
+
+
+# Q8_0 through both of transformers' readers: the older one dequantizes with gguf's numpy code,
+# the newer one (Qwen3.5) with its own, before un-tiling the value heads.
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_text"])
+def test_quantized_gguf_file_matches_hf(tmp_path_factory, model_type):
+    assert_matches_hf(*gguf_file(model_type, tmp_path_factory, quantize=True), model_type)
+
+
+def assert_matches_hf(path, _, model_type):
     expected = hf_greedy(hf_from_gguf(path), PROMPTS)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=2**22, block_size=16, num_threads=1)
     assert llm.llm_engine.hf_config.model_type == READ_AS.get(model_type, model_type)
