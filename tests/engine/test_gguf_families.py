@@ -34,7 +34,7 @@ FAMILIES = {
     "llama": {},
     "mistral": {"seed": 1, "tie_word_embeddings": True},  # a file without output.weight
     "qwen2": {},
-    "qwen3": {"head_dim": 128},  # the reader reads no head size for qwen3: Qwen3Config's
+    "qwen3": {"head_dim": 128},  # Qwen3Config's: the reader reads no head size for qwen3
     # The reader reads no expert widths: Qwen2MoeConfig's 1408 / 5632, Qwen3MoeConfig's 768;
     # it sets norm_topk_prob for qwen3moe files, as llama.cpp runs them.
     "qwen2_moe": EXPERTS,
@@ -138,17 +138,20 @@ def test_transformers_reads_the_file_back(tmp_path_factory, model_type):
 
 @pytest.mark.parametrize("model_type", CASES)
 def test_gguf_file_matches_hf(tmp_path_factory, model_type):
-    assert_matches_hf(*gguf_file(model_type, tmp_path_factory), model_type)
+    path, _ = gguf_file(model_type, tmp_path_factory)
+    assert_matches_hf(path, model_type)
 
 
 # Q8_0 through both of transformers' readers: the older one dequantizes with gguf's numpy code,
 # the newer one (Qwen3.5) with its own, before un-tiling the value heads.
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_text"])
 def test_quantized_gguf_file_matches_hf(tmp_path_factory, model_type):
-    assert_matches_hf(*gguf_file(model_type, tmp_path_factory, quantize=True), model_type)
+    path, _ = gguf_file(model_type, tmp_path_factory, quantize=True)
+    assert_matches_hf(path, model_type)
 
 
-def assert_matches_hf(path, _, model_type):
+def assert_matches_hf(path, model_type):
+    """``LLM(model=path)`` gives the greedy tokens of Hugging Face's model from the file."""
     expected = hf_greedy(hf_from_gguf(path), PROMPTS)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=2**22, block_size=16, num_threads=1)
     assert llm.llm_engine.hf_config.model_type == READ_AS.get(model_type, model_type)
