@@ -8,6 +8,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -34,10 +35,19 @@ inline vfloat round_to(c10::BFloat16*, vfloat v) {
   return widen_bf16(tmp);
 }
 
+// Rows per task of these element-wise ops: at least kGrainElems values, so that a decode step's
+// few rows (32 x 1024) run on the calling thread. Each parallel region waits until every thread
+// is scheduled, which on a loaded host is a time slice (about 1 ms a region measured there),
+// against the few microseconds such a pass saves on two threads.
+constexpr int64_t kGrainElems = int64_t(1) << 16;
+inline int64_t grain_rows(int64_t row_elems, int64_t floor_rows) {
+  return std::max(floor_rows, kGrainElems / std::max<int64_t>(1, row_elems));
+}
+
 template <typename T>
 void rms_norm_rows(const T* x, int64_t x_stride, T* residual, int64_t r_stride, const T* weight,
                    float eps, T* out, int64_t o_stride, int64_t rows, int64_t hidden) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(hidden, 16), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* xr = x + t * x_stride;
       T* res = residual ? residual + t * r_stride : nullptr;
@@ -129,7 +139,7 @@ void fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
 template <typename T>
 void silu_and_mul_rows(const T* x, int64_t x_stride, T* out, int64_t o_stride, int64_t rows,
                        int64_t d) {
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(2 * d, 4), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* gate = x + t * x_stride;
       const T* up = gate + d;
@@ -185,7 +195,7 @@ template <typename T>
 void rotary_rows(T* x, int64_t x_st, int64_t x_sh, const T* cos, const T* sin, int64_t cs_st,
                  int64_t tokens, int64_t heads, int64_t dim) {
   const int64_t half = dim / 2;
-  at::parallel_for(0, tokens * heads, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens * heads, grain_rows(dim, 16), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t t = row / heads;
       T* a = x + t * x_st + (row % heads) * x_sh;  // first half; the second is at a + half
