@@ -16,6 +16,7 @@ from gguf_files import hf_from_gguf, write_gguf
 from tiny_models import tiny_hf_model
 
 from engine import LLM, SamplingParams
+from tests.engine.conftest import hf_greedy
 
 VOCAB = 320  # the 3 special tokens, 256 bytes, 61 merges
 MAX_TOKENS = 10
@@ -104,23 +105,6 @@ def gguf_file(model_type, tmp_path_factory, quantize=False, **overrides):
     return _FILES[key]
 
 
-def hf_greedy(model, prompts):
-    """Hugging Face ``generate``'s greedy tokens for each prompt (no EOS stop)."""
-    outs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outs.append(out[0, len(prompt) :].tolist())
-    return outs
-
-
 @pytest.mark.parametrize("model_type", CASES)
 def test_transformers_reads_the_file_back(tmp_path_factory, model_type):
     """The file holds the checkpoint: transformers reads back its type, sizes and weights (the
@@ -152,7 +136,8 @@ def test_quantized_gguf_file_matches_hf(tmp_path_factory, model_type):
 
 def assert_matches_hf(path, model_type):
     """``LLM(model=path)`` gives the greedy tokens of Hugging Face's model from the file."""
-    expected = hf_greedy(hf_from_gguf(path), PROMPTS)
+    hf = hf_from_gguf(path)
+    expected = [hf_greedy(hf, prompt, MAX_TOKENS, eos_token_id=None) for prompt in PROMPTS]
     llm = LLM(str(path), dtype="float32", kv_cache_memory=2**22, block_size=16, num_threads=1)
     assert llm.llm_engine.hf_config.model_type == READ_AS.get(model_type, model_type)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
