@@ -427,9 +427,9 @@ class ControlLoop:
                 if self.window.add(item.job_id, now, first):
                     entries += stream_entries(item)
         if self.window.due(now):
-            window_entries_, window_ends = self._take_window()
-            entries += window_entries_
+            window_ends, window_entries_ = self._take_window()
             ends += window_ends
+            entries += window_entries_
         if entries or ends or self.endings.due(now):
             self._write_ends(ends, entries)
 
