@@ -9,7 +9,7 @@ one more after it, so without gathering every call holds one job.
 - `EndCoalescer` holds the endings of jobs that nobody streams (their reader polls the result
   key) for at most their window (`window_s`, or a longer one for bulk jobs, whose ends are read
   from an events stream), or until `max_endings` wait, and hands them back to be written in one
-  END call. A job that streams is written at once, taking the waiting ones along.
+  END call, or with the next stream window's call (below), whichever comes first.
 - `StreamWindow` holds the new tokens of the jobs that stream for at most one window
   (`--stream-interval`) from the oldest one sampled, then hands back every job with tokens
   waiting, to be written in one STREAM call (one entry per job carrying all its tokens of the
