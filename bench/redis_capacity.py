@@ -26,8 +26,9 @@ polls an empty queue every 0.1 s with jobs in flight, backing off from 0.01 to 0
 Jobs have between tokens/2 and 3*tokens/2 tokens (mean `--tokens`), so endings are spread.
 
 Producers: bulk jobs are enqueued and read as `pagedq submit` does (BulkRun: chunks of 256
-through `Client.enqueue` with a notify id, an EXISTS per job, ends read from one events stream
-with EventFollower, each result read with one GET); streaming jobs as the gateway serves
+through `Client.enqueue_new` with a notify id, an EXISTS per job it did not queue (none in a
+fresh run), ends read from one events stream with EventFollower, the results of each read in
+one MGET); streaming jobs as the gateway serves
 streaming requests (`--window` clients each sending one request after the other; the gateway's
 Enqueuer coalesces requests that arrive together into one `Client.enqueue`; its StreamHub
 follows every stream with one XREAD and checks the followed jobs every 2 s; the result comes
@@ -596,9 +597,9 @@ def produce_bulk(
     url: str, n_jobs: int, window: int, sim: Sim, shared: Shared, seed: int, max_tokens: Any
 ) -> None:
     """A bulk producer process, as `pagedq submit` (producer/bulk.py BulkRun): chunks of 256
-    through `Client.enqueue` with its notify id, refilled a quarter chunk at a time, an
-    EXISTS per job, ends from the events stream (EventFollower), then the results of each read
-    in one MGET (`final_results`)."""
+    through `Client.enqueue_new` with its notify id, refilled a quarter chunk at a time, an
+    EXISTS per job it did not queue, ends from the events stream (EventFollower), then the
+    results of each read in one MGET (`final_results`)."""
     watcher = MarkWatcher(shared, "producer")
     rng = random.Random(seed)
     writer = redis.Redis.from_url(url, connection_class=CountingConnection)
@@ -621,9 +622,10 @@ def produce_bulk(
             for i in range(submitted, submitted + room):
                 payload = _payload(rng, sim, max_tokens, False) | {"custom_id": f"line-{i}"}
                 requests.append(GenerationRequest.parse(payload))
-            job_ids = client.enqueue(requests, id_namespace=batch_id, notify=follower.notify)
+            queued = client.enqueue_new(requests, id_namespace=batch_id, notify=follower.notify)
+            job_ids = [job_id for job_id, _ in queued]
             pipe = writer.pipeline(transaction=False)
-            for job_id in job_ids:
+            for job_id, _ in (q for q in queued if not q[1]):
                 pipe.exists(result_key(job_id))
             pipe.execute()
             for job_id in job_ids:
