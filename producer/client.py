@@ -188,6 +188,17 @@ class Client:
         `batch_id`, each job's end is counted in `batch_counts_key(batch_id)`; with `notify`,
         each job's end is added to that events stream (producer/events.py).
         """
+        return [job_id for job_id, _ in self.enqueue_new(requests, id_namespace, batch_id, notify)]
+
+    def enqueue_new(
+        self,
+        requests: list[GenerationRequest],
+        id_namespace: str | None = None,
+        batch_id: str | None = None,
+        notify: str | None = None,
+    ) -> list[tuple[str, bool]]:
+        """`enqueue`, with for each job whether this call queued it (created, or run again
+        after it had failed or been canceled): a job it did not queue may have its result."""
         queued = [
             build_job(
                 self.queue,
@@ -205,9 +216,9 @@ class Client:
                 lambda: enqueue_jobs(self._writer, self.queue, queued, batch_id, notify),
                 f"enqueueing {len(queued)} job(s)",
             )
-            for job, was_created in zip(queued, created, strict=True):
+            for i, (job, was_created) in enumerate(zip(queued, created, strict=True)):
                 if not was_created:
-                    self._write(
+                    created[i] = self._write(
                         lambda j=job: self._rerun_if_ended(j, batch_id, notify), f"job {job.id}"
                     )
         except OutOfMemoryError as exc:
@@ -215,13 +226,14 @@ class Client:
         except ReplicaAckError as exc:
             ids = [job.id for job in queued]
             raise ReplicaAckError(exc.acked, exc.wanted, exc.timeout_ms, ids) from None
-        return [job.id for job in queued]
+        return [(job.id, was_queued) for job, was_queued in zip(queued, created, strict=True)]
 
-    def _rerun_if_ended(self, job: QueuedJob, batch_id: str | None, notify: str | None) -> None:
-        """Enqueue an existing job afresh if it failed, was canceled or is gone."""
+    def _rerun_if_ended(self, job: QueuedJob, batch_id: str | None, notify: str | None) -> bool:
+        """Enqueue an existing job afresh if it failed, was canceled or is gone; True if so."""
         if ended_status(self.redis, job.id) in RERUN_STATUSES | {None}:
             clear_job(self.redis, job.id)
-            enqueue_jobs(self._writer, self.queue, [job], batch_id, notify)
+            return enqueue_jobs(self._writer, self.queue, [job], batch_id, notify)[0]
+        return False
 
     def _write(self, fn: Callable[[], T], what: str) -> T:
         """An idempotent write, retried like reads across an outage or a failover."""
