@@ -238,8 +238,8 @@ void run_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, c
   }
 #endif
   auto on_amx = [&](int64_t e) { return amx && g.offsets[e + 1] - g.offsets[e] >= kAmxMinRows; };
-  // The tile paths read whole tiles of 16 rows: 16 spare rows past the last.
-  const int64_t spare = amx ? 16 : 0;
+  // The tile path reads whole blocks of kAmxRows rows: as many spare rows past the last.
+  const int64_t spare = amx ? kAmxRows : 0;
 
   // 1. x's rows in expert order. Up to 1 MB (a decode step's 32 x top-8 rows of 1024 are 0.5 MB
   // in bf16) are copied by the calling thread: one parallel region fewer per layer, each of
