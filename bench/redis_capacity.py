@@ -16,23 +16,21 @@ Redis busy enough to read.
 Each simulated worker (worker/control_loop.py's loop with the engine replaced by a clock):
 registers (REGISTER); while it has room takes up to 8 jobs per DEQUEUE call (MAX_PENDING_ADDS),
 up to `--slots` in flight; steps `--steps-per-s` times a second while it holds jobs; per step
-gathers the token entries of the jobs that stream in the worker's own StreamWindow (one entry
-per job per `--stream-interval`, written with one STREAM call that also ends the streaming
-jobs that finished in the window) and ends the jobs nobody streams in merged END calls
-(EndCoalescer);
+appends the token entries of the jobs that stream (one STREAM call, entries coalesced to at
+most one per job per 50 ms by the worker's own StreamState) and ends every job that reached its
+tokens in one merged END call (both in one MULTI/EXEC when there are both, as RedisLink does);
 checks the cancel keys of its jobs every second (MGET); heartbeats every lease_ttl/3 and reaps
 every lease_ttl/2 (Leases); publishes its status key at most every 0.5 s (StatusPublisher);
 polls an empty queue every 0.1 s with jobs in flight, backing off from 0.01 to 0.25 s when idle.
 Jobs have between tokens/2 and 3*tokens/2 tokens (mean `--tokens`), so endings are spread.
 
 Producers: bulk jobs are enqueued and read as `pagedq submit` does (BulkRun: chunks of 256
-through `Client.enqueue_new` with a notify id, an EXISTS per job it did not queue (none in a
-fresh run), ends read from one events stream with EventFollower, the results of each read in
-one MGET); streaming jobs as the gateway serves
+through `Client.enqueue` with a notify id, an EXISTS per job, ends read from one events stream
+with EventFollower, each result read with one GET); streaming jobs as the gateway serves
 streaming requests (`--window` clients each sending one request after the other; the gateway's
 Enqueuer coalesces requests that arrive together into one `Client.enqueue`; its StreamHub
-follows every stream with one XREAD and checks the followed jobs every 2 s; the result comes
-in the final entry). The producers keep `--window` jobs outstanding (default 2 x workers x
+follows every stream with one XREAD and checks the followed jobs every 2 s; the result is read
+with one GET at the end). The producers keep `--window` jobs outstanding (default 2 x workers x
 slots), so the queue never runs dry inside the measured window.
 
 Runs, each on a fresh redis-server:
@@ -96,7 +94,7 @@ from producer.contract.schema import GenerationRequest  # noqa: E402
 from producer.contract.stream import entry_delta  # noqa: E402
 from producer.enqueue import ENQUEUE_IF_ABSENT  # noqa: E402
 from producer.events import EventFollower  # noqa: E402
-from producer.results import entry_result, final_results, is_final  # noqa: E402
+from producer.results import final_results, is_final  # noqa: E402
 from worker.coalesce import AdmissionGate, EndCoalescer, StreamWindow  # noqa: E402
 from worker.endings import JobEnder  # noqa: E402
 from worker.engine_loop import MAX_PENDING_ADDS  # noqa: E402
@@ -341,7 +339,7 @@ class SimWorker:
             self._step()
             self.next_step_at = max(self.next_step_at + self.step_s, t)
         if self.window.due(t):
-            self._write(*self._take_window())
+            self._write(window_entries(self.window.take(), self.in_flight), [])
         if self.endings.due(t):
             self._write([], [])
         busy_before = bool(self.in_flight)
@@ -434,63 +432,44 @@ class SimWorker:
             if finished:
                 del self.in_flight[job_id]
                 del self.gen[job_id]
-                first = item.stream.num_tokens == 0
-                last = stream_entries(item)
+                self.window.discard(job_id)
+                entries += stream_entries(item)
                 output = SimpleNamespace(
                     outputs=[completion], prompt_token_ids=prompt_ids, finished=True
                 )
                 ending = self.ender.finish(item, output)
                 self.num_tokens += 1
-                if item.stream.enabled:
-                    if not self.window.end(job_id, (last, ending), t, first):
-                        entries += last
-                        ends.append(ending)
-                    continue
                 window = self.sim.bulk_coalesce_window if item.claim.bulk else None
-                if not self.endings.hold(ending, t, window):
+                if item.stream.enabled or not self.endings.hold(ending, t, window):
                     ends.append(ending)
             elif item.stream.enabled:
                 if self.window.add(job_id, t, item.stream.num_tokens == 0):
                     entries += stream_entries(item)
         if self.window.due(t):
-            window_ends, window_entries_ = self._take_window()
-            ends += window_ends
-            entries += window_entries_
+            entries += window_entries(self.window.take(), self.in_flight)
         self.num_steps += 1
         self.num_tokens += len(self.in_flight)
         if entries or ends or self.endings.due(time.monotonic()):
-            self._write(ends, entries)
+            self._write(entries, ends)
         _add(self.shared.steps, 1)
 
-    def _take_window(self) -> tuple[list, list]:
-        # worker/control_loop.py ControlLoop._take_window
-        job_ids, ended = self.window.take()
-        entries = window_entries(job_ids, self.in_flight)
-        for last, _ in ended:
-            entries += last
-        return [ending for _, ending in ended], entries
-
-    # worker/control_loop.py ControlLoop._write_ends and _on_step_written
-    def _write(self, ends: list, entries: list) -> None:
+    def _write(self, entries: list, ends: list) -> None:
         if not entries and not ends and not self.endings.pending:
             return
         ends = self.endings.take() + ends
-        if entries:
-            calls = [self.adapter.stream_call(entries, [ending.call for ending in ends])]
-        else:
-            calls = self.adapter.merge_ends([ending.call for ending in ends])
+        calls: list = [self.adapter.stream_call(entries)] if entries else []
+        calls += self.adapter.merge_ends([ending.call for ending in ends])
         n_entries = len(entries)
         self.link.run(calls, lambda replies: self._written(replies, n_entries, ends))
 
     def _written(self, replies: list, n_entries: int, ends: list) -> None:
         lost = 0
-        replies_ended = replies[0] if ends else []
         if n_entries:
-            lost_ids, replies_ended = replies[0]
-            lost += len(lost_ids)
+            lost += len(replies[0])
+            replies = replies[1:]
             _add(self.shared.entries, n_entries)
         ended = tokens = 0
-        for ending, reply in zip(ends, replies_ended, strict=True):
+        for ending, reply in zip(ends, replies[0] if ends else [], strict=True):
             if reply:
                 ended += 1
                 tokens += ending.result.usage.completion_tokens
@@ -512,7 +491,6 @@ class SimWorker:
         if self.leases.heartbeat_due():
             claims = [i.claim for i in self.in_flight.values()]
             claims += [e.claim for e in self.endings.pending]
-            claims += [e.claim for _, e in self.window.ended]
             call = self.adapter.heartbeat_call(claims, "busy" if claims else "idle")
             ok, lost = self.link.attempt(lambda: self.link.scripts.call(call))
             _add(self.shared.lost, len(lost or []))
@@ -597,9 +575,9 @@ def produce_bulk(
     url: str, n_jobs: int, window: int, sim: Sim, shared: Shared, seed: int, max_tokens: Any
 ) -> None:
     """A bulk producer process, as `pagedq submit` (producer/bulk.py BulkRun): chunks of 256
-    through `Client.enqueue_new` with its notify id, refilled a quarter chunk at a time, an
-    EXISTS per job it did not queue, ends from the events stream (EventFollower), then the
-    results of each read in one MGET (`final_results`)."""
+    through `Client.enqueue` with its notify id, refilled a quarter chunk at a time, an
+    EXISTS per job, ends from the events stream (EventFollower), then the results of each read
+    in one MGET (`final_results`)."""
     watcher = MarkWatcher(shared, "producer")
     rng = random.Random(seed)
     writer = redis.Redis.from_url(url, connection_class=CountingConnection)
@@ -622,10 +600,9 @@ def produce_bulk(
             for i in range(submitted, submitted + room):
                 payload = _payload(rng, sim, max_tokens, False) | {"custom_id": f"line-{i}"}
                 requests.append(GenerationRequest.parse(payload))
-            queued = client.enqueue_new(requests, id_namespace=batch_id, notify=follower.notify)
-            job_ids = [job_id for job_id, _ in queued]
+            job_ids = client.enqueue(requests, id_namespace=batch_id, notify=follower.notify)
             pipe = writer.pipeline(transaction=False)
-            for job_id, _ in (q for q in queued if not q[1]):
+            for job_id in job_ids:
                 pipe.exists(result_key(job_id))
             pipe.execute()
             for job_id in job_ids:
@@ -658,8 +635,7 @@ def produce_online(
     (gateway/completions.py): `window` clients, each sending one request after the other;
     each request enqueued through the gateway's Enqueuer (requests arriving together share
     one `Client.enqueue`), its stream followed through the gateway's StreamHub (one XREAD
-    over every followed stream, the followed jobs checked every 2 s), its result taken from
-    the final entry (a GET only when the entry carries none)."""
+    over every followed stream, the followed jobs checked every 2 s), then its result GET."""
     count_async_commands()
     watcher = MarkWatcher(shared, "producer")
     asyncio.run(_online(url, n_jobs, window, sim, shared, seed, max_tokens, watcher))
@@ -692,12 +668,8 @@ async def _online(
             while not is_final(entry := await follow.entries.get()):
                 if shared.mark.value == 1 and (delta := entry_delta(entry)):
                     delays.extend(_stamp_delays_ms(delta, time.time()))
-            # As gateway/completions.py: the result the final entry carries, else its key.
             deadline = time.monotonic() + RESULT_GRACE_S
-            while (
-                entry_result(job_id, entry) is None
-                and await hub.redis.get(result_key(job_id)) is None
-            ):
+            while await hub.redis.get(result_key(job_id)) is None:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no result for {job_id}")
                 await asyncio.sleep(0.05)
@@ -1069,7 +1041,7 @@ def entries_per_job(tokens: int, steps_per_s: float, interval: float) -> int:
     for k in range(tokens):
         t = k / steps_per_s
         if window.due(t):
-            n += len(window.take()[0])
+            n += len(window.take())
         if k == tokens - 1:
             window.discard("job")
             n += 1

@@ -38,11 +38,8 @@ def _cpu(r) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
-def _stats(r) -> dict[str, tuple[int, int]]:
-    return {
-        k.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"]))
-        for k, v in r.info("commandstats").items()
-    }
+def _calls(r) -> int:
+    return sum(int(v["calls"]) for v in r.info("commandstats").values())
 
 
 def run_one(args: argparse.Namespace) -> dict:
@@ -80,7 +77,7 @@ def run_one(args: argparse.Namespace) -> dict:
             # One warm-up job: the first step compiles and allocates.
             client.result(client.submit("warm up", max_tokens=4), timeout=600)
             texts: dict[str, str] = {}
-            cpu0, stats0, t0 = _cpu(r), _stats(r), time.monotonic()
+            cpu0, calls0, t0 = _cpu(r), _calls(r), time.monotonic()
             job_ids = [
                 client.submit(
                     f"Story number {i}: once upon a time",
@@ -101,13 +98,7 @@ def run_one(args: argparse.Namespace) -> dict:
             for t in threads:
                 t.join()
             dt = time.monotonic() - t0
-            cpu, stats = _cpu(r) - cpu0, _stats(r)
-            by_command = {
-                k: (c - stats0.get(k, (0, 0))[0], u - stats0.get(k, (0, 0))[1])
-                for k, (c, u) in stats.items()
-            }
-            by_command = {k: v for k, v in by_command.items() if v[0] and k != "info"}
-            calls = sum(c for c, _ in by_command.values())
+            cpu, calls = _cpu(r) - cpu0, _calls(r) - calls0
             results = [client.result(j) for j in job_ids]
             entries = sum(r.xlen(stream_key(j)) for j in job_ids)
         finally:
@@ -123,11 +114,6 @@ def run_one(args: argparse.Namespace) -> dict:
         "cpu_us_per_token": cpu * 1e6 / tokens,
         "commands_per_job": calls / len(job_ids),
         "text_mismatches": sum(texts[res.job_id] != res.text for res in results),
-        # Per job: calls and their wall time in Redis (commandstats usec), by command.
-        "by_command": {
-            k: [round(c / len(job_ids), 2), round(u / len(job_ids), 1)]
-            for k, (c, u) in sorted(by_command.items(), key=lambda kv: -kv[1][1])
-        },
     }
 
 

@@ -30,7 +30,7 @@ from producer.chat_answer import AnswerFormat
 from producer.contract.keys import result_key
 from producer.contract.schema import GenerationResult
 from producer.openai_output import CHAT_URL, COMPLETIONS_URL, completion_body, refused_by_worker
-from producer.results import MAX_READ_BYTES, entry_result, is_final
+from producer.results import MAX_READ_BYTES, is_final
 
 router = APIRouter()
 # How long a reader waits for the result key after a `done` entry (workers write it first).
@@ -203,11 +203,7 @@ def _cancel(request: Request, job_id: str) -> None:
 
 
 async def _result(request: Request, job_id: str, entry: dict[str, str]) -> GenerationResult:
-    """The result of a job whose final entry was read: the one it carries, else its result key,
-    else what the entry says."""
-    carried = entry_result(job_id, entry)
-    if carried is not None:
-        return carried
+    """The result of a job whose final entry was read (its result key, or what the entry says)."""
     redis = request.app.state.hub.redis
     deadline = time.monotonic() + (RESULT_GRACE_S if entry.get("event") == "done" else 0)
     while True:

@@ -3,10 +3,8 @@
 A request follows its job's stream through a `Follow` (an asyncio queue of entries). Reads are
 paced (READ_INTERVAL_S), so one read takes the windows of many workers. New follows wake a
 blocked XREAD with CLIENT UNBLOCK, so their first entries come within one interval; every
-CHECK_S the followed jobs whose streams were quiet that long are also looked up, because some
-ends write no stream entry (a queued job canceled through RQ) and streams expire before
-results do (a job whose entries come will write its final one too: 2 commands per streamed job
-fewer in bench/redis_capacity.py).
+CHECK_S the followed jobs are also looked up, because some ends write no stream entry (a queued
+job canceled through RQ) and streams expire before results do.
 """
 
 from __future__ import annotations
@@ -58,7 +56,6 @@ class StreamHub:
         )
         self._reader = async_redis_client(redis_url, single_connection_client=True)
         self._follows: dict[str, list[Follow]] = {}
-        self._heard: dict[str, float] = {}  # job id -> loop time of its last entry
         self._reader_id: int | None = None
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -108,7 +105,6 @@ class StreamHub:
             follows.remove(follow)
         if not follows:
             self._follows.pop(follow.job_id, None)
-            self._heard.pop(follow.job_id, None)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -155,8 +151,6 @@ class StreamHub:
         return min((f.last_id for f in self._follows[job_id]), key=_entry_order)
 
     def _deliver(self, job_id: str, entries: list) -> None:
-        if entries and job_id in self._follows:
-            self._heard[job_id] = asyncio.get_running_loop().time()
         for entry_id, fields in entries:
             entry_id = entry_id.decode()
             entry = decode_entry(fields)
@@ -169,10 +163,7 @@ class StreamHub:
                     self.unfollow(follow)
 
     async def _check_ended(self) -> None:
-        quiet_since = asyncio.get_running_loop().time() - CHECK_S
-        job_ids = [j for j in self._follows if self._heard.get(j, quiet_since) <= quiet_since]
-        if not job_ids:
-            return
+        job_ids = list(self._follows)
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.exists(result_key(job_id))

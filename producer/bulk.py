@@ -260,18 +260,14 @@ class BulkRun:
         if not self._pending:
             return
         requests = [p.request for p in self._pending if p.request is not None]
-        queued = self.client.enqueue_new(
+        job_ids = self.client.enqueue(
             requests, id_namespace=self.batch_id, notify=self.follower.notify
         )
-        # A job this call did not queue may have been computed by an earlier run: its result
-        # may be in Redis (a fresh run asks Redis nothing more).
+        # A job whose result is already in Redis was computed by an earlier run.
         pipe = self.client.redis.pipeline(transaction=False)
-        for job_id, _ in (q for q in queued if not q[1]):
+        for job_id in job_ids:
             pipe.exists(result_key(job_id))
-        exists = iter(pipe.execute())  # no round trip when it holds no command
-        had = [False if was_queued else bool(next(exists)) for _, was_queued in queued]
-        job_ids = [job_id for job_id, _ in queued]
-        for job_id, parsed, had_result in zip(job_ids, self._pending, had, strict=True):
+        for job_id, parsed, had_result in zip(job_ids, self._pending, pipe.execute(), strict=True):
             if job_id not in self.in_flight:
                 self.summary.submitted += 1
             self.in_flight[job_id] = parsed

@@ -188,17 +188,6 @@ class Client:
         `batch_id`, each job's end is counted in `batch_counts_key(batch_id)`; with `notify`,
         each job's end is added to that events stream (producer/events.py).
         """
-        return [job_id for job_id, _ in self.enqueue_new(requests, id_namespace, batch_id, notify)]
-
-    def enqueue_new(
-        self,
-        requests: list[GenerationRequest],
-        id_namespace: str | None = None,
-        batch_id: str | None = None,
-        notify: str | None = None,
-    ) -> list[tuple[str, bool]]:
-        """`enqueue`, with for each job whether this call queued it (created, or run again
-        after it had failed or been canceled): a job it did not queue may have its result."""
         queued = [
             build_job(
                 self.queue,
@@ -216,9 +205,9 @@ class Client:
                 lambda: enqueue_jobs(self._writer, self.queue, queued, batch_id, notify),
                 f"enqueueing {len(queued)} job(s)",
             )
-            for i, (job, was_created) in enumerate(zip(queued, created, strict=True)):
+            for job, was_created in zip(queued, created, strict=True):
                 if not was_created:
-                    created[i] = self._write(
+                    self._write(
                         lambda j=job: self._rerun_if_ended(j, batch_id, notify), f"job {job.id}"
                     )
         except OutOfMemoryError as exc:
@@ -226,14 +215,13 @@ class Client:
         except ReplicaAckError as exc:
             ids = [job.id for job in queued]
             raise ReplicaAckError(exc.acked, exc.wanted, exc.timeout_ms, ids) from None
-        return [(job.id, was_queued) for job, was_queued in zip(queued, created, strict=True)]
+        return [job.id for job in queued]
 
-    def _rerun_if_ended(self, job: QueuedJob, batch_id: str | None, notify: str | None) -> bool:
-        """Enqueue an existing job afresh if it failed, was canceled or is gone; True if so."""
+    def _rerun_if_ended(self, job: QueuedJob, batch_id: str | None, notify: str | None) -> None:
+        """Enqueue an existing job afresh if it failed, was canceled or is gone."""
         if ended_status(self.redis, job.id) in RERUN_STATUSES | {None}:
             clear_job(self.redis, job.id)
-            return enqueue_jobs(self._writer, self.queue, [job], batch_id, notify)[0]
-        return False
+            enqueue_jobs(self._writer, self.queue, [job], batch_id, notify)
 
     def _write(self, fn: Callable[[], T], what: str) -> T:
         """An idempotent write, retried like reads across an outage or a failover."""

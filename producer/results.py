@@ -22,7 +22,7 @@ from producer.connection import mget
 from producer.contract.codec import PayloadTooLargeError, inflate, load_job_data
 from producer.contract.keys import result_key, rq_job_key, rq_results_key
 from producer.contract.schema import GenerationResult
-from producer.contract.stream import RESULT, is_final  # noqa: F401 - is_final: readers import it
+from producer.contract.stream import is_final  # noqa: F401 - where readers import it
 from producer.errors import JobCanceledError, JobFailedError, JobNotFoundError
 
 # Largest result, error text or job payload a reader inflates or parses.
@@ -136,17 +136,8 @@ def rq_end(connection: Redis, job_id: str, status: str | None) -> dict[str, str]
     return {"event": "error", "error": message, "status": "failed"}
 
 
-def entry_result(job_id: str, entry: dict[str, str]) -> GenerationResult | None:
-    """The result a worker's final entry carries (None: the entry has none)."""
-    return _parse_result(job_id, entry.get(RESULT))
-
-
 def final_result(connection: Redis, job_id: str, entry: dict[str, str]) -> GenerationResult:
-    """The GenerationResult of a job whose final entry (real or synthetic) has been read: the
-    one the entry carries, else its result key."""
-    carried = entry_result(job_id, entry)
-    if carried is not None:
-        return carried
+    """The GenerationResult of a job whose final entry (real or synthetic) has been read."""
     deadline = time.monotonic() + (RESULT_GRACE_S if entry.get("event") == "done" else 0)
     while True:
         result = read_result(connection, job_id)

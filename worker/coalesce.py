@@ -9,14 +9,11 @@ one more after it, so without gathering every call holds one job.
 - `EndCoalescer` holds the endings of jobs that nobody streams (their reader polls the result
   key) for at most their window (`window_s`, or a longer one for bulk jobs, whose ends are read
   from an events stream), or until `max_endings` wait, and hands them back to be written in one
-  END call, or with the next stream window's call (below), whichever comes first.
+  END call. A job that streams is written at once, taking the waiting ones along.
 - `StreamWindow` holds the new tokens of the jobs that stream for at most one window
   (`--stream-interval`) from the oldest one sampled, then hands back every job with tokens
   waiting, to be written in one STREAM call (one entry per job carrying all its tokens of the
-  window). A job's first token is written at once. A job that finished waits in the window
-  too, its last entries with its ending, and the same STREAM call ends it: a window's
-  endings cost one script call, not one each (a job whose first token is its last is written
-  at once).
+  window). A job's first token is written at once, and its last with its end.
 - `AdmissionGate` lets a dequeue run once the engine has room for `min_jobs` jobs, or has had
   room for `window_s`, or is nearly empty (then at once: an idle worker never waits).
 
@@ -71,14 +68,12 @@ class EndCoalescer(Generic[T]):
         return max(0.0, self._due_at - now)
 
 
-class StreamWindow(Generic[T]):
-    """Jobs whose streamed tokens, and endings, wait to be written together (see the module
-    docstring)."""
+class StreamWindow:
+    """Jobs whose streamed tokens wait to be written together (see the module docstring)."""
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
         self.waiting: dict[str, None] = {}  # job ids, in the order their tokens came
-        self.ended: list[T] = []  # endings of finished jobs, with their last entries
         self._due_at = float("inf")
 
     def add(self, job_id: str, now: float, first: bool) -> bool:
@@ -87,45 +82,29 @@ class StreamWindow(Generic[T]):
         if first or self.interval_s <= 0:
             self.waiting.pop(job_id, None)
             return True
-        self._start(now)
+        if not self.waiting:
+            self._due_at = now + self.interval_s
         self.waiting[job_id] = None
         return False
-
-    def end(self, job_id: str, ending: T, now: float, first: bool) -> bool:
-        """`job_id` finished at `now`; `ending` carries its last entries and its end. True when
-        it waits for the window; False when it must be written now (its first token is its
-        last, or a window of 0)."""
-        if first or self.interval_s <= 0:
-            self.discard(job_id)
-            return False
-        self._start(now)  # a window open for its waiting tokens stays as it is
-        self.waiting.pop(job_id, None)
-        self.ended.append(ending)
-        return True
-
-    def _start(self, now: float) -> None:
-        if not self.waiting and not self.ended:
-            self._due_at = now + self.interval_s
 
     def discard(self, job_id: str) -> None:
         """`job_id`'s tokens are written otherwise (it ended) or never will be."""
         self.waiting.pop(job_id, None)
-        if not self.waiting and not self.ended:
+        if not self.waiting:
             self._due_at = float("inf")
 
     def due(self, now: float) -> bool:
-        """True when the waiting tokens and endings should be written now."""
-        return bool(self.waiting or self.ended) and now >= self._due_at
+        """True when the waiting tokens should be written now."""
+        return bool(self.waiting) and now >= self._due_at
 
-    def take(self) -> tuple[list[str], list[T]]:
-        """Every job with tokens waiting, and every ending waiting; the window is empty after."""
-        taken, ended = list(self.waiting), self.ended
-        self.waiting, self.ended, self._due_at = {}, [], float("inf")
-        return taken, ended
+    def take(self) -> list[str]:
+        """Every job with tokens waiting; the window is empty after."""
+        taken, self.waiting, self._due_at = list(self.waiting), {}, float("inf")
+        return taken
 
     def wait_s(self, now: float) -> float | None:
         """Seconds until the waiting tokens are due (None: none waits)."""
-        if not self.waiting and not self.ended:
+        if not self.waiting:
             return None
         return max(0.0, self._due_at - now)
 

@@ -70,9 +70,8 @@ class WorkerConfig:
         default=0.1,
         metadata=_doc(
             "seconds a streamed token may wait to be written: the new tokens of all the jobs "
-            "that stream go in one call per window, one entry per job, and the same call ends "
-            "the jobs that finished in the window (a job's first token is written at once); "
-            "0: every step writes its tokens",
+            "that stream go in one call per window, one entry per job (a job's first token "
+            "and its end are written at once); 0: every step writes its tokens",
             min=0,
         ),
     )

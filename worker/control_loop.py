@@ -3,8 +3,8 @@
 A job's life through this file: `_admit` takes it (worker/claim.py) while the engine can admit
 one more request, `_start` hands its request to the engine thread (worker/engine_loop.py),
 `_on_step` streams its tokens (one STREAM call per `--stream-interval` window for all
-the jobs that stream, a job's first token at once, the jobs that finished in the window ended
-by the same call), and every ending goes through `JobEnder` (worker/endings.py).
+the jobs that stream, a job's first token at once), and every ending goes through `JobEnder`
+(worker/endings.py).
 All Redis calls run on this control thread; the engine steps on its own. Every write that ends
 or streams a job is fenced, so a worker that lost a lease (frozen, cut off) writes nothing for
 it. While Redis is unreachable the engine keeps stepping and the writes wait in `RedisLink`.
@@ -70,11 +70,6 @@ ADMISSION_BURST_S = 0.05
 SLEEP_AFTER_DEQUEUE_ENV = "PAGEDQ_TEST_SLEEP_AFTER_DEQUEUE"
 
 
-def _earliest(*waits: float | None) -> float | None:
-    known = [w for w in waits if w is not None]
-    return min(known) if known else None
-
-
 class WorkerNameTaken(Exception):
     """Another live worker is registered under this name."""
 
@@ -122,8 +117,7 @@ class ControlLoop:
         self.in_flight: dict[str, InFlight] = {}
         self.endings: EndCoalescer[Ending] = EndCoalescer(config.coalesce_window)
         self.gate = AdmissionGate(config.coalesce_window)
-        # Ended streaming jobs wait here as (their last entries, their Ending).
-        self.window: StreamWindow[tuple[list, Ending]] = StreamWindow(config.stream_interval)
+        self.window = StreamWindow(config.stream_interval)
         self.exit_code = 0
         self._stopping = False
         self._stop_at: float | None = None
@@ -161,8 +155,10 @@ class ControlLoop:
                     self._admit()
                 if not self._handle_events(self._event_wait() if self.in_flight else 0):
                     break
-                if self.window.due(time.monotonic()):
-                    self._write_ends(*self._take_window())
+                if self.window.due(time.monotonic()) and (
+                    entries := window_entries(self.window.take(), self.in_flight)
+                ):
+                    self._write_ends([], entries)
                 if self.endings.due(time.monotonic()):
                     self._write_ends([])
                 self._handle_cancels()
@@ -171,7 +167,7 @@ class ControlLoop:
                 self._publish_status()
                 if not self.in_flight and not self._stopping and self._queue_empty:
                     t = time.monotonic()
-                    ends_in = _earliest(self.endings.wait_s(t), self.window.wait_s(t))
+                    ends_in = self.endings.wait_s(t)
                     time.sleep(
                         min(
                             self._idle_poll_s,
@@ -184,7 +180,6 @@ class ControlLoop:
                     and self._queue_empty
                     and not self.in_flight
                     and not self.endings.pending
-                    and not self.window.ended
                     and not self.link.outbox
                 ):
                     log.info("burst done: queue empty, nothing in flight", worker=self.name)
@@ -192,8 +187,8 @@ class ControlLoop:
         finally:
             # Redis refusing this worker (credentials, ACL) takes nothing more: leases expire.
             with contextlib.suppress(RedisRefusedError):
-                if self.endings.pending or self.window.ended:
-                    self._write_ends(*self._take_window())
+                if self.endings.pending:
+                    self._write_ends([])
                 self._requeue_all("worker stopping", count_crash=False)
             self.loop.stop()
             self.cancels.stop()
@@ -409,58 +404,39 @@ class ControlLoop:
             self._observe_tokens(item, output, event.time)
             if output.finished:
                 del self.in_flight[item.job_id]
-                first = item.stream.num_tokens == 0
-                last = stream_entries(item)  # its last tokens go with its end
+                self.window.discard(item.job_id)
+                entries += stream_entries(item)  # its last tokens go with its end
                 ending = self.ender.finish(item, output)
-                if item.stream.enabled:
-                    # Its last tokens and its end wait for the window (its reader sees them
-                    # within one window of their sampling), ended by the window's call.
-                    if not self.window.end(item.job_id, (last, ending), now, first):
-                        entries += last
-                        ends.append(ending)
-                    continue
+                # A streamed job's reader waits on its final entry: written with this step.
                 window = self.config.bulk_coalesce_window if item.claim.bulk else None
-                if not self.endings.hold(ending, now, window):
+                if item.stream.enabled or not self.endings.hold(ending, now, window):
                     ends.append(ending)
             elif item.stream.enabled and item.stream.num_new(output.outputs[0]) > 0:
                 first = item.stream.num_tokens == 0
                 if self.window.add(item.job_id, now, first):
                     entries += stream_entries(item)
         if self.window.due(now):
-            window_ends, window_entries_ = self._take_window()
-            ends += window_ends
-            entries += window_entries_
+            entries += window_entries(self.window.take(), self.in_flight)
         if entries or ends or self.endings.due(now):
             self._write_ends(ends, entries)
 
-    def _take_window(self) -> tuple[list[Ending], list]:
-        """The window's waiting endings and entries (the ended jobs' last entries included)."""
-        job_ids, ended = self.window.take()
-        entries = window_entries(job_ids, self.in_flight)
-        for last, _ in ended:
-            entries += last
-        return [ending for _, ending in ended], entries
-
     def _write_ends(self, ends: list[Ending], entries: list | None = None) -> None:
         """Write stream entries and endings, with every ending waiting in the coalescer, in one
-        script call (STREAM, which ends jobs too; END when there are no entries)."""
+        round trip (one STREAM and one END call)."""
         ends = self.endings.take() + ends
-        if entries:
-            calls = [self.adapter.stream_call(entries, [ending.call for ending in ends])]
-        else:
-            calls = self.adapter.merge_ends([ending.call for ending in ends])
+        calls: list = [self.adapter.stream_call(entries)] if entries else []
+        calls += self.adapter.merge_ends([ending.call for ending in ends])
         if calls:
             self.link.run(
                 calls, lambda replies: self._on_step_written(replies, bool(entries), ends)
             )
 
     def _on_step_written(self, replies: list[Any], has_entries: bool, ends: list[Ending]) -> None:
-        ended = replies[0] if ends else []
         if has_entries:
-            lost, ended = replies[0]
-            for job_id in lost:
+            for job_id in replies[0]:
                 self._drop(job_id.decode(), "lease lost: stream entry refused")
-        for ending, reply in zip(ends, ended, strict=True):
+            replies = replies[1:]
+        for ending, reply in zip(ends, replies[0] if ends else [], strict=True):
             self.ender.ended(ending, reply)
 
     def _observe_tokens(self, item: InFlight, output: Any, t: float) -> None:
@@ -546,7 +522,6 @@ class ControlLoop:
     def _heartbeat(self) -> None:
         claims = [i.claim for i in self.in_flight.values()]
         claims += [e.claim for e in self.endings.pending if e.claim is not None]
-        claims += [e.claim for _, e in self.window.ended if e.claim is not None]
         call = self.adapter.heartbeat_call(claims, "busy" if claims else "idle")
         ok, lost = self.link.attempt(lambda: self.link.scripts.call(call))
         if ok:

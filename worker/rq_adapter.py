@@ -479,53 +479,25 @@ class RQAdapter:
         return [*fields.values(), *_pairs(rq_fields), *_pairs(final_entry)]
 
     def stream_call(
-        self,
-        entries: list[tuple[Claim, dict[str, str], bool]],
-        ends: list[ScriptCall] | tuple = (),
+        self, entries: list[tuple[Claim, dict[str, str], bool]]
     ) -> ScriptCall | SplitCall:
-        """One fenced script writing a stream window: its entries, (claim, fields, set_ttl) per
-        job, then the endings `ends` (`end_call`s: the jobs that finished in the window, after
-        their last entries); one script per shard, when sharded.
+        """One fenced script appending a step's entries: (claim, fields, set_ttl) per job (one
+        per shard, when sharded).
 
-        Reply: [the job ids whose lease was lost (their entries were not written), one reply
-        per ending in order, as END's (1 ended, 0 lease lost)].
+        Reply: the job ids whose lease was lost (their entries were not written).
         """
-        named = len(END.args)
-        tags = [hash_tag(claim.job_id) for claim, _, _ in entries]
-        tags += [hash_tag(call.keys[0]) for call in ends]
-        groups = _by_shard(tags, lambda tag: tag)
+        groups = _by_shard(entries, lambda e: hash_tag(e[0].job_id))
         calls = []
         for indexes in groups.values():
             rest: list[Any] = []
-            keys = []
-            for claim, fields, set_ttl in (entries[i] for i in indexes if i < len(entries)):
+            for claim, fields, set_ttl in (entries[i] for i in indexes):
                 pairs = _pairs(fields)
                 rest += [claim.job_id, claim.execution, int(set_ttl), len(pairs), *pairs]
-                keys.append(rq_job_key(claim.job_id))
-            n_entry_args = len(rest)
-            for call in (ends[i - len(entries)] for i in indexes if i >= len(entries)):
-                rest += call.args[named:]
-                keys.append(call.keys[0])
-            args = {
-                "maxlen": STREAM_MAXLEN,
-                "stream_ttl": self.stream_ttl,
-                "counters": int(self.counters),
-                "n_entry_args": n_entry_args,
-            }
-            calls.append(_call(STREAM, args=args, rest_keys=[*keys, *self._worker_keys()],
-                               rest=rest))  # fmt: skip
-        if len(calls) == 1:
-            return calls[0]
-        end_groups = {
-            tag: [i - len(entries) for i in indexes if i >= len(entries)]
-            for tag, indexes in groups.items()
-        }
-        ended_in_order = _in_order(end_groups, len(ends))
-
-        def merge(replies: list) -> list:
-            return [_concat([r[0] for r in replies]), ended_in_order([r[1] for r in replies])]
-
-        return SplitCall(calls, merge=merge)
+            keys = [rq_job_key(entries[i][0].job_id) for i in indexes]
+            calls.append(_call(STREAM, args={"maxlen": STREAM_MAXLEN,
+                                             "stream_ttl": self.stream_ttl},
+                               rest_keys=keys, rest=rest))  # fmt: skip
+        return calls[0] if len(calls) == 1 else SplitCall(calls, merge=_concat)
 
     @staticmethod
     def cancel_check(job_ids: list[str]) -> Command | SplitCall:

@@ -285,10 +285,9 @@ local function new_acc()
 end
 
 -- Ends a started job whose hash fields `s` were read: RQ status and TTL, RQ's result entry
--- (when given: jobs of plain RQ producers), pagedq's result key, the final stream entry with
--- the result in it (when given: jobs that stream), its batch's counts and its producer's
--- event. Registry moves, the ending worker's counters and the tenant's charge go to `acc`,
--- written by `flush`.
+-- (when given: jobs of plain RQ producers), pagedq's result key, the final stream entry (when
+-- given: jobs that stream), its batch's counts and its producer's event. Registry moves, the
+-- ending worker's counters and the tenant's charge go to `acc`, written by `flush`.
 local function end_job(acc, s, job_id, queue, member, status, ended_at, score, ttl,
                        result_json, prompt_tokens, completion_tokens, rq_fields,
                        final_fields, stream_ttl, maxlen)
@@ -319,9 +318,6 @@ local function end_job(acc, s, job_id, queue, member, status, ended_at, score, t
     if s.batch then count_in_batch(s.batch, status, prompt_tokens, completion_tokens) end
     redis.call('SET', K.result .. job_id, result_json, 'EX', ttl)
     if #final_fields > 0 then
-        -- The final entry carries the result: its reader needs no read of the result key.
-        final_fields[#final_fields + 1] = 'result'
-        final_fields[#final_fields + 1] = result_json
         local skey = K.stream .. job_id
         redis.call('XADD', skey, 'MAXLEN', '~', maxlen, '*', unpack(final_fields))
         -- stream_ttl '0': the stream's TTL was set with its first entry of this run.
@@ -382,25 +378,6 @@ local function end_with(acc, s, e, status, maxlen)
     end_job(acc, s, e.job_id, e.queue, e.job_id .. ':' .. e.execution, status, e.ended_at,
         e.score, e.ttl, e.result, tonumber(e.prompt_tokens), tonumber(e.completion_tokens),
         e.rq_fields, e.final_fields, e.stream_ttl, maxlen)
-end
-
--- Ends each held job of the endings from ARGV[i] on (END's and STREAM's): per job 1 ended,
--- 0 when this execution no longer holds it (nothing written for it).
-local function end_all(i, maxlen, worker_key)
-    local acc, replies = new_acc(), {{}}
-    while i <= #ARGV do
-        local e, next_i = ending_at(i)
-        local s = job_state(RQ.job .. e.job_id)
-        if held_by(s, e.execution) then
-            end_with(acc, s, e, e.status, maxlen)
-            replies[#replies + 1] = 1
-        else
-            replies[#replies + 1] = 0
-        end
-        i = next_i
-    end
-    flush(acc, worker_key)
-    return replies
 end
 """
 _ENDING_LIBS = (UTIL_LUA, CHARGE_LUA, END_LUA, ENDING_LUA)
@@ -487,7 +464,22 @@ END = LuaScript(
     args=("maxlen", "counters"),
     libraries=_ENDING_LIBS,
     body="""
-return end_all(REST, a_maxlen, a_counters == '1' and KEYS[#KEYS] or '')
+local k_worker = a_counters == '1' and KEYS[#KEYS] or ''
+local acc, replies = new_acc(), {}
+local i = REST
+while i <= #ARGV do
+    local e, next_i = ending_at(i)
+    local s = job_state(RQ.job .. e.job_id)
+    if held_by(s, e.execution) then
+        end_with(acc, s, e, e.status, a_maxlen)
+        replies[#replies + 1] = 1
+    else
+        replies[#replies + 1] = 0
+    end
+    i = next_i
+end
+flush(acc, k_worker)
+return replies
 """,
 )
 
@@ -523,34 +515,29 @@ return 1
 """,
 )
 
-# KEYS: the job hashes of the entries, then those of the endings (one shard), then the
-# worker's key when `counters` is 1. ARGV after the named ones: `n_entry_args` values of token
-# entries (per job: job_id, execution, set_ttl (0/1), n, n field/values), then endings as END's.
-# One stream window in one call: appends its token entries, each only if its execution still
-# holds the job, then ends the jobs that finished in it (after their last entries), as END.
-# Returns {job ids whose entries were refused (the lease was lost), per ending 1 ended / 0 not
-# held}.
+# KEYS: the job hashes (one shard). ARGV after the named ones, per job: job_id, execution,
+# set_ttl (0/1), n, n field/values.
+# Appends one step's token entries, each only if its execution still holds the job.
+# Returns the job ids whose entries were refused (the lease was lost).
 STREAM = LuaScript(
     "stream",
-    args=("maxlen", "stream_ttl", "counters", "n_entry_args"),
-    libraries=_ENDING_LIBS,
+    args=("maxlen", "stream_ttl"),
+    libraries=(UTIL_LUA, CHARGE_LUA, END_LUA),
     body="""
 local lost = {}
-local i, last = REST, REST + tonumber(a_n_entry_args) - 1
-while i <= last do
+local i = REST
+while i <= #ARGV do
     local job_id, execution, set_ttl, n = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
     if held(RQ.job .. job_id, execution) then
         local skey = K.stream .. job_id
-        redis.call('XADD', skey, 'MAXLEN', '~', a_maxlen, '*', unpack(ARGV, i + 4, i + 3 + n))
+        redis.call('XADD', skey, 'MAXLEN', '~', a_maxlen, '*', unpack(slice(ARGV, i + 4, n)))
         if set_ttl == '1' then redis.call('EXPIRE', skey, a_stream_ttl) end
     else
         lost[#lost + 1] = job_id
     end
     i = i + 4 + n
 end
-local replies = {}
-if i <= #ARGV then replies = end_all(i, a_maxlen, a_counters == '1' and KEYS[#KEYS] or '') end
-return {lost, replies}
+return lost
 """,
 )
 

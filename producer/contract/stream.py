@@ -9,11 +9,8 @@ Field/value pairs, all strings:
   run is written at once. The deltas of a run concatenate to its final text, and its
   `token_ids` lists to its final token ids.
 - `event=restart`: a re-run of the job starts (its worker died); drop what was read before it.
-- `event=done finish_reason=<reason> result=<GenerationResult JSON>`: the job finished; its
-  result key is written, and the entry carries the same JSON, so a reader needs no other read.
-- `event=error error=<message> result=<GenerationResult JSON>`: the job failed
-  (`error=canceled`: it was canceled). `result` is absent from entries written before it was
-  added (and from a reader's synthetic final entries): read the result key then.
+- `event=done finish_reason=<reason>`: the job finished; its result key is written.
+- `event=error error=<message>`: the job failed (`error=canceled`: it was canceled).
 """
 
 from __future__ import annotations
@@ -26,8 +23,6 @@ RESTART = "restart"
 DONE = "done"
 ERROR = "error"
 FINAL_EVENTS = (DONE, ERROR)
-# The final entry's copy of the job's result (GenerationResult JSON), written by the worker.
-RESULT = "result"
 # The longest token_ids value a reader parses (ids of a window are far fewer).
 MAX_TOKEN_IDS_CHARS = 1 << 20
 

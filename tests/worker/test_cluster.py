@@ -178,14 +178,6 @@ def test_every_script_call_declares_keys_of_one_slot():
     # The calls about jobs of every shard are one script per shard.
     [merged] = adapter.merge_ends(ends)
     assert isinstance(merged, SplitCall) and len(merged.parts) == SHARDS
-    # A window's entries and endings: one STREAM per shard, each naming its jobs' hashes.
-    window = adapter.stream_call([(c, {"event": "token"}, True) for c in claims[1:]], ends[:1])
-    assert isinstance(window, SplitCall) and len(window.parts) == SHARDS
-    for part in window.parts:
-        assert len({slot_of(k) for k in part.keys}) == 1
-    ended_in = [rq_job_key(claims[0].job_id) in part.keys for part in window.parts]
-    replies = [[[b"lost%d" % i], [1] if has_end else []] for i, has_end in enumerate(ended_in)]
-    assert window.merge(replies) == [[b"lost0", b"lost1", b"lost2"], [1]]
 
 
 def test_a_dequeue_over_many_shards_asks_a_rotating_few():

@@ -58,26 +58,12 @@ def test_streamed_tokens_wait_one_window_from_the_oldest_then_all_go_together():
     assert not w.add("a", now=1.04, first=False)  # still one entry for "a"
     assert not w.due(now=1.059) and w.wait_s(now=1.03) == pytest.approx(0.03)
     assert w.due(now=1.06)  # one window after the oldest waiting token
-    assert w.take() == (["a", "b"], [])
+    assert w.take() == ["a", "b"]
     assert not w.due(now=9.0) and w.wait_s(now=9.0) is None
     assert not w.add("c", now=2.0, first=False)
     w.discard("c")  # it ended: its tokens went with its end
     assert w.wait_s(now=2.0) is None
     assert StreamWindow(interval_s=0).add("d", now=3.0, first=False)  # 0: every step
-
-
-def test_a_finished_job_waits_in_the_window_and_leaves_with_it():
-    w: StreamWindow[str] = StreamWindow(interval_s=0.1)
-    assert not w.add("a", now=1.0, first=False)
-    assert w.end("a", "end-a", now=1.05, first=False)  # waits: its tokens are due at 1.1
-    assert not w.due(now=1.09) and w.due(now=1.1)  # the window of "a"'s oldest token
-    assert w.take() == ([], ["end-a"])  # "a"'s waiting tokens go with its ending
-    assert w.end("b", "end-b", now=2.0, first=False)  # an ending alone opens a window
-    assert w.wait_s(now=2.0) == pytest.approx(0.1)
-    w.discard("c")  # another job's tokens leaving does not drop the waiting ending
-    assert w.take() == ([], ["end-b"])
-    assert not w.end("c", "end-c", now=3.0, first=True)  # its first token is its last: now
-    assert not StreamWindow(interval_s=0).end("d", "end-d", now=3.0, first=False)
 
 
 def test_a_dequeue_waits_for_room_for_several_jobs_unless_the_engine_is_nearly_empty():

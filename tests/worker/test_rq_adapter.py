@@ -27,7 +27,6 @@ from rq.serializers import JSONSerializer
 
 from producer.client import Client
 from producer.contract.codec import load_job_data
-from producer.contract.keys import JOB_FIELDS
 from producer.contract.models import canonical_model
 from producer.contract.routing import model_queue
 from worker.claim import Claim
@@ -154,39 +153,12 @@ def test_finish_writes_rq_state_the_result_key_and_the_final_entry_in_one_script
     assert _registries(redis_client) == {
         "started": [], "finished": [job_id], "failed": [], "canceled": []
     }  # fmt: skip
-    result_json = redis_client.get(f"pagedq:result:{job_id}")
-    assert json.loads(result_json)["text"] == "hi"
+    assert json.loads(redis_client.get(f"pagedq:result:{job_id}"))["text"] == "hi"
     entries = redis_client.xrange(f"pagedq:stream:{job_id}")
-    # The final entry carries the result: its reader needs no GET.
-    assert [e[1] for e in entries] == [{b"event": b"done", b"result": result_json}]
+    assert [e[1] for e in entries] == [{b"event": b"done"}]
     # Fenced: the same execution cannot end the job twice.
     assert adapter.scripts.call(end) == [0]
     assert len(job.results()) == 1 and redis_client.xlen(f"pagedq:stream:{job_id}") == 1
-
-
-def test_one_stream_call_writes_a_windows_entries_then_ends_the_jobs_finished_in_it(redis_client):
-    client = Client(connection=redis_client, queue=QUEUE)
-    ids = [client.submit(prompt="hi", max_tokens=4) for _ in range(3)]
-    adapter = _adapter(redis_client)
-    claims = {c.job_id: c for c in adapter.dequeue_many(3)}
-    a, b, c = (claims[j] for j in ids)
-    # Job c's lease is gone (reaped and taken by another worker): nothing is written for it.
-    redis_client.hset(f"rq:job:{c.job_id}", JOB_FIELDS["execution"], "another")
-    tokens = {"event": "token", "delta": "hi", "token_ids": "[1]"}
-    done = {"event": "done", "finish_reason": "length"}
-    ends = [adapter.end_call(x, "finished", _result("finished", x.job_id), done) for x in (b, c)]
-    call = adapter.stream_call([(x, tokens, True) for x in (a, b, c)], ends)
-
-    assert adapter.scripts.call(call) == [[c.job_id.encode()], [1, 0]]
-    stream = lambda x: [e[1][b"event"] for e in redis_client.xrange(f"pagedq:stream:{x}")]
-    assert stream(a.job_id) == [b"token"] and stream(c.job_id) == []
-    assert stream(b.job_id) == [b"token", b"done"]  # its last tokens, then its end
-    assert redis_client.ttl(f"pagedq:stream:{a.job_id}") > 0
-    assert _fetch(redis_client, b.job_id).get_status() == "finished"
-    assert _fetch(redis_client, a.job_id).get_status() == "started"
-    assert _registries(redis_client)["finished"] == [b.job_id]
-    # Entries alone: no endings in the reply.
-    assert adapter.scripts.call(adapter.stream_call([(a, tokens, False)])) == [[], []]
 
 
 def test_fail_and_cancel_land_in_rqs_failed_and_canceled_registries(redis_client):
