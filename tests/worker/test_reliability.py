@@ -55,13 +55,11 @@ class _Recorder(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def server():
-    with PrivateRedis(appendonly=True) as s:
-        _acl(s)
+    # The user is in the server's own configuration, so that it exists from the first
+    # connection after every restart: a worker that reconnects in between would be refused
+    # (a final error: it exits), as it is by a Redis that really lost the user.
+    with PrivateRedis(appendonly=True, args=["--user", "pagedq", *ACL_RULES]) as s:
         yield s
-
-
-def _acl(s: PrivateRedis) -> None:
-    s.client().execute_command("ACL", "SETUSER", "pagedq", *ACL_RULES)
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +312,6 @@ def test_redis_restarted_twice_during_a_100_job_run_loses_and_repeats_nothing(
         server.kill()  # SIGKILL; AOF (fsync always) keeps every acknowledged write
         time.sleep(down_s)  # longer than a lease: R must renew, not lose, its own jobs
         server.start()
-        _acl(server)
     _wait(lambda: _count_ended(server, job_ids) == 100, 600, "all 100 jobs")
 
     check = server.client()
