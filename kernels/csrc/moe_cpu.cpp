@@ -54,9 +54,10 @@ bool fused_moe_available(c10::ScalarType dtype) {
 
 #if defined(PAGEDQ_AMX)
 constexpr int64_t kAmxMinRows = 16;  // an expert's rows from which its products go to AMX
-constexpr int kActRows = kAmxRows > kMR ? kAmxRows : kMR;
+// Rows of the largest chunk of one column block (an AMX pass's; a micro-kernel's without AMX).
+constexpr int kMaxChunkRows = kAmxRows > kMR ? kAmxRows : kMR;
 #else
-constexpr int kActRows = kMR;
+constexpr int kMaxChunkRows = kMR;
 #endif
 
 // A thread's tile configuration for the AMX paths while it lives (`on`), released after.
@@ -190,24 +191,33 @@ std::pair<int64_t, int64_t> share(const std::vector<double>& prefix, int64_t i, 
   return {std::min(at(i), int64_t(prefix.size()) - 1), at(i + 1)};
 }
 
-// Rows [m0, m1) of x against one column block in micro-kernels of kMR rows; `up` given, the
-// gate block then the up block per micro-kernel (the activation fused, in `gate`/`mul`).
+// Rows per chunk of one column block: a tile pass's on AMX, a micro-kernel's otherwise.
+inline int64_t chunk_rows(bool amx) { return amx ? kMaxChunkRows : kMR; }
+
+// Rows [m, m + rows) of x (rows <= chunk_rows(amx)) against one column block: on AMX tiles
+// (bf16, `amx`) or in one AVX micro-kernel, which prefetches `next`.
 template <typename T, template <int, int> class Kernel, int NV, class O>
-void rows_of_block(const T* x, int64_t ldx, const T* w, int64_t K, const char* next, O o,
-                   int64_t m0, int64_t m1, int64_t col0, bool amx) {
+void chunk(bool amx, int rows, const T* x, int64_t ldx, const T* w, int64_t K, const char* next,
+           const O& o, int64_t m, int64_t col0) {
 #if defined(PAGEDQ_AMX)
   if constexpr (sizeof(T) == 2) {
     if (amx) {
-      for (int64_t m = m0; m < m1; m += kAmxRows)
-        amx_rows<NV>(static_cast<int>(std::min<int64_t>(kAmxRows, m1 - m)), x, ldx, w, K, o, m,
-                     col0);
+      amx_rows<NV>(rows, x, ldx, w, K, o, m, col0);
       return;
     }
   }
 #endif
-  for (int64_t m = m0; m < m1; m += kMR) {
-    const int rows = static_cast<int>(std::min<int64_t>(kMR, m1 - m));
-    micro_rows<T, Kernel, NV>(rows, x, ldx, w, K, next, o, m, col0);
+  micro_rows<T, Kernel, NV>(rows, x, ldx, w, K, next, o, m, col0);
+}
+
+// Rows [m0, m1) of x against one column block, in chunks.
+template <typename T, template <int, int> class Kernel, int NV, class O>
+void rows_of_block(const T* x, int64_t ldx, const T* w, int64_t K, const char* next, O o,
+                   int64_t m0, int64_t m1, int64_t col0, bool amx) {
+  const int64_t step = chunk_rows(amx);
+  for (int64_t m = m0; m < m1; m += step) {
+    const int rows = static_cast<int>(std::min<int64_t>(step, m1 - m));
+    chunk<T, Kernel, NV>(amx, rows, x, ldx, w, K, next, o, m, col0);
     next = nullptr;  // prefetched once, with the block's first rows
   }
 }
@@ -272,7 +282,7 @@ void run_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, c
   T* interp = reinterpret_cast<T*>(inter.data_ptr());
   if (spare) std::memset(interp + pairs * Ip, 0, spare * Ip * sizeof(T));
   at::parallel_for(0, threads, 1, [&](int64_t i0, int64_t i1) {
-    alignas(64) float act[kActRows * kNR];
+    alignas(64) float act[kMaxChunkRows * kNR];
     const TileScope tiles(amx);
     for (int64_t i = i0; i < i1; ++i) {
       const auto [first, last] = share(prefix, i, threads);
@@ -294,24 +304,13 @@ void run_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, c
           o.bias = b13 + e * 2 * Ip + b * kNR;
           mul.bias = o.bias + Ip;
         }
-#if defined(PAGEDQ_AMX)
-        if constexpr (bf16) {
-          if (on_amx(e)) {
-            for (int64_t m = g.offsets[e]; m < g.offsets[e + 1]; m += kAmxRows) {
-              const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, g.offsets[e + 1] - m));
-              o.act_row0 = mul.act_row0 = m;
-              amx_rows<4>(rows, xsp, H, gate, H, o, m, b * kNR);
-              amx_rows<4>(rows, xsp, H, up, H, mul, m, b * kNR);
-            }
-            continue;
-          }
-        }
-#endif
-        for (int64_t m = g.offsets[e]; m < g.offsets[e + 1]; m += kMR) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMR, g.offsets[e + 1] - m));
+        const bool tiles_e = on_amx(e);
+        const int64_t step = chunk_rows(tiles_e);
+        for (int64_t m = g.offsets[e]; m < g.offsets[e + 1]; m += step) {
+          const int rows = static_cast<int>(std::min<int64_t>(step, g.offsets[e + 1] - m));
           o.act_row0 = mul.act_row0 = m;
-          micro_rows<T, Kernel, 4>(rows, xsp, H, gate, H, next, o, m, b * kNR);
-          micro_rows<T, Kernel, 4>(rows, xsp, H, up, H, up_next, mul, m, b * kNR);
+          chunk<T, Kernel, 4>(tiles_e, rows, xsp, H, gate, H, next, o, m, b * kNR);
+          chunk<T, Kernel, 4>(tiles_e, rows, xsp, H, up, H, up_next, mul, m, b * kNR);
           next = up_next = nullptr;
         }
       }

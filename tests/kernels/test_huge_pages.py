@@ -23,15 +23,8 @@ def anon_huge_kib(tensor: torch.Tensor) -> int:
     """AnonHugePages of the mappings that hold ``tensor``'s memory, from /proc/self/smaps."""
     start = tensor.data_ptr()
     end = start + tensor.untyped_storage().nbytes()
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo < end and start < hi
-        elif inside and head == "AnonHugePages:":
-            total += int(line.split()[1])
-    return total
+    smaps = Path("/proc/self/smaps").read_text()
+    return sum(int(m["AnonHugePages"][0]) for m in mappings_over(smaps, start, end))
 
 
 def test_zeros_huge_is_zeros_of_the_shape_and_dtype():
