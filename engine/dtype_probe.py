@@ -123,13 +123,12 @@ def measure_projections() -> tuple[float, float, bool, str, str]:
     of each (oneDNN builds its kernels then), the ways take turns, so a change in the host's
     load weighs on all alike.
     """
-    from kernels.packed_linear import pagedq_gemm_available
+    from kernels.packed_linear import onednn_packs, pagedq_gemm_available
 
-    runs = {
-        "float32": _projections(torch.float32, gemm="onednn"),
-        "bfloat16": _projections(torch.bfloat16, widen=False, gemm="onednn"),
-        "widened": _projections(torch.bfloat16, widen=True, gemm="onednn"),
-    }
+    runs = {"float32": _projections(torch.float32, gemm="onednn")}
+    if onednn_packs(torch.bfloat16):
+        runs["bfloat16"] = _projections(torch.bfloat16, widen=False, gemm="onednn")
+    runs["widened"] = _projections(torch.bfloat16, widen=True, gemm="onednn")
     if pagedq_gemm_available(torch.float32):
         runs["float32 pagedq"] = _projections(torch.float32, gemm="pagedq")
     if pagedq_gemm_available(torch.bfloat16):
@@ -147,7 +146,7 @@ def measure_projections() -> tuple[float, float, bool, str, str]:
     median = {way: [statistics.median(c) for c in zip(*t)] for way, t in times.items()}
 
     def pick(onednn_ways: list[str], pagedq_way: str) -> tuple[str, str]:
-        best = min(onednn_ways, key=lambda w: sum(median[w]))
+        best = min((w for w in onednn_ways if w in median), key=lambda w: sum(median[w]))
         if pagedq_way in median and median[pagedq_way][0] < median[best][0]:
             return pagedq_way, "pagedq"
         return best, "onednn"

@@ -16,6 +16,7 @@ by ``engine/models/packed_linear.py``.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -36,6 +37,17 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
+
+
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """True where oneDNN reorders a ``dtype`` weight on this CPU: its bf16 layout needs
+    AVX512-BW/VL/DQ or AVX-NE-CONVERT, which an AVX2 host (AMD Zen 2 and 3) lacks."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
 
 
 def pagedq_gemm_available(dtype: torch.dtype) -> bool:
@@ -68,6 +80,9 @@ class PackedLinear(nn.Module):
             raise ValueError(f"gemm={gemm!r} is not supported: must be one of {GEMMS}")
         if gemm == "pagedq" and not pagedq_gemm_available(self.compute_dtype):
             gemm = "onednn"
+        if gemm == "onednn" and not onednn_packs(self.compute_dtype):
+            # No bf16 layout of oneDNN's on this CPU: widened, the same numbers at fp32's speed.
+            self.compute_dtype = torch.float32
         self.gemm = gemm
         with torch.no_grad():
             plain = weight.detach().to(self.compute_dtype).contiguous()

@@ -1,5 +1,6 @@
-// The AVX-512 micro-kernels of pagedq's GEMM over packed weights, shared by the projections
-// (linear_cpu.cpp) and the grouped expert GEMMs of mixture-of-experts layers (moe_cpu.cpp).
+// The micro-kernels of pagedq's GEMM over packed weights, shared by the projections
+// (linear_cpu.cpp) and the grouped expert GEMMs of mixture-of-experts layers (moe_cpu.cpp):
+// AVX-512 here, AVX2 in gemm_avx2_cpu.h (PAGEDQ_GEMM_FP32 / _BF16 say what this build has).
 //
 // Layout: W [N, K] packed as column blocks of 64 (kNR) output features, zero-padded:
 //   fp32  [N/64][K][64]            one row of 64 floats per k
@@ -15,12 +16,32 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#define PAGEDQ_GEMM_FP32 1
+#if defined(__AVX512BF16__)
+#define PAGEDQ_GEMM_BF16 1
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGEDQ_GEMM_FP32 1
+#define PAGEDQ_GEMM_BF16 1  // widened to fp32 in registers
+#define PAGEDQ_GEMM_AVX2 1
 #endif
 
 namespace pagedq_gemm {
 
 constexpr int64_t kNR = 64;  // output features per column block (4 vectors of 16)
-constexpr int kMR = 6;       // rows per micro-kernel: 24 sums + 4 weights + 1 x in 32 zmm
+// Rows per micro-kernel: 24 sums + 4 weights + 1 x in 32 zmm; 12 + 2 + 1 in 16 ymm (AVX2).
+constexpr int kMR = 6;
+
+#if defined(PAGEDQ_GEMM_FP32)
+// Prefetches 64 bytes x 4 of `next` (the same k rows of the next block) into L2.
+inline void prefetch_rows(const char* next) {
+  _mm_prefetch(next, _MM_HINT_T1);
+  _mm_prefetch(next + 64, _MM_HINT_T1);
+  _mm_prefetch(next + 128, _MM_HINT_T1);
+  _mm_prefetch(next + 192, _MM_HINT_T1);
+}
+#endif
 
 #if defined(__AVX512F__)
 
@@ -34,14 +55,6 @@ inline __m512 round_to_bf16(__m512 v) {
   const __m512i quiet = _mm512_and_si512(_mm512_or_si512(bits, _mm512_set1_epi32(0x400000)),
                                          _mm512_set1_epi32(int32_t(0xFFFF0000u)));
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, quiet));
-}
-
-// Prefetches 64 bytes x 4 of `next` (the same k rows of the next block) into L2.
-inline void prefetch_rows(const char* next) {
-  _mm_prefetch(next, _MM_HINT_T1);
-  _mm_prefetch(next + 64, _MM_HINT_T1);
-  _mm_prefetch(next + 128, _MM_HINT_T1);
-  _mm_prefetch(next + 192, _MM_HINT_T1);
 }
 
 // NV vectors of 16 columns: 4 (a whole block) or 2 (half a block, where the threads split one).
@@ -112,6 +125,18 @@ struct Bf16Kernel {
 };
 #endif
 
+#endif  // __AVX512F__
+
+}  // namespace pagedq_gemm
+
+#if defined(PAGEDQ_GEMM_AVX2)
+#include "gemm_avx2_cpu.h"
+#endif
+
+namespace pagedq_gemm {
+
+#if defined(PAGEDQ_GEMM_FP32)
+
 // `rows` (1 to kMR) rows from row m of x against one column block: one micro-kernel.
 template <typename T, template <int, int> class Kernel, int NV, class O>
 void micro_rows(int rows, const T* x, int64_t ldx, const T* w, int64_t K, const char* next,
@@ -128,6 +153,6 @@ void micro_rows(int rows, const T* x, int64_t ldx, const T* w, int64_t K, const 
   }
 }
 
-#endif  // __AVX512F__
+#endif  // PAGEDQ_GEMM_FP32
 
 }  // namespace pagedq_gemm

@@ -55,8 +55,9 @@ bool packed_linear_available(c10::ScalarType dtype) {
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_linear_weight: weight must be [out, in]");
-  TORCH_CHECK(packed_linear_available(weight.scalar_type()),
-              "pack_linear_weight: dtype ", weight.scalar_type(), " is not supported on this build");
+  // The layout is the same on every host: the expert GEMMs may run where the projections don't.
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "pack_linear_weight: dtype must be float32 or bfloat16, got ", weight.scalar_type());
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), NB = (N + kNR - 1) / kNR;
   if (w.scalar_type() == at::kFloat) {

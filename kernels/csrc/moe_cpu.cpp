@@ -41,22 +41,24 @@ using namespace pagedq_gemm;
 enum Activation : int64_t { kSiluMul = 0, kSwigluOai = 1 };
 
 bool fused_moe_available(c10::ScalarType dtype) {
-#if defined(__AVX512F__)
+#if defined(PAGEDQ_GEMM_FP32)
   if (dtype == at::kFloat) return true;
 #endif
-#if defined(__AVX512BF16__)
+#if defined(PAGEDQ_GEMM_BF16)
   if (dtype == at::kBFloat16) return true;
 #endif
   return false;
 }
 
-#if defined(__AVX512F__)
+#if defined(PAGEDQ_GEMM_FP32)
 
 #if defined(PAGEDQ_AMX)
 constexpr int64_t kAmxMinRows = 16;  // an expert's rows from which its products go to AMX
 // Rows of the largest chunk of one column block (an AMX pass's; a micro-kernel's without AMX).
 constexpr int kMaxChunkRows = kAmxRows > kMR ? kAmxRows : kMR;
 #else
+constexpr int64_t kAmxMinRows = 0;  // unused: no expert goes to tiles without AMX
+constexpr int64_t kAmxRows = 0;
 constexpr int kMaxChunkRows = kMR;
 #endif
 
@@ -96,12 +98,6 @@ Routing group_by_expert(const int64_t* ids, int64_t pairs, int64_t E) {
   return g;
 }
 
-inline __m512 sigmoid_times(__m512 g, __m512 z) {  // g / (1 + exp(-z))
-  const pagedq_vec::vfloat zv = reinterpret_cast<const pagedq_vec::vfloat&>(z);
-  const pagedq_vec::vfloat d = 1.f + pagedq_vec::exp_v(-zv);
-  return _mm512_div_ps(g, reinterpret_cast<const __m512&>(d));
-}
-
 // gate_up's epilogue: the gate block's pass writes the activated gate of kMR x 64 values to
 // `act`; the up block's pass multiplies its values by them into the intermediate rows.
 struct GateUpOut {
@@ -115,6 +111,27 @@ struct GateUpOut {
   void* inter;  // [rows, ld] of x's dtype
   int64_t ld;
 };
+
+// down's epilogue: each row (a (token, slot) pair) times its routing weight, added into the
+// token's row of the fp32 accumulator.
+struct DownOut {
+  bool bf16;
+  const float* bias;  // this expert's biases from col0, or nullptr
+  int64_t valid;      // columns of this (half) block inside hidden
+  const int64_t* order;
+  const float* weights;  // [tokens * top_k]
+  int64_t top_k;
+  float* acc;  // [tokens, ld]
+  int64_t ld;
+};
+
+#if defined(__AVX512F__)
+
+inline __m512 sigmoid_times(__m512 g, __m512 z) {  // g / (1 + exp(-z))
+  const pagedq_vec::vfloat zv = reinterpret_cast<const pagedq_vec::vfloat&>(z);
+  const pagedq_vec::vfloat d = 1.f + pagedq_vec::exp_v(-zv);
+  return _mm512_div_ps(g, reinterpret_cast<const __m512&>(d));
+}
 
 inline void store_row(const GateUpOut& o, int64_t row, int64_t col0, const __m512* acc) {
   for (int j = 0; j < 4; ++j) {
@@ -149,19 +166,6 @@ inline void store_row(const GateUpOut& o, int64_t row, int64_t col0, const __m51
   }
 }
 
-// down's epilogue: each row (a (token, slot) pair) times its routing weight, added into the
-// token's row of the fp32 accumulator.
-struct DownOut {
-  bool bf16;
-  const float* bias;  // this expert's biases from col0, or nullptr
-  int64_t valid;      // columns of this (half) block inside hidden
-  const int64_t* order;
-  const float* weights;  // [tokens * top_k]
-  int64_t top_k;
-  float* acc;  // [tokens, ld]
-  int64_t ld;
-};
-
 inline void store_row(const DownOut& o, int64_t row, int64_t col0, const __m512* acc) {
   const int64_t pair = o.order[row];
   const __m512 w = _mm512_set1_ps(o.weights[pair]);
@@ -178,6 +182,94 @@ inline void store_row(const DownOut& o, int64_t row, int64_t col0, const __m512*
     _mm512_mask_storeu_ps(dst + j * 16, mask, sum);
   }
 }
+
+// This thread's columns [c0, c1) of the fp32 sums, rounded to bf16 once.
+inline void round_columns(const float* acc, uint16_t* dst, int64_t T_, int64_t H, int64_t c0,
+                          int64_t c1) {
+  for (int64_t t = 0; t < T_; ++t) {
+    for (int64_t c = c0; c < c1; c += 16) {
+      const int64_t left = c1 - c;
+      const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+      const __m512 v = _mm512_maskz_loadu_ps(mask, acc + t * H + c);
+      const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round_to_bf16(v)), 16);
+      _mm256_mask_storeu_epi16(dst + t * H + c, mask, _mm512_cvtepi32_epi16(bits));
+    }
+  }
+}
+
+#else  // AVX2: the same epilogues on the sums as floats, in vectors of 8
+
+using pagedq_vec::kLanes;
+using pagedq_vec::vfloat;
+
+inline vfloat sigmoid_times(vfloat g, vfloat z) { return g / (1.f + pagedq_vec::exp_v(-z)); }
+
+inline void store_row(const GateUpOut& o, int64_t row, int64_t col0, const float* sums) {
+  using pagedq_vec::loadv;
+  using pagedq_vec::round_bf16;
+  using pagedq_vec::storev;
+  for (int j = 0; j < kNR; j += kLanes) {
+    vfloat v = loadv(sums + j);
+    if (o.bias) v += loadv(o.bias + j);
+    if (o.bf16) v = round_bf16(v);  // a bf16 linear's output
+    float* act = o.act + (row - o.act_row0) * kNR + j;
+    if (!o.up_pass) {
+      vfloat a;
+      if (o.activation == kSwigluOai) {  // gate.clamp(max=limit) * sigmoid(alpha * gate)
+        const vfloat limit = vfloat{} + o.limit;
+        const vfloat g = v < limit ? v : limit;
+        a = sigmoid_times(g, g * o.alpha);
+      } else {  // silu(gate)
+        a = sigmoid_times(v, v);
+      }
+      storev(act, o.bf16 ? round_bf16(a) : a);
+      continue;
+    }
+    if (o.activation == kSwigluOai) {  // (up.clamp(-limit, limit) + 1) * glu
+      const vfloat limit = vfloat{} + o.limit;
+      v = v < limit ? v : limit;
+      v = v > -limit ? v : -limit;
+      v += 1.f;
+      if (o.bf16) v = round_bf16(v);
+    }
+    v = loadv(act) * v;
+    if (o.bf16) {
+      pagedq_vec::narrow_bf16(static_cast<uint16_t*>(o.inter) + row * o.ld + col0 + j, v);
+    } else {
+      storev(static_cast<float*>(o.inter) + row * o.ld + col0 + j, v);
+    }
+  }
+}
+
+inline void store_row(const DownOut& o, int64_t row, int64_t col0, const float* sums) {
+  const int64_t pair = o.order[row];
+  const float w = o.weights[pair];
+  float* dst = o.acc + pair / o.top_k * o.ld + col0;
+  int64_t j = 0;
+  for (; j + kLanes <= o.valid; j += kLanes) {
+    vfloat v = pagedq_vec::loadv(sums + j);
+    if (o.bias) v += pagedq_vec::loadv(o.bias + j);
+    if (o.bf16) v = pagedq_vec::round_bf16(v);  // the expert's output as a bf16 linear leaves it
+    pagedq_vec::storev(dst + j, pagedq_vec::loadv(dst + j) + v * w);
+  }
+  for (; j < o.valid; ++j) {  // the last block's columns past a multiple of 8
+    float v = sums[j] + (o.bias ? o.bias[j] : 0.f);
+    if (o.bf16) v = static_cast<float>(c10::BFloat16(v));
+    dst[j] += v * w;
+  }
+}
+
+inline void round_columns(const float* acc, uint16_t* dst, int64_t T_, int64_t H, int64_t c0,
+                          int64_t c1) {
+  for (int64_t t = 0; t < T_; ++t) {
+    int64_t c = c0;
+    for (; c + kLanes <= c1; c += kLanes)
+      pagedq_vec::narrow_bf16(dst + t * H + c, pagedq_vec::loadv(acc + t * H + c));
+    for (; c < c1; ++c) dst[t * H + c] = c10::BFloat16(acc[t * H + c]).x;
+  }
+}
+
+#endif  // __AVX512F__
 
 // A run of contiguous tasks of about equal cost for thread `i` of `threads`: [first, last).
 std::pair<int64_t, int64_t> share(const std::vector<double>& prefix, int64_t i, int64_t threads) {
@@ -357,23 +449,13 @@ void run_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, c
           }
         }
       }
-      if (!fp32_out) {  // this thread's columns, rounded to bf16 once
-        uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
-        for (int64_t t = 0; t < T_; ++t) {
-          for (int64_t c = c0; c < c1; c += 16) {
-            const int64_t left = c1 - c;
-            const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-            const __m512 v = _mm512_maskz_loadu_ps(mask, acc + t * H + c);
-            const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round_to_bf16(v)), 16);
-            _mm256_mask_storeu_epi16(dst + t * H + c, mask, _mm512_cvtepi32_epi16(bits));
-          }
-        }
-      }
+      if (!fp32_out)  // this thread's columns, rounded to bf16 once
+        round_columns(acc, reinterpret_cast<uint16_t*>(out.data_ptr()), T_, H, c0, c1);
     }
   });
 }
 
-#endif  // __AVX512F__
+#endif  // PAGEDQ_GEMM_FP32
 
 // out [tokens, hidden] = sum over each token's top_k experts of weight * down(act(gate_up(x))).
 // w13: per expert gate_up packed by pack_linear_weight and stacked, [E, 2 * NBi, ...] with the
@@ -426,14 +508,14 @@ void fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
   }
   if (T_ == 0) return;
   const int64_t top_k = topk_ids.size(1);
-#if defined(__AVX512F__)
+#if defined(PAGEDQ_GEMM_FP32)
   if (!bf16) {
     run_moe<float, Fp32Kernel>(x, w13, w2, b13, b2, topk_weights.data_ptr<float>(),
                                topk_ids.data_ptr<int64_t>(), top_k, activation, float(alpha),
                                float(limit), out);
     return;
   }
-#if defined(__AVX512BF16__)
+#if defined(PAGEDQ_GEMM_BF16)
   run_moe<uint16_t, Bf16Kernel>(x, w13, w2, b13, b2, topk_weights.data_ptr<float>(),
                                 topk_ids.data_ptr<int64_t>(), top_k, activation, float(alpha),
                                 float(limit), out);

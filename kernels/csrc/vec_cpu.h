@@ -41,6 +41,16 @@ inline void narrow_bf16(uint16_t* p, vfloat v) {
   *reinterpret_cast<vhalf_u*>(p) = __builtin_convertvector(out, vhalf);
 }
 
+// v rounded to bf16's precision and kept in fp32 (the value a bf16 output holds), by the rule
+// of narrow_bf16.
+inline vfloat round_bf16(vfloat v) {
+  const vuint bits = reinterpret_cast<const vuint&>(v);
+  const vuint rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u;
+  const vint is_nan = (bits & 0x7FFFFFFF) > 0x7F800000;
+  const vuint out = is_nan ? ((bits | 0x400000) & 0xFFFF0000u) : rounded;
+  return reinterpret_cast<const vfloat&>(out);
+}
+
 // The 2 * kLanes bf16 values at p as two exact fp32 vectors: a vector of kLanes 32-bit lanes
 // holds the even elements in its low halves and the odd ones in its high halves, so a shift and
 // a mask widen both (one op per kLanes values, against a zero-extending shuffle and a shift).

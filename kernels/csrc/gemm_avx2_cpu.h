@@ -1,0 +1,151 @@
+// The AVX2 (+FMA) micro-kernels of pagedq's GEMM, for hosts without AVX-512 (AMD Zen 2 and 3,
+// Intel before Skylake-SP, an image built for x86-64-v3): the same packed layout as gemm_cpu.h,
+// so that the packers and the callers' loops are the same on every host.
+//
+// 16 ymm registers hold 6 rows x 16 columns of sums (12), two weight vectors and one x value:
+// a block's 64 columns are four strips of 16. Running each strip over the whole K would read
+// the block four times over, each pass taking one 64-byte line of every 256-byte k row, so K
+// goes in chunks of kKc: the four strips run over one chunk (16 KB of fp32 weights, in L1)
+// before the next, their sums parked in a row buffer between strips. The sums reach the
+// caller's epilogue as floats: `store_row(const O&, int64_t row, int64_t col0, const float*)`,
+// NV x 16 of them.
+// bf16 weights (and x) are widened to fp32 in registers: a k-pair row's 32-bit lane holds the
+// even k in its low half and the odd k in its high half, so a shift and a mask give both.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace pagedq_gemm {
+
+constexpr int64_t kKc = 64;  // k values (k-pairs in bf16) per chunk: 16 KB of one block
+
+// Loads the lines of row k + kKc of the current block into L1 while row k is used (the strips
+// jump between lines, which the hardware prefetcher follows less well than one stream), and
+// row k of the next block into L2.
+inline void prefetch_chunk_rows(const char* row, const char* next_row, bool ahead) {
+  if (ahead) {
+    const char* p = row + kKc * kNR * 4;
+    _mm_prefetch(p, _MM_HINT_T0);
+    _mm_prefetch(p + 64, _MM_HINT_T0);
+    _mm_prefetch(p + 128, _MM_HINT_T0);
+    _mm_prefetch(p + 192, _MM_HINT_T0);
+  }
+  if (next_row) prefetch_rows(next_row);
+}
+
+// NV strips of 16 columns: 4 (a whole block) or 2 (half a block, where the threads split one).
+template <int MR, int NV, class O>
+void micro_fp32(const float* x, int64_t ldx, const float* w, int64_t K, const char* next,
+                const O& o, int64_t row0, int64_t col0) {
+  alignas(32) float sums[MR][kNR];
+  if (K == 0) std::memset(sums, 0, sizeof(sums));
+  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+    const int64_t k1 = std::min(K, k0 + kKc);
+    for (int s = 0; s < NV; ++s) {
+      __m256 acc[MR][2];
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < 2; ++j)
+          acc[r][j] = k0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(&sums[r][s * 16 + j * 8]);
+      for (int64_t k = k0; k < k1; ++k) {
+        const float* b = w + k * kNR + s * 16;
+        if (s == 0)
+          prefetch_chunk_rows(reinterpret_cast<const char*>(w + k * kNR),
+                              next ? next + k * kNR * 4 : nullptr, k + kKc < K);
+        const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+        for (int r = 0; r < MR; ++r) {
+          const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+          acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+        }
+      }
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < 2; ++j) _mm256_store_ps(&sums[r][s * 16 + j * 8], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) store_row(o, row0 + r, col0, sums[r]);
+}
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <int MR, int NV, class O>
+void micro_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const char* next,
+                const O& o, int64_t row0, int64_t col0) {
+  alignas(32) float sums[MR][kNR];
+  alignas(32) float xf[MR][2 * kKc];  // this chunk's x values in fp32 (0 past an odd K)
+  const int64_t K2 = (K + 1) / 2;
+  if (K2 == 0) std::memset(sums, 0, sizeof(sums));
+  const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+  for (int64_t c0 = 0; c0 < K2; c0 += kKc) {
+    const int64_t c1 = std::min(K2, c0 + kKc);
+    for (int r = 0; r < MR; ++r)
+      for (int64_t i = 0; i < 2 * (c1 - c0); ++i) {
+        const int64_t k = 2 * c0 + i;
+        xf[r][i] = k < K ? bf16_to_float(x[r * ldx + k]) : 0.f;
+      }
+    for (int s = 0; s < NV; ++s) {
+      __m256 acc[MR][2];
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < 2; ++j)
+          acc[r][j] = c0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(&sums[r][s * 16 + j * 8]);
+      for (int64_t c = c0; c < c1; ++c) {
+        const uint16_t* b = w + c * kNR * 2 + s * 32;
+        if (s == 0)
+          prefetch_chunk_rows(reinterpret_cast<const char*>(w + c * kNR * 2),
+                              next ? next + c * kNR * 4 : nullptr, c + kKc < K2);
+        const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+        const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+        const float* xe = &xf[0][2 * (c - c0)];
+        {
+          const __m256 b0 = _mm256_castsi256_ps(_mm256_slli_epi32(p0, 16));
+          const __m256 b1 = _mm256_castsi256_ps(_mm256_slli_epi32(p1, 16));
+          for (int r = 0; r < MR; ++r) {
+            const __m256 a = _mm256_broadcast_ss(xe + r * 2 * kKc);
+            acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+          }
+        }
+        {
+          const __m256 b0 = _mm256_castsi256_ps(_mm256_and_si256(p0, high));
+          const __m256 b1 = _mm256_castsi256_ps(_mm256_and_si256(p1, high));
+          for (int r = 0; r < MR; ++r) {
+            const __m256 a = _mm256_broadcast_ss(xe + r * 2 * kKc + 1);
+            acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+          }
+        }
+      }
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < 2; ++j) _mm256_store_ps(&sums[r][s * 16 + j * 8], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) store_row(o, row0 + r, col0, sums[r]);
+}
+
+template <int MR, int NV>
+struct Fp32Kernel {
+  template <class O>
+  static void run(const float* x, int64_t ldx, const float* w, int64_t K, const char* next,
+                  const O& o, int64_t row0, int64_t col0) {
+    micro_fp32<MR, NV>(x, ldx, w, K, next, o, row0, col0);
+  }
+};
+
+template <int MR, int NV>
+struct Bf16Kernel {
+  template <class O>
+  static void run(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
+                  const char* next, const O& o, int64_t row0, int64_t col0) {
+    micro_bf16<MR, NV>(x, ldx, w, K, next, o, row0, col0);
+  }
+};
+
+}  // namespace pagedq_gemm
