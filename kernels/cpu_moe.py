@@ -1,10 +1,11 @@
-"""Mixture-of-experts layers on pagedq's AVX-512 GEMM (``kernels/csrc/moe_cpu.cpp``).
+"""Mixture-of-experts layers on pagedq's CPU GEMM (``kernels/csrc/moe_cpu.cpp``).
 
 Each expert's gate_up and down weights are packed once, as ``kernels.cpu_linear`` packs a
 projection, and stacked; one ``fused_moe`` call then runs a whole layer's experts: the routed
 (token, slot) pairs sorted by expert, each expert's rows as one GEMM per weight block, threads
 over (expert, column block) tasks, the activation and the weighted sum in the epilogues.
-fp32 needs an AVX-512 build, bf16 AVX512-BF16; elsewhere ``fused_moe_available`` is False and
+fp32 and bf16 need an AVX2 (with FMA) or AVX-512 build, bf16 on AVX-512 AVX512-BF16 too
+(AVX2 widens bf16 weights to fp32 in registers); elsewhere ``fused_moe_available`` is False and
 the torch reference (``kernels.reference.fused_experts_torch``) runs.
 """
 

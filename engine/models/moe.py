@@ -120,8 +120,8 @@ class FusedMoE(nn.Module):
 
     def prepack(self) -> bool:
         """Pack the experts once for the C++ kernel where it runs this dtype (a CPU backend,
-        AVX-512; bf16 AVX512-BF16); the plain 3-D weights are then released. Idempotent; call
-        after loading, with the model on its device and dtype."""
+        AVX2 or AVX-512, bf16 on AVX-512 with AVX512-BF16); the plain 3-D weights are then
+        released. Idempotent; call after loading, with the model on its device and dtype."""
         if self.packed is not None:
             return True
         weight = self.w13_weight
