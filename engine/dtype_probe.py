@@ -32,7 +32,7 @@ from engine.cpu_features import cpu_flags, cpuinfo_field
 log = logging.getLogger(__name__)
 
 PROBE_VERSION = (
-    4  # bump when the measurement or a dtype's path changes: older files are measured again
+    5  # bump when the measurement or a dtype's path changes: older files are measured again
 )
 # One SmolLM2-135M decoder layer, (out_features, in_features): QKV, O, gate/up, down. The
 # engine picks its dtype before it reads the model's config, so the probe uses the default

@@ -89,11 +89,17 @@ void micro_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, co
   const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
   for (int64_t c0 = 0; c0 < K2; c0 += kKc) {
     const int64_t c1 = std::min(K2, c0 + kKc);
-    for (int r = 0; r < MR; ++r)
-      for (int64_t i = 0; i < 2 * (c1 - c0); ++i) {
-        const int64_t k = 2 * c0 + i;
-        xf[r][i] = k < K ? bf16_to_float(x[r * ldx + k]) : 0.f;
+    const int64_t n = std::min(K, 2 * c1) - 2 * c0;  // x values of this chunk
+    for (int r = 0; r < MR; ++r) {
+      const uint16_t* xr = x + r * ldx + 2 * c0;
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {  // 8 at a time: zero-extended and shifted into the high half
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + i));
+        _mm256_store_ps(&xf[r][i], _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
       }
+      for (; i < n; ++i) xf[r][i] = bf16_to_float(xr[i]);
+      for (; i < 2 * (c1 - c0); ++i) xf[r][i] = 0.f;
+    }
     for (int s = 0; s < NV; ++s) {
       __m256 acc[MR][2];
       for (int r = 0; r < MR; ++r)

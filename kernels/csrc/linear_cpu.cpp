@@ -1,4 +1,4 @@
-// Projections y = x @ W^T + b over weights packed once into this file's layout (AVX-512).
+// Projections y = x @ W^T + b over weights packed once into this file's layout (AVX-512, AVX2).
 //
 // oneDNN's prepacked GEMM is at the core's peak when its weights sit in L2, but a decode step
 // reads each layer's weights from DRAM once, after the attention has flushed the caches, and
@@ -32,7 +32,7 @@ using namespace pagedq_gemm;
 constexpr int64_t kMB = 192;  // rows per pass over the weights: x's block stays in L2
 
 bool bf16_supported() {
-#if defined(__AVX512BF16__)
+#if defined(PAGEDQ_GEMM_BF16)
   return true;
 #else
   return false;
@@ -40,7 +40,7 @@ bool bf16_supported() {
 }
 
 bool fp32_supported() {
-#if defined(__AVX512F__)
+#if defined(PAGEDQ_GEMM_FP32)
   return true;
 #else
   return false;
@@ -92,7 +92,7 @@ struct ArgmaxRun {
   std::vector<int64_t> index;
 };
 
-#if defined(__AVX512F__)
+#if defined(PAGEDQ_GEMM_FP32)
 
 // The 4 x 16 outputs of one row: bias added, stored as fp32, or rounded to bf16 (and widened
 // back to fp32 when `out` is fp32 but the products were bf16: the numbers of a bf16 linear
@@ -119,6 +119,8 @@ struct Output {
   float* best = nullptr;  // kArgmax: this thread's best value and index per row (index -1: none)
   int64_t* best_index = nullptr;
 };
+
+#if defined(__AVX512F__)
 
 inline void store_row(const Output& o, int64_t row, int64_t col0, const __m512* acc) {
   for (int j = 0; j < 4; ++j) {
@@ -172,6 +174,74 @@ inline void store_row(const Output& o, int64_t row, int64_t col0, const __m512* 
     }
   }
 }
+
+#else  // AVX2: the same epilogue on the sums as floats, in vectors of 8, lane for lane
+
+inline void store_row(const Output& o, int64_t row, int64_t col0, const float* sums) {
+  using namespace pagedq_vec;
+  for (int64_t j = 0; j < o.valid; j += kLanes) {
+    const int64_t left = std::min<int64_t>(kLanes, o.valid - j);
+    alignas(32) float lane[kLanes] = {};
+    vfloat v = loadv(sums + j);  // the row buffer is a whole block wide
+    if (o.bias) {
+      if (left == kLanes) {
+        v += loadv(o.bias + j);
+      } else {  // the last block: no bias past N
+        std::memcpy(lane, o.bias + j, left * sizeof(float));
+        v += loadv(lane);
+      }
+    }
+    if (o.epilogue == Epilogue::kArgmax) {
+      if (o.round_bf16) v = round_bf16(v);  // the logits as a bf16 linear's .float()
+      float& best = o.best[row];
+      int64_t& index = o.best_index[row];
+      for (int64_t l = 0; l < left; ++l) {
+        if (index >= 0 && std::isnan(best)) break;  // the row's first NaN already won
+        if (std::isnan(v[l])) {
+          best = std::numeric_limits<float>::quiet_NaN();
+          index = col0 + j + l;
+        } else if (index < 0 || v[l] > best) {  // strictly: on a tie the earlier column stays
+          best = v[l];
+          index = col0 + j + l;
+        }
+      }
+      continue;
+    }
+    if (o.epilogue != Epilogue::kStore) {
+      // As above: the rounded gate and up values, then silu_and_mul's own arithmetic.
+      if (!o.fp32_out || o.round_bf16) v = round_bf16(v);
+      float* silu = o.silu + (row - o.silu_row0) * kNR + j;
+      if (o.epilogue == Epilogue::kGate) {
+        vfloat a = v / (1.f + exp_v(-v));
+        if (!o.fp32_out) a = round_bf16(a);
+        storev(silu, a);
+        continue;
+      }
+      v = loadv(silu) * v;
+    }
+    if (o.fp32_out) {
+      if (o.round_bf16) v = round_bf16(v);
+      float* dst = static_cast<float*>(o.base) + row * o.ld + col0 + j;
+      if (left == kLanes) {
+        storev(dst, v);
+      } else {
+        storev(lane, v);
+        std::memcpy(dst, lane, left * sizeof(float));
+      }
+    } else {
+      uint16_t* dst = static_cast<uint16_t*>(o.base) + row * o.ld + col0 + j;
+      if (left == kLanes) {
+        narrow_bf16(dst, v);
+      } else {
+        alignas(32) uint16_t half[kLanes];
+        narrow_bf16(half, v);
+        std::memcpy(dst, half, left * sizeof(uint16_t));
+      }
+    }
+  }
+}
+
+#endif  // __AVX512F__
 
 // One column block over rows [m0, m1) in micro-kernels of up to kMR rows. `up` (the fused
 // SiLU-and-mul) is the up block of the same columns: each micro-kernel's rows run the gate
@@ -268,7 +338,7 @@ void run_linear(const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64
   });
 }
 
-#endif  // __AVX512F__
+#endif  // PAGEDQ_GEMM_FP32
 
 // The dtype's kernels over x [M, K] and the packed weight, N output features: the output,
 // silu_mul or argmax as run_linear takes them (out: `out_ptr`, fp32 or x's dtype).
@@ -281,14 +351,14 @@ void dispatch(const char* op, const at::Tensor& x, const at::Tensor& packed, int
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(packed.size(0) * kNR >= N, op, ": more features than the weight holds");
   if (M == 0) return;
-#if defined(__AVX512F__)
+#if defined(PAGEDQ_GEMM_FP32)
   if (x.scalar_type() == at::kFloat) {
     TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K, op, ": weight is not packed for in=", K);
     run_linear<float, Fp32Kernel>(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), M,
                                   N, K, K * kNR, bias, out_ptr, fp32_out, silu_mul, argmax);
     return;
   }
-#if defined(__AVX512BF16__)
+#if defined(PAGEDQ_GEMM_BF16)
   if (x.scalar_type() == at::kBFloat16) {
     TORCH_CHECK(packed.dim() == 4 && packed.size(1) == (K + 1) / 2, op,
                 ": weight is not packed for in=", K);
