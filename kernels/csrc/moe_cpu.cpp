@@ -389,6 +389,12 @@ void run_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, c
           next = reinterpret_cast<const char*>(ng);
           up_next = reinterpret_cast<const char*>(ng + NBi * elems13);
         }
+#if defined(PAGEDQ_GEMM_AVX2)
+        // The AVX2 kernels prefetch a short distance ahead into the block read right after:
+        // the up block after the gate block, the next task's gate block after the up block.
+        up_next = next;
+        next = reinterpret_cast<const char*>(up);
+#endif
         GateUpOut o{false, bf16, activation, alpha, limit, nullptr, act, 0, interp, Ip};
         GateUpOut mul = o;
         mul.up_pass = true;
