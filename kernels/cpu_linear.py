@@ -1,9 +1,10 @@
-"""Projections over weights packed once for pagedq's own AVX-512 GEMM (``linear_cpu.cpp``).
+"""Projections over weights packed once for pagedq's own CPU GEMM (``linear_cpu.cpp``).
 
 oneDNN's prepacked GEMM stalls on its weight loads when they come from DRAM, as in every decode
 step; this kernel prefetches each thread's next column block while it computes the current one
-(docs/PERFORMANCE.md). fp32 needs an AVX-512 build, bf16 AVX512-BF16; elsewhere
-``packed_linear_available`` is False and the engine keeps oneDNN. Whether it is faster than
+(docs/PERFORMANCE.md). It needs an AVX2 (with FMA) or AVX-512 build, bf16 on AVX-512 also
+AVX512-BF16 (AVX2 widens bf16 weights in registers); elsewhere ``packed_linear_available`` is
+False and the engine keeps oneDNN. Whether it is faster than
 oneDNN on a host is measured (engine/dtype_probe.py): with AMX, oneDNN's bf16 is.
 """
 

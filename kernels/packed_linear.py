@@ -51,7 +51,8 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 
 def pagedq_gemm_available(dtype: torch.dtype) -> bool:
-    """True where pagedq's own GEMM is built for ``dtype`` (AVX-512; bf16: AVX512-BF16)."""
+    """True where pagedq's own GEMM is built for ``dtype`` (AVX2 or AVX-512; bf16 on AVX-512:
+    AVX512-BF16)."""
     from kernels.cpu_linear import packed_linear_available
 
     return packed_linear_available(dtype)
