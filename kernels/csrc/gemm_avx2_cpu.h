@@ -6,9 +6,8 @@
 // a block's 64 columns are four strips of 16. Running each strip over the whole K would read
 // the block four times over, each pass taking one 64-byte line of every 256-byte k row, so K
 // goes in chunks of kKc: the four strips run over one chunk (in L1) before the next, their
-// sums parked in a row buffer between strips. The sums reach the
-// caller's epilogue as floats: `store_row(const O&, int64_t row, int64_t col0, const float*)`,
-// NV x 16 of them.
+// sums parked in a row buffer between strips. The sums reach the caller's epilogue as floats:
+// `store_row(const O&, int64_t row, int64_t col0, const float*)`, NV x 16 of them.
 // bf16 weights (and x) are widened to fp32 in registers: a k-pair row's 32-bit lane holds the
 // even k in its low half and the odd k in its high half, so a shift and a mask give both.
 #pragma once
@@ -42,6 +41,20 @@ inline void prefetch_ahead(const char* block, const char* next, int64_t k, int64
   _mm_prefetch(p + 192, _MM_HINT_T0);
 }
 
+// A strip's sums in registers: zero at the first chunk, else parked in the row buffer.
+template <int MR>
+inline void load_strip(__m256 (&acc)[MR][2], const float (&sums)[MR][kNR], int s, bool first) {
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 2; ++j)
+      acc[r][j] = first ? _mm256_setzero_ps() : _mm256_load_ps(&sums[r][s * 16 + j * 8]);
+}
+
+template <int MR>
+inline void park_strip(const __m256 (&acc)[MR][2], float (&sums)[MR][kNR], int s) {
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 2; ++j) _mm256_store_ps(&sums[r][s * 16 + j * 8], acc[r][j]);
+}
+
 // NV strips of 16 columns: 4 (a whole block) or 2 (half a block, where the threads split one).
 template <int MR, int NV, class O>
 void micro_fp32(const float* x, int64_t ldx, const float* w, int64_t K, const char* next,
@@ -52,9 +65,7 @@ void micro_fp32(const float* x, int64_t ldx, const float* w, int64_t K, const ch
     const int64_t k1 = std::min(K, k0 + kKc);
     for (int s = 0; s < NV; ++s) {
       __m256 acc[MR][2];
-      for (int r = 0; r < MR; ++r)
-        for (int j = 0; j < 2; ++j)
-          acc[r][j] = k0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(&sums[r][s * 16 + j * 8]);
+      load_strip<MR>(acc, sums, s, k0 == 0);
       for (int64_t k = k0; k < k1; ++k) {
         const float* b = w + k * kNR + s * 16;
         if (s == 0) prefetch_ahead(reinterpret_cast<const char*>(w), next, k, K);
@@ -65,18 +76,10 @@ void micro_fp32(const float* x, int64_t ldx, const float* w, int64_t K, const ch
           acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
         }
       }
-      for (int r = 0; r < MR; ++r)
-        for (int j = 0; j < 2; ++j) _mm256_store_ps(&sums[r][s * 16 + j * 8], acc[r][j]);
+      park_strip<MR>(acc, sums, s);
     }
   }
   for (int r = 0; r < MR; ++r) store_row(o, row0 + r, col0, sums[r]);
-}
-
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
 }
 
 template <int MR, int NV, class O>
@@ -92,19 +95,21 @@ void micro_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, co
     const int64_t n = std::min(K, 2 * c1) - 2 * c0;  // x values of this chunk
     for (int r = 0; r < MR; ++r) {
       const uint16_t* xr = x + r * ldx + 2 * c0;
-      int64_t i = 0;
-      for (; i + 8 <= n; i += 8) {  // 8 at a time: zero-extended and shifted into the high half
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + i));
-        _mm256_store_ps(&xf[r][i], _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+      for (int64_t i = 0; i < 2 * (c1 - c0); i += 8) {  // zero-extended, shifted to the high half
+        alignas(16) uint16_t tail[8] = {};  // past the last x value: zeros
+        const uint16_t* src = xr + i;
+        if (i + 8 > n) {
+          if (n > i) std::memcpy(tail, src, (n - i) * sizeof(uint16_t));
+          src = tail;
+        }
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+        _mm256_store_ps(&xf[r][i],
+                        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
       }
-      for (; i < n; ++i) xf[r][i] = bf16_to_float(xr[i]);
-      for (; i < 2 * (c1 - c0); ++i) xf[r][i] = 0.f;
     }
     for (int s = 0; s < NV; ++s) {
       __m256 acc[MR][2];
-      for (int r = 0; r < MR; ++r)
-        for (int j = 0; j < 2; ++j)
-          acc[r][j] = c0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(&sums[r][s * 16 + j * 8]);
+      load_strip<MR>(acc, sums, s, c0 == 0);
       for (int64_t c = c0; c < c1; ++c) {
         const uint16_t* b = w + c * kNR * 2 + s * 32;
         if (s == 0) prefetch_ahead(reinterpret_cast<const char*>(w), next, c, K2);
@@ -130,29 +135,10 @@ void micro_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, co
           }
         }
       }
-      for (int r = 0; r < MR; ++r)
-        for (int j = 0; j < 2; ++j) _mm256_store_ps(&sums[r][s * 16 + j * 8], acc[r][j]);
+      park_strip<MR>(acc, sums, s);
     }
   }
   for (int r = 0; r < MR; ++r) store_row(o, row0 + r, col0, sums[r]);
 }
-
-template <int MR, int NV>
-struct Fp32Kernel {
-  template <class O>
-  static void run(const float* x, int64_t ldx, const float* w, int64_t K, const char* next,
-                  const O& o, int64_t row0, int64_t col0) {
-    micro_fp32<MR, NV>(x, ldx, w, K, next, o, row0, col0);
-  }
-};
-
-template <int MR, int NV>
-struct Bf16Kernel {
-  template <class O>
-  static void run(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
-                  const char* next, const O& o, int64_t row0, int64_t col0) {
-    micro_bf16<MR, NV>(x, ldx, w, K, next, o, row0, col0);
-  }
-};
 
 }  // namespace pagedq_gemm

@@ -33,16 +33,6 @@ constexpr int64_t kNR = 64;  // output features per column block (4 vectors of 1
 // Rows per micro-kernel: 24 sums + 4 weights + 1 x in 32 zmm; 12 + 2 + 1 in 16 ymm (AVX2).
 constexpr int kMR = 6;
 
-#if defined(PAGEDQ_GEMM_FP32)
-// Prefetches 64 bytes x 4 of `next` (the same k rows of the next block) into L2.
-inline void prefetch_rows(const char* next) {
-  _mm_prefetch(next, _MM_HINT_T1);
-  _mm_prefetch(next + 64, _MM_HINT_T1);
-  _mm_prefetch(next + 128, _MM_HINT_T1);
-  _mm_prefetch(next + 192, _MM_HINT_T1);
-}
-#endif
-
 #if defined(__AVX512F__)
 
 inline __m512 round_to_bf16(__m512 v) {
@@ -55,6 +45,14 @@ inline __m512 round_to_bf16(__m512 v) {
   const __m512i quiet = _mm512_and_si512(_mm512_or_si512(bits, _mm512_set1_epi32(0x400000)),
                                          _mm512_set1_epi32(int32_t(0xFFFF0000u)));
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, quiet));
+}
+
+// Prefetches 64 bytes x 4 of `next` (the same k rows of the next block) into L2.
+inline void prefetch_rows(const char* next) {
+  _mm_prefetch(next, _MM_HINT_T1);
+  _mm_prefetch(next + 64, _MM_HINT_T1);
+  _mm_prefetch(next + 128, _MM_HINT_T1);
+  _mm_prefetch(next + 192, _MM_HINT_T1);
 }
 
 // NV vectors of 16 columns: 4 (a whole block) or 2 (half a block, where the threads split one).
@@ -105,26 +103,6 @@ void micro_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, co
 }
 #endif
 
-template <int MR, int NV>
-struct Fp32Kernel {
-  template <class O>
-  static void run(const float* x, int64_t ldx, const float* w, int64_t K, const char* next,
-                  const O& o, int64_t row0, int64_t col0) {
-    micro_fp32<MR, NV>(x, ldx, w, K, next, o, row0, col0);
-  }
-};
-
-#if defined(__AVX512BF16__)
-template <int MR, int NV>
-struct Bf16Kernel {
-  template <class O>
-  static void run(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
-                  const char* next, const O& o, int64_t row0, int64_t col0) {
-    micro_bf16<MR, NV>(x, ldx, w, K, next, o, row0, col0);
-  }
-};
-#endif
-
 #endif  // __AVX512F__
 
 }  // namespace pagedq_gemm
@@ -136,6 +114,27 @@ struct Bf16Kernel {
 namespace pagedq_gemm {
 
 #if defined(PAGEDQ_GEMM_FP32)
+
+// The micro-kernels of this build (AVX-512 above or AVX2), as the callers' loops name them.
+template <int MR, int NV>
+struct Fp32Kernel {
+  template <class O>
+  static void run(const float* x, int64_t ldx, const float* w, int64_t K, const char* next,
+                  const O& o, int64_t row0, int64_t col0) {
+    micro_fp32<MR, NV>(x, ldx, w, K, next, o, row0, col0);
+  }
+};
+
+#if defined(PAGEDQ_GEMM_BF16)
+template <int MR, int NV>
+struct Bf16Kernel {
+  template <class O>
+  static void run(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
+                  const char* next, const O& o, int64_t row0, int64_t col0) {
+    micro_bf16<MR, NV>(x, ldx, w, K, next, o, row0, col0);
+  }
+};
+#endif
 
 // `rows` (1 to kMR) rows from row m of x against one column block: one micro-kernel.
 template <typename T, template <int, int> class Kernel, int NV, class O>
