@@ -457,8 +457,9 @@ return {tostring(best)}
 )
 
 # ARGV after the named ones: endings (ENDING_FIELDS and their entries), one per job.
-# Ends each held job as finished, failed or canceled. Returns per job 1 when ended, 0 when
-# this execution no longer holds it (nothing written for it).
+# Ends each held job as finished, failed or canceled. Returns per job 1 when ended, 2 when
+# this execution had already ended it so (a call repeated after a lost reply: nothing written
+# again), 0 when this execution no longer holds it (nothing written for it).
 END = LuaScript(
     "end",
     args=("maxlen", "counters"),
@@ -473,6 +474,10 @@ while i <= #ARGV do
     if held_by(s, e.execution) then
         end_with(acc, s, e, e.status, a_maxlen)
         replies[#replies + 1] = 1
+    elseif s.execution == e.execution and s.status == e.status then
+        -- This execution's own ending, sent again after its reply was lost (the first call
+        -- ran while the connection was cut): ended once, and by this worker.
+        replies[#replies + 1] = 2
     else
         replies[#replies + 1] = 0
     end

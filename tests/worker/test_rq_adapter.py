@@ -156,9 +156,14 @@ def test_finish_writes_rq_state_the_result_key_and_the_final_entry_in_one_script
     assert json.loads(redis_client.get(f"pagedq:result:{job_id}"))["text"] == "hi"
     entries = redis_client.xrange(f"pagedq:stream:{job_id}")
     assert [e[1] for e in entries] == [{b"event": b"done"}]
-    # Fenced: the same execution cannot end the job twice.
-    assert adapter.scripts.call(end) == [0]
+    # The same ending sent again (its first reply lost with a cut connection) writes nothing
+    # twice, and tells the worker that it ended the job (2), so that it logs and counts the end.
+    assert adapter.scripts.call(end) == [2]
     assert len(job.results()) == 1 and redis_client.xlen(f"pagedq:stream:{job_id}") == 1
+    # Another status from the same execution is not its ending: refused.
+    failed = adapter.end_call(claim, "failed", _result("failed", job_id, error="x"), done)
+    assert adapter.scripts.call(failed) == [0]
+    assert _fetch(redis_client, job_id).get_status() == "finished"
 
 
 def test_fail_and_cancel_land_in_rqs_failed_and_canceled_registries(redis_client):
@@ -414,7 +419,7 @@ def test_merged_endings_end_each_job_once_and_count_the_worker_and_tenants_once(
     [merged] = adapter.merge_ends(calls)
 
     assert adapter.scripts.call(merged) == [1, 1, 1]
-    assert adapter.scripts.call(merged) == [0, 0, 0]  # fenced, every one of them
+    assert adapter.scripts.call(merged) == [2, 2, 2]  # repeated: nothing written twice
     assert sorted(_registries(redis_client, claims[0].queue)["finished"]) == sorted(ids)
     assert redis_client.hget("rq:worker:w1", "successful_job_count") == b"3"
     assert redis_client.hget(f"pagedq:tenant-tokens:{QUEUE}", "t") == b"21"
