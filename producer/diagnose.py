@@ -17,6 +17,7 @@ from redis import Redis
 from rq import Queue
 
 from producer.client import Client
+from producer.contract.shards import hash_tag
 from producer.status import read_worker_statuses
 
 KV_PRESSURE = 0.9  # KV usage from which the batch is taken as memory bound
@@ -186,18 +187,30 @@ def diagnose(
     return out
 
 
-def queue_lengths(redis: Redis, names: Iterable[str]) -> dict[str, int]:
-    """Jobs waiting in each RQ queue."""
-    return {name: Queue(name, connection=redis).count for name in dict.fromkeys(names)}
+def queue_lengths(redis: Redis, groups: Mapping[str, Iterable[str]]) -> dict[str, int]:
+    """Jobs waiting in each queue: the RQ queues of its group (a sharded queue's shards)."""
+    return {
+        name: sum(Queue(q, connection=redis).count for q in dict.fromkeys(queues))
+        for name, queues in groups.items()
+    }
 
 
-def collect(redis: Redis, queue: str) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """The workers' statuses and the length of ``queue`` and of every queue a worker serves."""
+def collect(
+    redis: Redis, queue: str, shard_names: Iterable[str] | None = None
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The workers' statuses and the length of ``queue`` (its ``shard_names`` summed, when it
+    is sharded) and of every queue a worker serves (a sharded worker's shards as its queue)."""
     workers = read_worker_statuses(redis)
-    names = [queue]
+    groups: dict[str, list[str]] = {queue: list(shard_names or [queue])}
     for w in workers:
-        names += [q for q in w.get("queues") or [w.get("queue")] if isinstance(q, str)]
-    return workers, queue_lengths(redis, names)
+        served = [q for q in w.get("queues") or [w.get("queue")] if isinstance(q, str)]
+        logical = w.get("queue")
+        if isinstance(logical, str) and any(hash_tag(q) for q in served):
+            groups.setdefault(logical, []).extend(served)
+        else:
+            for q in served:
+                groups.setdefault(q, [q])
+    return workers, queue_lengths(redis, groups)
 
 
 def format_findings(findings: list[Finding], workers: list, lengths: Mapping[str, int]) -> str:
@@ -212,7 +225,8 @@ def format_findings(findings: list[Finding], workers: list, lengths: Mapping[str
 
 def diagnose_command(args: argparse.Namespace) -> int:
     """`pagedq diagnose [--slo S] [--json]`: exit code 0 with no finding, else 3."""
-    workers, lengths = collect(Client(args.redis_url, args.queue).redis, args.queue)
+    client = Client(args.redis_url, args.queue, queue_shards=args.queue_shards)
+    workers, lengths = collect(client.redis, args.queue, client.shards.names)
     findings = diagnose(workers, lengths, args.slo)
     if args.json:
         print(json.dumps({"queues": lengths, "findings": [f.__dict__ for f in findings]}, indent=2))

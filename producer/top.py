@@ -84,9 +84,11 @@ def render(
     return Group(stamp, queues, tenants, table, notes)
 
 
-def frame(redis: Redis, queue: str, slo: float | None = None) -> Group:
-    """Read Redis once and render."""
-    workers, lengths = collect(redis, queue)
+def frame(
+    redis: Redis, queue: str, slo: float | None = None, shard_names: list[str] | None = None
+) -> Group:
+    """Read Redis once and render (a sharded queue's length is its ``shard_names``' sum)."""
+    workers, lengths = collect(redis, queue, shard_names)
     return render(workers, lengths, slo)
 
 
@@ -117,18 +119,23 @@ def _wait_for_quit(seconds: float, keys: bool) -> bool:
 
 
 def run_top(
-    redis: Redis, queue: str, slo: float | None = None, once: bool = False, console=None
+    redis: Redis,
+    queue: str,
+    slo: float | None = None,
+    once: bool = False,
+    console=None,
+    shard_names: list[str] | None = None,
 ) -> int:
     """Refresh every second until q or Ctrl-C; ``once`` prints one frame and returns."""
     # Piped output (a file, a test) gets a wide frame instead of rich's 80-column default.
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     if once:
-        console.print(frame(redis, queue, slo))
+        console.print(frame(redis, queue, slo, shard_names))
         return 0
     try:
         with _cbreak() as keys, Live(console=console, auto_refresh=False, screen=False) as live:
             while True:
-                live.update(frame(redis, queue, slo), refresh=True)
+                live.update(frame(redis, queue, slo, shard_names), refresh=True)
                 if _wait_for_quit(REFRESH_SECONDS, keys):
                     return 0
     except KeyboardInterrupt:
@@ -137,4 +144,7 @@ def run_top(
 
 def top_command(args: argparse.Namespace) -> int:
     """`pagedq top [--once] [--slo S]`."""
-    return run_top(Client(args.redis_url, args.queue).redis, args.queue, args.slo, args.once)
+    client = Client(args.redis_url, args.queue, queue_shards=args.queue_shards)
+    return run_top(
+        client.redis, args.queue, args.slo, args.once, shard_names=client.shards.names
+    )

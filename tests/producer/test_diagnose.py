@@ -182,3 +182,21 @@ def test_diagnose_names_capacity_when_every_batch_is_full(redis_server, redis_cl
     assert code == 3
     assert "2 jobs wait in the queue and every worker runs a full batch" in out
     assert "add workers" in out
+
+
+def test_a_sharded_queue_counts_as_one_in_diagnose_and_top(redis_server, redis_client, capsys):
+    client = Client(redis_server.url, QUEUE, queue_shards=3)
+    client.submit_many([{"prompt": f"p{i}"} for i in range(7)])
+    assert sum(client.redis.llen(f"rq:queue:{name}") for name in client.shards.names) == 7
+    # A worker serving the shards publishes its queue and the shards' names.
+    publish(redis_client, "sharded", stats(), queues=client.shards.names)
+    code, out = run(capsys, redis_server, "diagnose", "--queue-shards", "3", "--json")
+    assert json.loads(out)["queues"] == {QUEUE: 7}
+    code, out = run(capsys, redis_server, "diagnose", "--queue-shards", "3")
+    assert code == 3 and out.startswith(f"{QUEUE} 7 queued;")
+    assert "7 jobs wait in the queue while 1 worker(s) are idle (sharded)" in out
+    # Without --queue-shards the worker's status still groups its shards under its queue.
+    _, out = run(capsys, redis_server, "diagnose", "--json")
+    assert json.loads(out)["queues"] == {QUEUE: 7}
+    code, out = run(capsys, redis_server, "top", "--once", "--queue-shards", "3")
+    assert code == 0 and f"{QUEUE}" in out and " 7 " in out and "{" not in out
