@@ -108,17 +108,36 @@ def worker_main(argv: list[str] | None = None) -> int:
         check_bounds(parser, cls, args)
     try:
         config = config_from_args(args)
-        pin_threads_and_reexec(config.engine, argv)
+        cpu_bind_mode()
     except ValueError as exc:
         parser.error(str(exc))
     from worker.logs import configure_logging
-    from worker.service import run_worker
+    from worker.service import open_redis, run_worker
 
     configure_logging(config.log_format, config.log_level.upper())
+    if os.environ.get(REEXEC_ENV) is None:
+        # Redis answers (or the one-line reason it does not) before the re-exec below, which
+        # imports torch a second time: a wrong URL or password is told in half the time.
+        checked = open_redis(config)
+        if isinstance(checked, int):
+            return checked
+        checked.close()
+    pin_threads_and_reexec(config.engine, argv)
     return run_worker(config)
 
 
 CPU_BIND_CHOICES = ("auto", "none")
+REEXEC_ENV = "PAGEDQ_WORKER_REEXEC"  # set in the process that pin_threads_and_reexec started
+
+
+def cpu_bind_mode() -> str:
+    """``PAGEDQ_CPU_BIND`` (default ``auto``); ValueError names the allowed values."""
+    bind = os.environ.get("PAGEDQ_CPU_BIND", "auto")
+    if bind not in CPU_BIND_CHOICES:
+        raise ValueError(
+            f"PAGEDQ_CPU_BIND={bind!r} is invalid: must be one of {list(CPU_BIND_CHOICES)}"
+        )
+    return bind
 
 
 def pin_threads_and_reexec(engine: EngineConfig, argv: list[str] | None) -> None:
@@ -130,11 +149,7 @@ def pin_threads_and_reexec(engine: EngineConfig, argv: list[str] | None) -> None
     ``GOMP_CPU_AFFINITY``/``OMP_NUM_THREADS`` of your own) leaves the threads as they are.
     Raises ValueError for any other ``PAGEDQ_CPU_BIND`` than ``auto`` or ``none``.
     """
-    bind = os.environ.get("PAGEDQ_CPU_BIND", "auto")
-    if bind not in CPU_BIND_CHOICES:
-        raise ValueError(
-            f"PAGEDQ_CPU_BIND={bind!r} is invalid: must be one of {list(CPU_BIND_CHOICES)}"
-        )
+    bind = cpu_bind_mode()
     if bind == "none" or engine.device.startswith("cuda"):
         return
     if os.environ.get("GOMP_CPU_AFFINITY") or os.environ.get("OMP_NUM_THREADS"):
@@ -148,7 +163,8 @@ def pin_threads_and_reexec(engine: EngineConfig, argv: list[str] | None) -> None
     env = bind_env(engine.num_threads)
     if env:
         args = list(sys.argv[1:] if argv is None else argv)
-        os.execve(sys.executable, [sys.executable, "-m", "worker", *args], {**os.environ, **env})
+        env = {**os.environ, **env, REEXEC_ENV: "1"}
+        os.execve(sys.executable, [sys.executable, "-m", "worker", *args], env)
 
 
 def demo_main(argv: list[str] | None = None) -> int:

@@ -62,8 +62,9 @@ def build_engine(config: WorkerConfig):
     return built["engine"]
 
 
-def run_worker(config: WorkerConfig) -> int:
-    """Serve until stopped; the process exit code."""
+def open_redis(config: WorkerConfig) -> redis.Redis | int:
+    """A connection to the worker's Redis that answered PING, or the exit code after logging
+    in one line why there is none (a bad URL, no answer, refused credentials or certificate)."""
     url = redact_url(config.redis_url)
     try:
         connection = connect(config.redis_url)
@@ -85,6 +86,15 @@ def run_worker(config: WorkerConfig) -> int:
         else:
             log.error("cannot reach Redis", redis_url=url, error=str(exc))
         return EXIT_ERROR
+    return connection
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """Serve until stopped; the process exit code."""
+    url = redact_url(config.redis_url)
+    connection = open_redis(config)
+    if isinstance(connection, int):
+        return connection
     try:
         return _serve(config, connection, url)
     except redis.RedisError as exc:  # e.g. an ACL that allows PING but not pagedq's scripts

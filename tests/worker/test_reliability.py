@@ -270,19 +270,25 @@ def test_success_failure_and_cancel_paths_run_no_callback_and_call_no_webhook(
 
 
 def test_clean_start_errors(workers, server, tiny_llama_dir):
-    def run(name: str, *extra: str, url: str = server.url) -> tuple[int, str]:
+    def start(name: str, *extra: str, url: str = server.url) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "worker", "--redis-url", url, "--queue", QUEUE,
                "--name", name, "--model", tiny_llama_dir, "--lease-ttl", "2", *extra]  # fmt: skip
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
-        return done.returncode, done.stdout + done.stderr
+        return subprocess.Popen(
+            cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    def finish(process: subprocess.Popen) -> tuple[int, str]:
+        log, _ = process.communicate(timeout=120)
+        return process.returncode, log
 
     bad_password = server.url.replace("redis://", "redis://pagedq:wrong-pw-123@")
     busy = redis.Redis.from_url(server.url).connection_pool.connection_kwargs["port"]
-    cases = {
-        "malformed url": run("x1", url="redis://127.0.0.1:notaport/0"),
-        "wrong password": run("x2", url=bad_password),
-        "busy metrics port": run("x3", "--metrics-port", str(busy)),
+    started = {  # at once: each spends its time importing, before it fails
+        "malformed url": start("x1", url="redis://127.0.0.1:notaport/0"),
+        "wrong password": start("x2", url=bad_password),
+        "busy metrics port": start("x3", "--metrics-port", str(busy)),
     }
+    cases = {what: finish(process) for what, process in started.items()}
     for what, (code, log) in cases.items():
         assert code != 0, what
         assert "Traceback" not in log, what
