@@ -54,3 +54,37 @@ def protocol_example() -> dict[str, str]:
     text = (Path(__file__).parent.parent / "docs" / "PROTOCOL.md").read_text()
     pattern = r"<!-- protocol-example: (\w+) -->\s*```bash\n(.*?)```"
     return dict(re.findall(pattern, text, flags=re.S))
+
+
+# The modules that take longest (a minute or more on a 2-core VM), run first: `make test` runs
+# the modules on two processes (pytest-xdist, `--dist loadfile`), and one of these started last
+# would run alone at the end.
+SLOWEST_FIRST = (
+    "worker/test_reliability.py",
+    "worker/test_partition.py",
+    "engine/test_exactness.py",
+    "engine/test_architectures.py",
+    "worker/test_sentinel.py",
+    "worker/test_architectures_worker.py",
+    "gateway/test_clients.py",
+    "worker/test_cpu_bind.py",
+    "worker/test_scale_out.py",
+    "worker/test_cluster.py",
+    "worker/test_stable_name.py",
+    "worker/test_coalesce.py",
+    "gateway/test_batches.py",
+    "producer/test_bulk.py",
+    "kernels/test_build_targets.py",
+    "kernels/test_compile_cuda.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Put the slowest modules first (a stable sort: every module keeps its own order)."""
+    root = Path(__file__).parent
+
+    def rank(item: pytest.Item) -> int:
+        name = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)
+
+    items.sort(key=rank)
