@@ -25,7 +25,7 @@ demo: venv
 # Test modules on TEST_PROCS processes (pytest-xdist; a module's tests stay on one, sharing its
 # fixtures): on a 2-core VM the suite takes about 15 minutes so, 24 in one process.
 TEST_PROCS ?= 2
-XDIST      = -n $(TEST_PROCS) --dist loadfile
+XDIST      = -n $(TEST_PROCS) --dist loadfile --no-loadscope-reorder
 
 test: venv
 	$(BIN)/python -m pytest -q $(XDIST) tests

@@ -57,8 +57,8 @@ def protocol_example() -> dict[str, str]:
 
 
 # The modules that take longest (a minute or more on a 2-core VM), run first: `make test` runs
-# the modules on two processes (pytest-xdist, `--dist loadfile`), and one of these started last
-# would run alone at the end.
+# the modules on two processes (pytest-xdist, `--dist loadfile --no-loadscope-reorder`: in this
+# order, not xdist's by test count), and one of these started last would run alone at the end.
 SLOWEST_FIRST = (
     "worker/test_reliability.py",
     "worker/test_partition.py",
