@@ -145,6 +145,4 @@ def run_top(
 def top_command(args: argparse.Namespace) -> int:
     """`pagedq top [--once] [--slo S]`."""
     client = Client(args.redis_url, args.queue, queue_shards=args.queue_shards)
-    return run_top(
-        client.redis, args.queue, args.slo, args.once, shard_names=client.shards.names
-    )
+    return run_top(client.redis, args.queue, args.slo, args.once, shard_names=client.shards.names)
