@@ -81,6 +81,14 @@ class WorkerProcess:
         """The end of the worker's log, for failure messages."""
         return self.log_path.read_text(errors="replace")[-chars:]
 
+    def wait_log(self, text: str, timeout: float = 60.0) -> None:
+        """Wait until `text` is in the worker's log: a line is written just after the Redis
+        change it reports, which a test may see first."""
+        deadline = time.monotonic() + timeout
+        while text not in self.log_path.read_text(errors="replace"):
+            assert time.monotonic() < deadline, f"{text!r} not logged:\n{self.log_tail()}"
+            time.sleep(0.05)
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """SIGSTOP the process for the block (it takes no job meanwhile), SIGCONT after."""

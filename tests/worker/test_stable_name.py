@@ -42,7 +42,7 @@ def test_a_sigkilled_worker_restarted_under_its_name_takes_over_at_once(
                 assert second.process.poll() is None, second.log_tail()
                 assert time.monotonic() - killed_at < LEASE_TTL / 2, second.log_tail()
                 time.sleep(0.05)
-            assert "took over the name of a dead worker" in second.log_tail()
+            second.wait_log("took over the name of a dead worker", timeout=LEASE_TTL / 2)
             results = [client.result(j, timeout=300) for j in job_ids]
             assert [r.status for r in results] == ["finished"] * 3
             assert {r.worker for r in results} == {"w-stable"}
