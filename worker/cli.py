@@ -115,19 +115,16 @@ def worker_main(argv: list[str] | None = None) -> int:
     from worker.service import open_redis, run_worker
 
     configure_logging(config.log_format, config.log_level.upper())
-    if os.environ.get(REEXEC_ENV) is None:
-        # Redis answers (or the one-line reason it does not) before the re-exec below, which
-        # imports torch a second time: a wrong URL or password is told in half the time.
-        checked = open_redis(config)
-        if isinstance(checked, int):
-            return checked
-        checked.close()
-    pin_threads_and_reexec(config.engine, argv)
-    return run_worker(config)
+    # Redis answers (or the one-line reason it does not) before the re-exec below, which
+    # imports torch a second time: a wrong URL or password is told in half the time.
+    connection = open_redis(config)
+    if isinstance(connection, int):
+        return connection
+    pin_threads_and_reexec(config.engine, argv)  # returns only when it does not re-exec
+    return run_worker(config, connection)
 
 
 CPU_BIND_CHOICES = ("auto", "none")
-REEXEC_ENV = "PAGEDQ_WORKER_REEXEC"  # set in the process that pin_threads_and_reexec started
 
 
 def cpu_bind_mode() -> str:
@@ -163,8 +160,7 @@ def pin_threads_and_reexec(engine: EngineConfig, argv: list[str] | None) -> None
     env = bind_env(engine.num_threads)
     if env:
         args = list(sys.argv[1:] if argv is None else argv)
-        env = {**os.environ, **env, REEXEC_ENV: "1"}
-        os.execve(sys.executable, [sys.executable, "-m", "worker", *args], env)
+        os.execve(sys.executable, [sys.executable, "-m", "worker", *args], {**os.environ, **env})
 
 
 def demo_main(argv: list[str] | None = None) -> int:

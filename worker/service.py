@@ -89,12 +89,14 @@ def open_redis(config: WorkerConfig) -> redis.Redis | int:
     return connection
 
 
-def run_worker(config: WorkerConfig) -> int:
-    """Serve until stopped; the process exit code."""
+def run_worker(config: WorkerConfig, connection: redis.Redis | None = None) -> int:
+    """Serve until stopped (on `connection`, from `open_redis`, or one opened here); the
+    process exit code."""
     url = redact_url(config.redis_url)
-    connection = open_redis(config)
-    if isinstance(connection, int):
-        return connection
+    if connection is None:
+        connection = open_redis(config)
+        if isinstance(connection, int):
+            return connection
     try:
         return _serve(config, connection, url)
     except redis.RedisError as exc:  # e.g. an ACL that allows PING but not pagedq's scripts

@@ -7,7 +7,6 @@ stopped are written on the way out.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 
@@ -104,7 +103,7 @@ class ScriptCalls:
     loaded machine stretches."""
 
     def __init__(self, redis, script: LuaScript) -> None:
-        self.sha = hashlib.sha1(script.source.encode()).hexdigest().encode()
+        self.sha = redis.script_load(script.source).encode()
         self.calls = 0
         self._monitor = redis.monitor()
         self._monitor.connection.send_command("MONITOR")  # started before the run, not lazily
