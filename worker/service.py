@@ -8,9 +8,12 @@ logged with their password redacted.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import redis
 import structlog
@@ -147,15 +150,24 @@ def _serve(config: WorkerConfig, connection: redis.Redis, url: str) -> int:
         aging_seconds=config.engine.priority_aging_seconds or 0,
         rq_results=config.rq_results,
     )
-    # What the worker needs of Redis, tried before the model loads: an ACL that refuses a key
-    # or a command stops the start here, at once.
-    claim_name(adapter)
-    ScriptRunner(connection).load(SCRIPTS)
-    t0 = time.monotonic()
-    log.info(
-        "loading model", model=config.model, device=config.engine.device, dtype=config.engine.dtype
-    )
-    engine = build_engine(config)
+    try:
+        with _stop_before_serving():
+            # What the worker needs of Redis, tried before the model loads: an ACL that refuses
+            # a key or a command stops the start here, at once.
+            claim_name(adapter)
+            ScriptRunner(connection).load(SCRIPTS)
+            t0 = time.monotonic()
+            log.info(
+                "loading model",
+                model=config.model,
+                device=config.engine.device,
+                dtype=config.engine.dtype,
+            )
+            engine = build_engine(config)
+    except StoppedBeforeServing as stop:
+        # Nothing was claimed yet: no job waits on this worker.
+        log.info("stopped before serving", signal=stop.signal_name)
+        return 0
     log_engine_ready(engine, time.monotonic() - t0)
 
     from worker.control_loop import ControlLoop, WorkerNameTaken
@@ -166,6 +178,31 @@ def _serve(config: WorkerConfig, connection: redis.Redis, url: str) -> int:
     except WorkerNameTaken:
         _log_name_taken(adapter.name)
         return EXIT_ERROR
+
+
+class StoppedBeforeServing(Exception):
+    """SIGTERM or SIGINT came while the worker was still starting (waiting for its name,
+    loading the model)."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+@contextmanager
+def _stop_before_serving() -> Iterator[None]:
+    """A stop signal during the start ends it cleanly (exit 0, one line) instead of killing
+    the process mid-load; the control loop installs its own handlers once it serves."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise StoppedBeforeServing(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def served_queues(config: WorkerConfig, cluster: bool) -> list[str]:

@@ -1,6 +1,6 @@
 """A worker restarted under its stable name (a crashed pod, a supervisor): it takes the name over
 at once and its predecessor's jobs run again at once; a name a live worker holds is waited for,
-never a crash loop."""
+never a crash loop, and a worker stopped while it waits exits cleanly."""
 
 from __future__ import annotations
 
@@ -59,13 +59,18 @@ def test_a_sigkilled_worker_restarted_under_its_name_takes_over_at_once(
 def test_a_name_held_by_a_live_worker_is_waited_for_then_taken(
     private_redis, tiny_llama_dir, tmp_path
 ):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    for sub in "abc":
+        (tmp_path / sub).mkdir()
     admin = private_redis.client()
     live = _worker(private_redis.url, "w-held", tmp_path / "a", tiny_llama_dir)
     waiter = None
     try:
         live.wait_ready(timeout=300)
+        # Stopped while it waits (before its model loads): one line, exit 0, not a kill.
+        quitter = _worker(private_redis.url, "w-held", tmp_path / "c", tiny_llama_dir)
+        quitter.wait_log("waiting for its lease")
+        assert quitter.stop() == 0, quitter.log_tail()
+        assert "stopped before serving" in quitter.log_tail()
         waiter = _worker(private_redis.url, "w-held", tmp_path / "b", tiny_llama_dir)
         deadline = time.monotonic() + 60
         while "waiting for its lease" not in waiter.log_tail():
