@@ -53,7 +53,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         runner = BatchRunner(client.redis, client, file_store, batch_store, config)
         app.state.client, app.state.files, app.state.batches = client, file_store, batch_store
         app.state.hub = hub
-        app.state.enqueuer = Enqueuer(client)
+        app.state.enqueuer = Enqueuer(client, wake=hub.wake_id)
         app.state.catalog = ModelCatalog(hub.redis, config.queue)
         app.state.limiter = RateLimiter(
             hub.redis, app.state.catalog, config.queue, config.max_queue_depth

@@ -4,6 +4,7 @@ the next one (one thread hop and one Redis pipeline for a burst, not one per req
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import anyio
 
@@ -14,10 +15,13 @@ MAX_BATCH = 256
 
 
 class Enqueuer:
-    """Enqueues requests through `Client.enqueue`, coalescing concurrent ones."""
+    """Enqueues requests through `Client.enqueue`, coalescing concurrent ones; with `wake` (the
+    gateway's StreamHub's wake id) the workers tell that hub when the jobs' streams get
+    entries."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, wake: str | None = None) -> None:
         self.client = client
+        self.wake = wake
         self._pending: list[tuple[GenerationRequest, asyncio.Future]] = []
         self._running = False
 
@@ -36,7 +40,9 @@ class Enqueuer:
                 batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
                 requests = [r for r, _ in batch]
                 try:
-                    job_ids = await anyio.to_thread.run_sync(self.client.enqueue, requests)
+                    job_ids = await anyio.to_thread.run_sync(
+                        partial(self.client.enqueue, requests, wake=self.wake)
+                    )
                 except Exception as exc:  # every waiting request gets the error (e.g. 503)
                     for _, future in batch:
                         if not future.done():

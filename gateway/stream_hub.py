@@ -1,10 +1,16 @@
-"""Every token stream a gateway follows, read with one blocking XREAD on one connection.
+"""Every token stream a gateway follows, read on one connection, woken by the workers.
 
-A request follows its job's stream through a `Follow` (an asyncio queue of entries). Reads are
-paced (READ_INTERVAL_S), so one read takes the windows of many workers. New follows wake a
-blocked XREAD with CLIENT UNBLOCK, so their first entries come within one interval; every
-CHECK_S the followed jobs are also looked up, because some ends write no stream entry (a queued
-job canceled through RQ) and streams expire before results do.
+A request follows its job's stream through a `Follow` (an asyncio queue of entries). The
+gateway enqueues its jobs with the hub's wake id, and a worker's call that writes token
+entries also lists those jobs in the hub's wake stream (`wake_key`, one entry per hub and
+call). The hub blocks on its wake stream alone and then reads only the streams listed there:
+Redis's work follows the entries written, not the number of streams followed (a blocking XREAD
+naming every followed stream cost 2.9 us per stream per read). Reads are paced
+(READ_INTERVAL_S), so one read takes the windows of many workers. A new follow is read at once
+(its first entries may predate it) and wakes a blocked read with CLIENT UNBLOCK; every CHECK_S
+every followed stream is read and the followed jobs are looked up, because some ends write no
+stream entry (a queued job canceled through RQ), streams expire before results do, and a
+worker of an older release tells no wake stream.
 """
 
 from __future__ import annotations
@@ -12,24 +18,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 from rq.job import Job
 
 from producer.connection import async_redis_client, async_xread, is_cluster
-from producer.contract.keys import result_key, stream_key
+from producer.contract.keys import result_key, stream_key, wake_key
+from producer.contract.shards import hash_tag, shard_name
 from producer.results import decode_entry, is_final
 
 log = logging.getLogger("pagedq.gateway.streams")
 
 BLOCK_MS = 1000
-# Shortest time between two reads. Each XREAD costs Redis 2.7-5.3 us per stream it names
-# (bench/redis_capacity.py), and every worker's stream window and every new request would
-# otherwise wake the hub on its own: paced, one read takes the windows of many workers and
-# the follows of many requests, so the hub's cost per streamed token is this pace times that
-# cost over a stream's token rate, whatever the number of workers and streams. 20 ms read 45
-# times a second (new requests woke it), 10 us per streamed token at 30 tokens/s.
+# Shortest time between two reads: every worker's stream window and every new request would
+# otherwise wake the hub on its own; paced, one read takes the windows of many workers and the
+# follows of many requests.
 READ_INTERVAL_S = 0.05
 CHECK_S = 2.0
 COUNT = 512
@@ -49,13 +54,17 @@ class Follow:
 class StreamHub:
     """Reads the streams of all followed jobs and hands each entry to its follower."""
 
-    def __init__(self, redis_url: str) -> None:
+    def __init__(self, redis_url: str, wake_id: str | None = None) -> None:
+        self.wake_id = wake_id or uuid.uuid4().hex
+        """What this hub's jobs are enqueued with (`Client.enqueue(wake=...)`)."""
         # Many requests at once wait for a pooled connection rather than fail.
         self.redis = async_redis_client(
             redis_url, blocking=True, max_connections=POOL_SIZE, timeout=POOL_WAIT_S
         )
         self._reader = async_redis_client(redis_url, single_connection_client=True)
         self._follows: dict[str, list[Follow]] = {}
+        self._wakes: dict[str, str] = {}  # wake stream (one per queue shard) -> last id read
+        self._due: set[str] = set()  # followed jobs whose streams the next read reads
         self._reader_id: int | None = None
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -83,6 +92,8 @@ class StreamHub:
         """Follow a job's stream from its first entry."""
         follow = Follow(job_id)
         self._follows.setdefault(job_id, []).append(follow)
+        self._wakes.setdefault(wake_key(shard_name(hash_tag(job_id), self.wake_id)), "0")
+        self._due.add(job_id)
         self._changed.set()
         if not self._wake_scheduled:
             self._wake_scheduled = True
@@ -131,20 +142,29 @@ class StreamHub:
                 await asyncio.sleep(1.0)
 
     async def _read(self) -> bool:
-        """One XREAD of every followed stream (blocking until one has entries); True when
-        entries came."""
+        """Read the wake streams (blocking unless some followed stream is due already: a new
+        follow, the check), then one XREAD of the due streams; True when entries came."""
         self._changed.clear()
-        streams = {stream_key(j): self._last_id(j) for j in self._follows}
-        if not streams:  # every follow ended while the check above ran
-            return False
-        self._blocked = True
+        block = None if self._due & self._follows.keys() else BLOCK_MS
+        self._blocked = block is not None
         try:
-            reply = await async_xread(self._reader, streams, COUNT, BLOCK_MS)
+            woken = await async_xread(self._reader, dict(self._wakes), COUNT, block)
         finally:
             self._blocked = False
-        for key, entries in reply or []:
+        for key, entries in woken:
+            self._wakes[key.decode()] = entries[-1][0].decode()
+            for _, fields in entries:
+                self._due.update(fields.get(b"jobs", b"").decode().split())
+        due, self._due = self._due & self._follows.keys(), set()
+        if not due:  # woken by a new follow, or for jobs no longer followed
+            return False
+        streams = {stream_key(j): self._last_id(j) for j in due}
+        reply = await async_xread(self._reader, streams, COUNT, None)
+        for key, entries in reply:
             job_id = key.decode().split(":", 2)[2]
             self._deliver(job_id, entries)
+            if len(entries) == COUNT:  # more than one read's worth: read on next time
+                self._due.add(job_id)
         return bool(reply)
 
     def _last_id(self, job_id: str) -> str:
@@ -164,6 +184,7 @@ class StreamHub:
 
     async def _check_ended(self) -> None:
         job_ids = list(self._follows)
+        self._due.update(job_ids)  # the next read reads every followed stream once
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.exists(result_key(job_id))

@@ -181,12 +181,14 @@ class Client:
         id_namespace: str | None = None,
         batch_id: str | None = None,
         notify: str | None = None,
+        wake: str | None = None,
     ) -> list[str]:
         """Enqueue validated requests in one round trip; an existing job is reused, not re-run.
 
         `id_namespace` scopes custom_ids (job id from "{id_namespace}/{custom_id}"); with
         `batch_id`, each job's end is counted in `batch_counts_key(batch_id)`; with `notify`,
-        each job's end is added to that events stream (producer/events.py).
+        each job's end is added to that events stream (producer/events.py); with `wake`, each
+        write to a job's token stream is listed in that wake stream (gateway/stream_hub.py).
         """
         queued = [
             build_job(
@@ -202,13 +204,14 @@ class Client:
         ]
         try:
             created = self._write(
-                lambda: enqueue_jobs(self._writer, self.queue, queued, batch_id, notify),
+                lambda: enqueue_jobs(self._writer, self.queue, queued, batch_id, notify, wake),
                 f"enqueueing {len(queued)} job(s)",
             )
             for job, was_created in zip(queued, created, strict=True):
                 if not was_created:
                     self._write(
-                        lambda j=job: self._rerun_if_ended(j, batch_id, notify), f"job {job.id}"
+                        lambda j=job: self._rerun_if_ended(j, batch_id, notify, wake),
+                        f"job {job.id}",
                     )
         except OutOfMemoryError as exc:
             raise RedisFullError(exc) from exc
@@ -217,11 +220,13 @@ class Client:
             raise ReplicaAckError(exc.acked, exc.wanted, exc.timeout_ms, ids) from None
         return [job.id for job in queued]
 
-    def _rerun_if_ended(self, job: QueuedJob, batch_id: str | None, notify: str | None) -> None:
+    def _rerun_if_ended(
+        self, job: QueuedJob, batch_id: str | None, notify: str | None, wake: str | None
+    ) -> None:
         """Enqueue an existing job afresh if it failed, was canceled or is gone."""
         if ended_status(self.redis, job.id) in RERUN_STATUSES | {None}:
             clear_job(self.redis, job.id)
-            enqueue_jobs(self._writer, self.queue, [job], batch_id, notify)
+            enqueue_jobs(self._writer, self.queue, [job], batch_id, notify, wake)
 
     def _write(self, fn: Callable[[], T], what: str) -> T:
         """An idempotent write, retried like reads across an outage or a failover."""

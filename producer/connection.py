@@ -345,16 +345,19 @@ def xread(connection: Any, streams: dict[str, str], count: int, block_ms: int | 
 CLUSTER_XREAD_POLL_S = 0.02
 
 
-async def async_xread(connection: Any, streams: dict[str, str], count: int, block_ms: int) -> list:
-    """`xread` for asyncio. On a cluster it reads each slot's streams without blocking, every
-    CLUSTER_XREAD_POLL_S, until an entry comes or `block_ms` has passed (a blocked read there
-    could not be woken by CLIENT UNBLOCK, which goes to one node)."""
+async def async_xread(
+    connection: Any, streams: dict[str, str], count: int, block_ms: int | None
+) -> list:
+    """`xread` for asyncio (`block_ms` None: without blocking). On a cluster it reads each
+    slot's streams without blocking, every CLUSTER_XREAD_POLL_S, until an entry comes or
+    `block_ms` has passed (a blocked read there could not be woken by CLIENT UNBLOCK, which goes
+    to one node)."""
     if not is_cluster(connection):
         return await connection.xread(streams, count=count, block=block_ms) or []
     groups: dict[int, dict[str, str]] = {}
     for key, last in streams.items():
         groups.setdefault(key_slot(key.encode()), {})[key] = last
-    deadline = time.monotonic() + block_ms / 1000
+    deadline = time.monotonic() + (block_ms or 0) / 1000
     while True:
         out = []
         for part in groups.values():

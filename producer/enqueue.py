@@ -39,7 +39,7 @@ from producer.results import job_shell
 ENQUEUE_FIELDS = ("job_id", "queue_name", "base", "meta", "cost", "tenant", "n_fields")
 ENQUEUE_IF_ABSENT = LuaScript(
     "enqueue",
-    args=("batch", "notify"),
+    args=("batch", "notify", "wake"),
     body=f"""
 local t = redis.call('TIME')
 local enqueued = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
@@ -73,6 +73,7 @@ while i <= #ARGV do
         end
         if a_batch ~= '' then fields[#fields + 1] = F.batch; fields[#fields + 1] = a_batch end
         if a_notify ~= '' then fields[#fields + 1] = F.notify; fields[#fields + 1] = a_notify end
+        if a_wake ~= '' then fields[#fields + 1] = F.wake; fields[#fields + 1] = a_wake end
         redis.call('HSET', jkey, unpack(fields))
         local p = pushes[qkey]
         p[#p + 1] = job_id
@@ -183,6 +184,7 @@ def enqueue_jobs(
     jobs: Sequence[QueuedJob],
     batch_id: str | None = None,
     notify: str | None = None,
+    wake: str | None = None,
 ) -> list[bool]:
     """Save and push each job (to its routing's queue) unless it or its result exists; one
     round trip, one script call per shard. True = created.
@@ -190,7 +192,8 @@ def enqueue_jobs(
     With `batch_id` (a gateway batch), the script that ends each job counts it in
     `batch_counts_key(batch_id)` (with the job's shard tag in front, when sharded); with
     `notify`, it adds the job's end to `events_key(notify)` (likewise) while that stream
-    exists (producer/follow.py)."""
+    exists (producer/follow.py); with `wake` (a gateway's stream hub), each token entry the
+    job's stream gets is listed in `wake_key(wake)` (likewise)."""
     if not jobs:
         return []
     by_shard: dict[str, list[int]] = {}
@@ -219,6 +222,7 @@ def enqueue_jobs(
         extra = {
             "batch": shard_name(tag, batch_id) if batch_id else "",
             "notify": shard_name(tag, notify) if notify else "",
+            "wake": shard_name(tag, wake) if wake else "",
         }
         _, args = ENQUEUE_IF_ABSENT.keys_and_args(args=extra, rest=rest)
         calls.append((keys, args))

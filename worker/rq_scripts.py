@@ -41,7 +41,7 @@ rest.
 
 from __future__ import annotations
 
-from producer.contract.keys import EVENTS_MAXLEN
+from producer.contract.keys import EVENTS_MAXLEN, WAKE_MAXLEN, WAKE_TTL_S
 from producer.contract.lua import LuaScript
 from producer.contract.routing import DEFAULT_JOB_COST
 
@@ -246,18 +246,30 @@ end
 END_LUA = f"""
 local function job_state(jkey)
     local f = redis.call('HMGET', jkey, 'status', F.execution, F.base, F.tenant, F.cost,
-        F.batch, F.notify)
+        F.batch, F.notify, F.wake)
     return {{status = f[1], execution = f[2], base = f[3], tenant = f[4], cost = f[5],
-            batch = f[6], notify = f[7]}}
+            batch = f[6], notify = f[7], wake = f[8]}}
 end
 
 local function held_by(s, execution)
     return s.status == 'started' and s.execution == execution
 end
 
-local function held(jkey, execution)
-    local f = redis.call('HMGET', jkey, 'status', F.execution)
-    return f[1] == 'started' and f[2] == execution
+-- The job's wake id ('' when it has none) while `execution` holds it; nil otherwise.
+local function held_wake(jkey, execution)
+    local f = redis.call('HMGET', jkey, 'status', F.execution, F.wake)
+    if f[1] == 'started' and f[2] == execution then return f[3] or '' end
+    return nil
+end
+
+-- Tells each stream hub in `wakes` (wake id -> job ids) which of its jobs' streams got
+-- entries: one entry per hub and call, not one per job.
+local function tell_wakes(wakes)
+    for wake, ids in pairs(wakes) do
+        local key = K.wake .. wake
+        redis.call('XADD', key, 'MAXLEN', '~', {WAKE_MAXLEN}, '*', 'jobs', table.concat(ids, ' '))
+        redis.call('EXPIRE', key, {WAKE_TTL_S})
+    end
 end
 
 -- Puts a requeued job's sub-queue back in its base's index (the fair pick drops empty ones).
@@ -281,7 +293,7 @@ local function count_in_batch(batch, status, prompt_tokens, completion_tokens)
 end
 
 local function new_acc()
-    return {{zrem = {{}}, zadd = {{}}, counters = {{}}, charges = {{}}}}
+    return {{zrem = {{}}, zadd = {{}}, counters = {{}}, charges = {{}}, wakes = {{}}}}
 end
 
 -- Ends a started job whose hash fields `s` were read: RQ status and TTL, RQ's result entry
@@ -322,6 +334,7 @@ local function end_job(acc, s, job_id, queue, member, status, ended_at, score, t
         redis.call('XADD', skey, 'MAXLEN', '~', maxlen, '*', unpack(final_fields))
         -- stream_ttl '0': the stream's TTL was set with its first entry of this run.
         if stream_ttl ~= '0' then redis.call('EXPIRE', skey, stream_ttl) end
+        if s.wake then push(acc.wakes, s.wake, job_id) end
     end
     if s.notify then
         redis.call('XADD', K.events .. s.notify, 'NOMKSTREAM', 'MAXLEN', '~', {EVENTS_MAXLEN},
@@ -337,6 +350,7 @@ local function flush(acc, worker_key)
         for field, n in pairs(acc.counters) do redis.call('HINCRBY', worker_key, field, n) end
     end
     for _, c in pairs(acc.charges) do pq_charge(c.root, c.tenant, c.delta, c.used) end
+    tell_wakes(acc.wakes)
 end
 """
 
@@ -529,19 +543,22 @@ STREAM = LuaScript(
     args=("maxlen", "stream_ttl"),
     libraries=(UTIL_LUA, CHARGE_LUA, END_LUA),
     body="""
-local lost = {}
+local lost, wakes = {}, {}
 local i = REST
 while i <= #ARGV do
     local job_id, execution, set_ttl, n = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
-    if held(RQ.job .. job_id, execution) then
+    local wake = held_wake(RQ.job .. job_id, execution)
+    if wake then
         local skey = K.stream .. job_id
         redis.call('XADD', skey, 'MAXLEN', '~', a_maxlen, '*', unpack(slice(ARGV, i + 4, n)))
         if set_ttl == '1' then redis.call('EXPIRE', skey, a_stream_ttl) end
+        if wake ~= '' then push(wakes, wake, job_id) end
     else
         lost[#lost + 1] = job_id
     end
     i = i + 4 + n
 end
+tell_wakes(wakes)
 return lost
 """,
 )

@@ -17,6 +17,10 @@ DEFAULT_CANCEL_TTL = 24 * 3600
 STREAM_MAXLEN = 10_000
 # Entries an events stream keeps (about 40 bytes each): far more than a producer's window.
 EVENTS_MAXLEN = 100_000
+# Entries a wake stream keeps (a hub reads them within a read interval), and its TTL, renewed
+# by each entry: a hub that went away leaves it for an hour at most.
+WAKE_MAXLEN = 1_000
+WAKE_TTL_S = 3600
 
 GENERATE_FUNC = "pagedq.generate"
 """The only function name a pagedq job may carry; the worker refuses any other."""
@@ -35,6 +39,9 @@ PAGEDQ = {
     # + a producer's notify id: a stream of (job_id, status), one entry per ended job that
     # named it; only while its producer keeps it (NOMKSTREAM: workers never create it)
     "events": "pagedq:events:",
+    # + a stream hub's wake id: a stream whose entries list the jobs (named it) whose token
+    # streams just got entries, so the hub reads only those (gateway/stream_hub.py)
+    "wake": "pagedq:wake:",
     # The gateway's files and batches (gateway/):
     "file": "pagedq:file:",  # + file id: hash of a file's fields
     "file_data": "pagedq:file-data:",  # + file id: list of an uploaded file's chunks
@@ -78,6 +85,7 @@ JOB_FIELDS = {
     "tenant": "pq_tenant",  # the tenant charged when it ends
     "batch": "pq_batch",  # the gateway batch whose counts its end goes to
     "notify": "pq_notify",  # the events stream (PAGEDQ["events"] + it) its end is told to
+    "wake": "pq_wake",  # the wake stream (PAGEDQ["wake"] + it) its token entries are told to
 }
 
 
@@ -94,6 +102,12 @@ def stream_key(job_id: str) -> str:
 def events_key(notify: str) -> str:
     """Key of a producer's events stream: one (job_id, status) entry per ended job naming it."""
     return PAGEDQ["events"] + notify
+
+
+def wake_key(wake: str) -> str:
+    """Key of a stream hub's wake stream: entries of space-separated job ids whose token
+    streams got entries."""
+    return PAGEDQ["wake"] + wake
 
 
 def cancel_key(job_id: str) -> str:

@@ -471,6 +471,33 @@ def test_an_ending_tells_its_producers_events_stream_only_while_it_exists(redis_
     assert 0 < redis_client.ttl("pagedq:events:run1") <= 3600
 
 
+def test_token_entries_and_final_entries_tell_their_hubs_wake_stream(redis_client):
+    """A step's entries list the jobs of each stream hub in one wake entry per hub; a final
+    entry tells it too; a job enqueued without a wake id tells no one; the job stays online."""
+    client = Client(connection=redis_client, queue=QUEUE)
+    a, b = client.enqueue([_as_request({"prompt": p}) for p in ("a", "b")], wake="hub1")
+    [c] = client.enqueue([_as_request({"prompt": "c"})], wake="hub2")
+    [d] = client.enqueue([_as_request({"prompt": "d"})])
+    adapter = _adapter(redis_client)
+    claims = {claim.job_id: claim for claim in adapter.dequeue_many(4)}
+    assert not any(claim.bulk for claim in claims.values())
+    step = [(claims[j], {"event": "delta", "delta": "x"}, True) for j in (a, b, c, d)]
+    assert adapter.scripts.call(adapter.stream_call(step)) == []
+
+    def wakes(hub: str) -> list[list[str]]:
+        entries = redis_client.xrange(f"pagedq:wake:{hub}")
+        return [sorted(fields[b"jobs"].decode().split()) for _, fields in entries]
+
+    assert wakes("hub1") == [sorted([a, b])] and wakes("hub2") == [[c]]
+    assert 0 < redis_client.ttl("pagedq:wake:hub1") <= 3600
+    final = {"event": "done", "status": "result"}
+    for job_id in (b, c, d):
+        call = adapter.end_call(claims[job_id], "finished", _result("finished", job_id), final)
+        assert adapter.scripts.call(call) == [1]
+    assert wakes("hub1") == [sorted([a, b]), [b]] and wakes("hub2") == [[c], [c]]
+    assert sorted(redis_client.keys("pagedq:wake:*")) == [b"pagedq:wake:hub1", b"pagedq:wake:hub2"]
+
+
 def test_a_job_whose_end_goes_to_an_events_stream_or_a_batch_is_claimed_as_bulk(redis_client):
     client = Client(connection=redis_client, queue=QUEUE)
     [alone] = client.enqueue([_as_request({"prompt": "a"})])

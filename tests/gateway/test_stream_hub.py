@@ -1,0 +1,111 @@
+"""The gateway's StreamHub against a real redis-server and the worker's own scripts: woken by
+the workers' wake entries, it reads only the streams that got entries; a stream whose worker
+tells no hub is still read by its periodic check."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from gateway import stream_hub
+from gateway.stream_hub import StreamHub
+from producer.client import Client
+from producer.contract.keys import stream_key
+from producer.contract.schema import GenerationRequest
+from producer.results import is_final
+from worker.redis_link import ScriptRunner
+from worker.rq_adapter import RQAdapter
+
+QUEUE = "hub-test"
+DELTA = {"event": "delta", "delta": "x"}
+DONE = {"event": "done", "status": "result"}
+
+
+class XReads:
+    """The stream keys each XREAD names, as Redis runs them (MONITOR)."""
+
+    def __init__(self, redis) -> None:
+        self.keys: list[list[str]] = []
+        self._monitor = redis.monitor()
+        self._monitor.connection.send_command("MONITOR")
+        self._monitor.connection.read_response()
+        threading.Thread(target=self._collect, daemon=True).start()
+
+    def _collect(self) -> None:
+        try:
+            for cmd in self._monitor.listen():
+                words = cmd["command"].split()
+                if words[0].lower() == "xread":
+                    at = [w.lower() for w in words].index("streams") + 1
+                    names = words[at:]
+                    self.keys.append(names[: len(names) // 2])
+        except Exception:  # the connection closed at the end of the test
+            pass
+
+
+def _worker(redis_client) -> tuple[RQAdapter, ScriptRunner]:
+    adapter = RQAdapter(redis_client, "w-hub", [QUEUE], lease_ttl=30, result_ttl=600,
+                        stream_ttl=600, max_crashes=2)  # fmt: skip
+    return adapter, ScriptRunner(redis_client)
+
+
+def _enqueue(redis_client, prompts: list[str], wake: str | None) -> list[str]:
+    requests = [GenerationRequest.model_validate({"prompt": p}) for p in prompts]
+    return Client(connection=redis_client, queue=QUEUE).enqueue(requests, wake=wake)
+
+
+async def _next(follow, timeout: float = 5.0) -> dict:
+    return await asyncio.wait_for(follow.entries.get(), timeout)
+
+
+def test_the_hub_reads_only_the_streams_its_wake_stream_lists(redis_client, redis_server):
+    async def run() -> None:
+        hub = StreamHub(redis_server.url)
+        await hub.start()
+        try:
+            a, b, c = _enqueue(redis_client, ["a", "b", "c"], wake=hub.wake_id)
+            follows = {j: hub.follow(j) for j in (a, b, c)}
+            adapter, scripts = _worker(redis_client)
+            call, started_at = adapter.dequeue_call(3)
+            claims = {cl.job_id: cl for cl in adapter.claims(scripts.call(call), started_at)}
+            await asyncio.sleep(0.5)  # the new follows' first reads, and the first check
+            reads = XReads(redis_client)
+            assert scripts.call(adapter.stream_call([(claims[a], DELTA, True)])) == []
+            assert await _next(follows[a]) == DELTA
+            end = adapter.end_call(claims[b], "finished", '{"status": "finished"}', (1, 1), DONE)
+            assert scripts.call(end) == [1]
+            assert is_final(await _next(follows[b]))
+            await asyncio.sleep(0.3)
+            assert follows[c].entries.empty() and follows[a].entries.empty()
+            named = [key for keys in reads.keys for key in keys]
+            assert stream_key(a) in named and stream_key(b) in named
+            assert stream_key(c) not in named, reads.keys
+        finally:
+            await hub.close()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream_hub, "CHECK_S", 3600.0)  # only the wake entries can bring these
+        asyncio.run(run())
+
+
+def test_a_stream_whose_worker_tells_no_hub_is_read_by_the_check(redis_client, redis_server):
+    async def run() -> None:
+        hub = StreamHub(redis_server.url)
+        await hub.start()
+        try:
+            [job_id] = _enqueue(redis_client, ["old"], wake=None)  # as an older release's
+            follow = hub.follow(job_id)
+            adapter, scripts = _worker(redis_client)
+            call, started_at = adapter.dequeue_call(1)
+            [claim] = adapter.claims(scripts.call(call), started_at)
+            await asyncio.sleep(0.3)
+            assert scripts.call(adapter.stream_call([(claim, DELTA, True)])) == []
+            assert await _next(follow) == DELTA
+        finally:
+            await hub.close()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream_hub, "CHECK_S", 0.5)
+        asyncio.run(run())
