@@ -31,6 +31,7 @@ from producer.contract.keys import (
     stream_key,
     subqueue_index_key,
     tenant_tokens_key,
+    wake_key,
     weights_key,
 )
 from producer.contract.routing import model_queue, subqueue_name
@@ -124,6 +125,7 @@ def test_every_key_a_shards_scripts_touch_hashes_to_its_slot():
             weights_key(base), tenant_tokens_key(sub), rq_job_key(job_id), result_key(job_id),
             stream_key(job_id), cancel_key(job_id), rq_results_key(job_id),
             batch_counts_key(shard_name(shard, "batch_1")), events_key(shard_name(shard, "n1")),
+            wake_key(shard_name(shard, "hub1")),
         ]  # fmt: skip
         assert {slot_of(k) for k in keys} == {slot_of(shard)}, keys
     # The shards' tags sit in the 1st, 2nd and 3rd thirds of the slots: one per primary of an
