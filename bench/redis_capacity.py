@@ -119,6 +119,8 @@ CANCEL_POLL_S = 5.0
 EMPTY_QUEUE_BACKOFF_S = 0.1
 IDLE_POLL_S = (0.01, 0.25)
 ADMISSION_BURST_S = 0.05
+AHEAD_BACKOFF_S = 0.5
+PREFETCH = -1  # WorkerConfig.prefetch: a quarter of the requests running
 COALESCE_WINDOW_S = 0.1  # WorkerConfig.coalesce_window
 BULK_COALESCE_WINDOW_S = 1.0  # WorkerConfig.bulk_coalesce_window
 # Bulk producers enqueue in BulkRun's chunks (producer/bulk.py).
@@ -271,7 +273,14 @@ class Sim:
     coalesce_window: float = COALESCE_WINDOW_S
     bulk_coalesce_window: float = BULK_COALESCE_WINDOW_S
     stream_interval: float = STREAM_INTERVAL_S
+    prefetch: int = PREFETCH
     redis_cpu: int | None = None  # the core redis-server has to itself (None: shared)
+
+    @property
+    def prefetch_jobs(self) -> int:
+        """The workers' --prefetch, -1 resolved as EngineLoop.admission does (a quarter of the
+        requests running: of the slots, for a busy worker)."""
+        return self.slots // 4 if self.prefetch < 0 else self.prefetch
 
 
 class SimWorker:
@@ -301,6 +310,9 @@ class SimWorker:
         self.num_steps = self.num_tokens = self.num_started = 0
         self._queue_empty = False
         self._next_dequeue_at = 0.0
+        self._next_ahead_at = 0.0
+        # Jobs claimed ahead (--prefetch), waiting for a slot as they wait in the engine.
+        self.waiting: list[Any] = []
         self._idle_poll_s = IDLE_POLL_S[0]
         self._next_cancel_poll_at = 0.0
         self.endings: EndCoalescer = EndCoalescer(sim.coalesce_window)
@@ -335,6 +347,10 @@ class SimWorker:
     def turn(self) -> float:
         """One turn of the control loop; returns the monotonic time of the next one."""
         t = time.monotonic()
+        busy_before = bool(self.in_flight)
+        self._promote()
+        if self.in_flight and not busy_before:
+            self.next_step_at = t
         if self.in_flight and t >= self.next_step_at:
             self._step()
             self.next_step_at = max(self.next_step_at + self.step_s, t)
@@ -358,25 +374,40 @@ class SimWorker:
             return self._next_dequeue_at
         return time.monotonic()
 
+    def _promote(self) -> None:
+        """Jobs claimed ahead run as slots free up (the engine's scheduler)."""
+        while self.waiting and len(self.in_flight) < self.sim.slots:
+            self._start(self.waiting.pop(0))
+
+    def _room(self) -> tuple[int, int]:
+        """EngineLoop.admission: free slots (at most MAX_PENDING_ADDS, none while jobs wait),
+        and how many more may wait (--prefetch)."""
+        self._promote()
+        room = 0 if self.waiting else self.sim.slots - len(self.in_flight)
+        return min(MAX_PENDING_ADDS, room), max(0, self.sim.prefetch_jobs - len(self.waiting))
+
     # admission: worker/control_loop.py ControlLoop._admit, with room = free slots, at most
-    # MAX_PENDING_ADDS (8) a call, as EngineLoop.admission_room gives.
+    # MAX_PENDING_ADDS (8) a call, as EngineLoop.admission gives, and bulk jobs claimed ahead.
     def _admit(self) -> None:
-        if time.monotonic() < self._next_dequeue_at:
+        now = time.monotonic()
+        if now < self._next_dequeue_at:
             return
-        free = min(MAX_PENDING_ADDS, self.sim.slots - len(self.in_flight))
-        if not self.gate.ready(free, len(self.in_flight), time.monotonic()):
-            return
+        prefetch = self.sim.prefetch_jobs
+        room, ahead = self._room()
+        if not self.gate.ready(room, len(self.in_flight), now):
+            if not (ahead and ahead >= (prefetch + 1) // 2 and now >= self._next_ahead_at):
+                return
+            room = 0
         self.gate.dequeued()
         deadline = time.monotonic() + ADMISSION_BURST_S
-        first = True
-        while first or time.monotonic() < deadline:
-            room = min(MAX_PENDING_ADDS, self.sim.slots - len(self.in_flight))
-            if room <= 0:
-                break
-            first = False
-            call, started_at = self.adapter.dequeue_call(room)
+        while True:
+            call, started_at = self.adapter.dequeue_call(room, ahead)
             ok, reply = self.link.attempt(lambda c=call: self.link.scripts.call(c))
             claims = self.adapter.claims(reply, started_at) if ok else []
+            if len(claims) <= room and ahead:
+                self._next_ahead_at = time.monotonic() + AHEAD_BACKOFF_S
+            if not claims and not room:
+                return
             if not claims:
                 self._queue_empty = True
                 if self.in_flight:
@@ -388,9 +419,15 @@ class SimWorker:
                 return
             self._queue_empty = False
             self._idle_poll_s = IDLE_POLL_S[0]
-            for claim in claims:
+            for claim in claims[:room]:
                 self._start(claim)
+            self.waiting += claims[room:]
             _add(self.shared.held, len(claims))
+            if time.monotonic() >= deadline or not room:
+                break
+            room, ahead = self._room()
+            if not room:
+                break
 
     def _start(self, claim: Any) -> None:
         _, _, args, _ = load_job_data(claim.data, MAX_PAYLOAD_BYTES)
@@ -484,12 +521,12 @@ class SimWorker:
         t = time.monotonic()
         if self.in_flight and t >= self._next_cancel_poll_at:
             self._next_cancel_poll_at = t + CANCEL_POLL_S
-            call = self.adapter.cancel_check(list(self.in_flight))
+            call = self.adapter.cancel_check([*self.in_flight, *(c.job_id for c in self.waiting)])
             self.link.attempt(lambda: self.link.scripts.call(call))
 
     def _maintain(self) -> None:
         if self.leases.heartbeat_due():
-            claims = [i.claim for i in self.in_flight.values()]
+            claims = [i.claim for i in self.in_flight.values()] + self.waiting
             claims += [e.claim for e in self.endings.pending]
             call = self.adapter.heartbeat_call(claims, "busy" if claims else "idle")
             ok, lost = self.link.attempt(lambda: self.link.scripts.call(call))
@@ -1336,6 +1373,12 @@ def main() -> None:
     p.add_argument("--drivers", type=int, default=2, help="processes simulating the workers")
     p.add_argument("--lease-ttl", type=int, default=LEASE_TTL)
     p.add_argument(
+        "--prefetch",
+        type=int,
+        default=PREFETCH,
+        help="the workers' --prefetch (-1: a quarter of --slots; 0: claim only free slots)",
+    )
+    p.add_argument(
         "--shared-core",
         dest="redis_core",
         action="store_false",
@@ -1354,7 +1397,12 @@ def main() -> None:
         default=BULK_COALESCE_WINDOW_S,
         help="the workers' --bulk-coalesce-window",
     )
-    p.add_argument("--window", type=int, default=0, help="jobs outstanding (0: 1.25 x slots)")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=0,
+        help="jobs outstanding (0: 1.25 x workers x (slots + 2 x prefetch))",
+    )
     p.add_argument("--hold-s", type=float, default=6.0, help="fixed-cost windows, seconds")
     p.add_argument("--cpu-budget", type=float, default=0.7, help="share of one Redis core")
     p.add_argument("--target-seqs", type=int, default=64, help="modeled: sequences per worker")
@@ -1377,11 +1425,15 @@ def main() -> None:
         prompt_chars=args.prompt_chars,
         drivers=args.drivers,
         lease_ttl=args.lease_ttl,
-        window=args.window or round(1.25 * args.workers * args.slots),
+        window=args.window,
         coalesce_window=args.coalesce_window,
         bulk_coalesce_window=args.bulk_coalesce_window,
         stream_interval=args.stream_interval,
+        prefetch=args.prefetch,
     )
+    if not sim.window:
+        # Enough queued that every worker fills its slots and claims ahead from a deep queue.
+        sim.window = round(1.25 * sim.workers * (sim.slots + 2 * sim.prefetch_jobs))
     cpus = sorted(os.sched_getaffinity(0))
     if args.redis_core and len(cpus) >= 2:
         # As in production, Redis gets a core of its own: the simulated fleet (these processes

@@ -92,6 +92,16 @@ class WorkerConfig:
             min=0,
         ),
     )
+    prefetch: int = field(
+        default=-1,
+        metadata=_doc(
+            "bulk jobs (`pagedq submit` and Batch API lines) a busy worker may claim ahead, to "
+            "wait in its engine: taken in calls of at least half as many, and only while as "
+            "many stay queued for other workers (fewer, larger Redis calls); -1: a quarter of "
+            "the requests running; 0: claim only what the engine can run now",
+            min=-1,
+        ),
+    )
     rq_results: str = field(
         default="plain",
         metadata=_doc(

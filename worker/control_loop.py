@@ -66,6 +66,9 @@ IDLE_POLL_S = (0.01, 0.25)
 CANCEL_POLL_S = 5.0
 # Longest time the engine waits between two steps while jobs are being admitted.
 ADMISSION_BURST_S = 0.05
+# After a dequeue that claimed nothing ahead (the queue was not deep enough, or its next job
+# is not bulk), try again after this long.
+AHEAD_BACKOFF_S = 0.5
 # Set only by tests: seconds to sleep right after the dequeue script (to kill the worker there).
 SLEEP_AFTER_DEQUEUE_ENV = "PAGEDQ_TEST_SLEEP_AFTER_DEQUEUE"
 
@@ -124,6 +127,7 @@ class ControlLoop:
         self._force_stop = False
         self._queue_empty = False
         self._next_dequeue_at = 0.0
+        self._next_ahead_at = 0.0
         self._idle_poll_s = IDLE_POLL_S[0]
         self._next_cancel_poll_at = 0.0
         self._test_sleep = float(os.environ.get(SLEEP_AFTER_DEQUEUE_ENV) or 0)
@@ -256,22 +260,29 @@ class ControlLoop:
 
     def _admit(self) -> None:
         """Take jobs while the engine can admit them, all between two engine steps."""
-        if time.monotonic() < self._next_dequeue_at:
+        now = time.monotonic()
+        if now < self._next_dequeue_at:
             return
-        room = self.loop.admission_room()
-        if not self.gate.ready(room, len(self.in_flight), time.monotonic()):
-            self.loop.admitted()  # the engine steps on; the room is claimed a little later
-            return
+        room, ahead, prefetch = self.loop.admission(self.config.prefetch)
+        if not self.gate.ready(room, len(self.in_flight), now):
+            # Busy: claim bulk jobs ahead once half the prefetch is missing (see --prefetch).
+            if not (ahead and ahead >= (prefetch + 1) // 2 and now >= self._next_ahead_at):
+                self.loop.admitted()  # the engine steps on; the room is claimed a little later
+                return
+            room = 0
         self.gate.dequeued()
         try:
             with self.loop.paused():
                 deadline = time.monotonic() + ADMISSION_BURST_S
-                while room:
-                    call, started_at = self.adapter.dequeue_call(room)
+                while True:
+                    call, started_at = self.adapter.dequeue_call(room, ahead)
                     ok, reply = self.link.attempt(lambda c=call: self.link.scripts.call(c))
                     claims = self.adapter.claims(reply, started_at) if ok else []
+                    if len(claims) <= room and ahead:
+                        self._next_ahead_at = time.monotonic() + AHEAD_BACKOFF_S
                     if not claims:
-                        self._on_empty_queue(ok)
+                        if room:
+                            self._on_empty_queue(ok)
                         return
                     self._queue_empty = False
                     self._idle_poll_s = IDLE_POLL_S[0]
@@ -279,9 +290,11 @@ class ControlLoop:
                         time.sleep(self._test_sleep)
                     for claim in claims:
                         self._start_safely(claim)
-                    if time.monotonic() >= deadline:
+                    if time.monotonic() >= deadline or not room:
                         break
-                    room = self.loop.admission_room()
+                    room, ahead, _ = self.loop.admission(self.config.prefetch)
+                    if not room:
+                        break
         finally:
             self.loop.wait_for_admission = not self._queue_empty and not self._stopping
             self.loop.admitted()

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 # After a step that freed batch slots, the engine waits at most this long for the control thread
 # to admit queued jobs, so they join at the very next step (as vLLM's scheduler would take them).
@@ -29,6 +29,15 @@ ADMISSION_WAIT_S = 0.25
 
 # Jobs handed to the tokenizer thread but not yet to the engine: past this, admit no more.
 MAX_PENDING_ADDS = 8
+
+
+class Admission(NamedTuple):
+    """What one dequeue may claim: `room` to run now, `ahead` to wait in the engine (bulk
+    jobs, worker/config.py --prefetch), and the `prefetch` limit that was applied."""
+
+    room: int
+    ahead: int
+    prefetch: int
 
 
 @dataclass(slots=True)
@@ -169,12 +178,23 @@ class EngineLoop:
     def admission_room(self) -> int:
         """How many more requests the engine can take now (0 to MAX_PENDING_ADDS), counting
         queued adds: what one dequeue may claim."""
-        room = MAX_PENDING_ADDS - self.num_pending_adds
+        return self.admission(0).room
+
+    def admission(self, prefetch: int) -> Admission:
+        """`admission_room()`, and how many requests more may be added to wait in the engine
+        so that at most `prefetch` wait there (queued adds included; -1: a quarter of the
+        requests running): what a dequeue may claim ahead."""
         with self.paused():
             self._apply_commands()
-            while room > 0 and not self.engine.can_admit(num_requests=room):
+            # Adds still being tokenized are requests the engine does not hold yet.
+            pending = self.num_pending_adds
+            room = MAX_PENDING_ADDS - pending
+            while room > 0 and not self.engine.can_admit(num_requests=room + pending):
                 room //= 2
-        return max(room, 0)
+            waiting = pending + self.engine.scheduler.num_waiting
+            if prefetch < 0:
+                prefetch = len(self.engine.scheduler.running) // 4
+        return Admission(max(room, 0), max(0, prefetch - waiting), prefetch)
 
     def _apply_commands(self) -> None:
         while True:

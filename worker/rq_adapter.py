@@ -272,8 +272,11 @@ class RQAdapter:
 
     # --- dequeue ------------------------------------------------------------------------------
 
-    def dequeue_call(self, max_jobs: int = 1) -> tuple[ScriptCall | SplitCall, float]:
-        """The script popping up to `max_jobs` runnable jobs and marking them started, with the
+    def dequeue_call(
+        self, max_jobs: int = 1, ahead: int = 0
+    ) -> tuple[ScriptCall | SplitCall, float]:
+        """The script popping up to `max_jobs` runnable jobs, and up to `ahead` bulk jobs more
+        from a queue deep enough (DEQUEUE's comment), and marking them started, with the
         time it starts them at; `claims` reads its reply. Sharded: every shard is asked for the
         best aged priority of its heads (PEEK, one round trip), then jobs are taken from the
         best shard up to the next best's priority, so priorities and aging hold across shards
@@ -281,7 +284,7 @@ class RQAdapter:
         MAX_PEEKS in turn are asked."""
         tags = list(self.shards)
         if len(tags) == 1:
-            return self._dequeue_call(tags[0], max_jobs), time.time()
+            return self._dequeue_call(tags[0], max_jobs, ahead), time.time()
         start = self._next_shard % len(tags)
         self._next_shard += 1
         order = [tags[(start + i) % len(tags)] for i in range(min(len(tags), MAX_PEEKS))]
@@ -301,12 +304,12 @@ class RQAdapter:
             if not heads:
                 return None
             limit = heads[1][0] if len(heads) > 1 else None
-            return self._dequeue_call(order[heads[0][1]], max_jobs, limit)
+            return self._dequeue_call(order[heads[0][1]], max_jobs, ahead, limit)
 
         return SplitCall(peeks, then=then), time.time()
 
     def _dequeue_call(
-        self, tag: str, max_jobs: int, max_priority: float | None = None
+        self, tag: str, max_jobs: int, ahead: int = 0, max_priority: float | None = None
     ) -> ScriptCall:
         self._execution_seq += 1
         t = time.time()
@@ -319,7 +322,8 @@ class RQAdapter:
                 # Each job's execution id (fencing token) is this, then its number in the call.
                 "execution": f"{self._execution_prefix}{self._execution_seq:x}-",
                 "started_at": rq_date(t),
-                "max_jobs": max(1, max_jobs),
+                "max_jobs": max(0 if ahead > 0 else 1, max_jobs),
+                "ahead": max(0, ahead),
                 "max_pops": MAX_POPS_PER_DEQUEUE,
                 "aging_s": self.aging_seconds,
                 "max_wait_s": self.max_wait_seconds,

@@ -176,9 +176,21 @@ local function pq_best(P, aging_s)
     return best
 end
 
+-- Queued ids the picker has not consumed yet (stale ones included): math.huge when a
+-- sub-queue holds more than it read.
+local function pq_left(P)
+    local n = 0
+    for _, sub in ipairs(P.subs) do
+        if not sub.done then return math.huge end
+        n = n + #sub.ids - sub.pos + 1
+    end
+    return n
+end
+
 -- The next job across the picker's sub-queues: {{queue, id, base, tenant, cost, f}}, or nil
--- (also when the best head's aged priority is above `limit`, if given).
-local function pq_pick(P, aging_s, max_wait_s, limit)
+-- (also when the best head's aged priority is above `limit`, if given, or when `bulk_only`
+-- and the best head is a job somebody waits on alone: it stays queued).
+local function pq_pick(P, aging_s, max_wait_s, limit, bulk_only)
     local best = nil
     for _, sub in ipairs(P.subs) do
         local h = pq_head(P, sub)
@@ -201,6 +213,7 @@ local function pq_pick(P, aging_s, max_wait_s, limit)
     if best == nil or (limit and best.prio > limit) then return nil end
     local sub = best.sub
     local h = sub.head
+    if bulk_only and not (h.f[8] or h.f[9]) then return nil end
     sub.head = nil
     sub.pos = sub.pos + 1
     sub.fair.v = math.max(sub.fair.v, best.start)
@@ -398,7 +411,10 @@ _ENDING_LIBS = (UTIL_LUA, CHARGE_LUA, END_LUA, ENDING_LUA)
 
 # KEYS after the named ones: the base queue keys the worker serves (its model's, the generic).
 # Picks up to `max_jobs` jobs (none whose aged priority is above `max_priority`, unless '')
-# across the sub-queues of those bases, pops them and marks each started under a lease
+# across the sub-queues of those bases, then up to `ahead` more while the next pick is a bulk
+# job (read from an events stream or a batch's counts) and at least `ahead` jobs would stay
+# queued for other workers (the worker's --prefetch: fewer, larger calls from a deep queue),
+# pops them and marks each started under a lease
 # (execution id `execution` .. its number in hex), in one step: a worker killed at any instant
 # leaves each job either queued or visible in the started registry.
 # Returns per job {queue, job_id, execution, attempt, data, enqueued_at, timeout, canceled,
@@ -412,6 +428,7 @@ DEQUEUE = LuaScript(
         "execution",
         "started_at",
         "max_jobs",
+        "ahead",
         "max_pops",
         "aging_s",
         "max_wait_s",
@@ -422,13 +439,16 @@ DEQUEUE = LuaScript(
 local limit = tonumber(a_max_priority)
 local bases = {}
 for i = KEYS_REST, #KEYS do bases[#bases + 1] = string.sub(KEYS[i], string.len(RQ.queue) + 1) end
-local max_jobs = tonumber(a_max_jobs)
-local P = pq_picker(bases, max_jobs, tonumber(a_max_pops))
+local max_jobs, ahead = tonumber(a_max_jobs), tonumber(a_ahead)
+-- Reading 2 x `ahead` ids more tells whether `ahead` would stay queued after the extra ones.
+local P = pq_picker(bases, max_jobs + 2 * ahead, tonumber(a_max_pops))
 -- Leases are on the workers' clock, as the heartbeat and the reaper keep them.
 local deadline = tonumber(a_now) + tonumber(a_lease_ttl)
 local taken, wip, cancels = {}, {}, {}
-for n = 1, max_jobs do
-    local picked = pq_pick(P, tonumber(a_aging_s), tonumber(a_max_wait_s), limit)
+for n = 1, max_jobs + ahead do
+    local extra = n > max_jobs
+    if extra and pq_left(P) <= ahead then break end
+    local picked = pq_pick(P, tonumber(a_aging_s), tonumber(a_max_wait_s), limit, extra)
     if not picked then break end
     local f, id = picked.f, picked.id
     local execution = a_execution .. string.format('%x', n)

@@ -61,8 +61,8 @@ class Driver:
         claims = self.dequeue_many(1)
         return claims[0] if claims else None
 
-    def dequeue_many(self, max_jobs: int) -> list[Claim]:
-        call, started_at = self.adapter.dequeue_call(max_jobs)
+    def dequeue_many(self, max_jobs: int, ahead: int = 0) -> list[Claim]:
+        call, started_at = self.adapter.dequeue_call(max_jobs, ahead)
         return self.adapter.claims(self.scripts.call(call), started_at)
 
     def reap(self) -> tuple[list[str], list[str]]:
@@ -505,6 +505,31 @@ def test_a_job_whose_end_goes_to_an_events_stream_or_a_batch_is_claimed_as_bulk(
     [in_batch] = client.enqueue([_as_request({"prompt": "c"})], batch_id="batch_x")
     claims = {c.job_id: c for c in _adapter(redis_client).dequeue_many(3)}
     assert {j: c.bulk for j, c in claims.items()} == {alone: False, notified: True, in_batch: True}
+
+
+def test_bulk_jobs_are_claimed_ahead_only_while_as_many_stay_queued(redis_client):
+    """`ahead` (a worker's --prefetch): after the jobs it has room for, a dequeue takes bulk
+    jobs more, in the fair pick's order, while `ahead` jobs would stay queued; it never takes
+    a job somebody waits on alone ahead, nor the last jobs another worker could run now."""
+    client = Client(connection=redis_client, queue=QUEUE)
+    bulk = client.enqueue([_as_request({"prompt": f"b{i}"}) for i in range(12)], notify="run")
+    w1, w2 = _adapter(redis_client, name="w1"), _adapter(redis_client, name="w2")
+
+    # Room for 1, 4 ahead: 12 queued, 1 + 4 taken, 7 stay.
+    assert [c.job_id for c in w1.dequeue_many(1, 4)] == bulk[:5]
+    # Nothing room, 4 ahead: 7 queued, only 3 can go with 4 staying queued.
+    assert [c.job_id for c in w2.dequeue_many(0, 4)] == bulk[5:8]
+    assert w2.dequeue_many(0, 4) == []
+    # Room always claims, whatever is left.
+    assert [c.job_id for c in w1.dequeue_many(4, 4)] == bulk[8:12]
+
+    # An interactive job at the head stops the claims ahead (it waits for a worker with room).
+    first = client.enqueue([_as_request({"prompt": f"c{i}"}) for i in range(8)], notify="run")
+    [alone] = client.enqueue([_as_request({"prompt": "alone"})])
+    rest = client.enqueue([_as_request({"prompt": f"d{i}"}) for i in range(8)], notify="run")
+    assert [c.job_id for c in w1.dequeue_many(2, 8)] == first
+    assert [c.job_id for c in w2.dequeue_many(1, 4)] == [alone, *rest[:4]]
+    assert redis_client.llen(f"rq:queue:{QUEUE}") == 4
 
 
 def _as_request(body: dict):

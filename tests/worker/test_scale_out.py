@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -69,6 +70,27 @@ def test_two_workers_share_the_queue_and_every_job_ends_once(workers, client):
     failed = FailedJobRegistry(QUEUE, connection=client.redis, serializer=JSONSerializer)
     assert set(job_ids) <= set(finished.get_job_ids())
     assert failed.count == 0
+
+
+def test_busy_workers_claim_bulk_jobs_ahead_and_every_job_ends_once(workers, client):
+    """--prefetch (default: a quarter of the requests running, here 1 of 6): from a deep queue
+    of bulk jobs each busy worker holds more jobs than it runs, and each job still ends once."""
+    from producer.contract.schema import GenerationRequest
+
+    requests = [GenerationRequest.model_validate(j) for j in _jobs(48, "ahead")]
+    job_ids = client.enqueue(requests, notify="ahead-run")
+    held, deadline = [], time.monotonic() + 240
+    while any(client.status(j) != "finished" for j in job_ids[:-8]):
+        assert time.monotonic() < deadline, workers[0].log_tail()
+        for w in workers:  # the status key each worker publishes every 0.5 s
+            if status := client.redis.get(f"pagedq:worker:{w.name}"):
+                held.append(json.loads(status)["in_flight"])
+        time.sleep(0.1)
+
+    assert max(held) == 7  # 6 running and 1 claimed ahead, never more
+    assert all(client.result(j, timeout=120).status == "finished" for j in job_ids)
+    for job_id in job_ids:
+        assert len(_successes(client, job_id)) == 1
 
 
 def test_jobs_of_a_killed_worker_run_again_elsewhere_and_end_once(workers, client):
