@@ -1004,6 +1004,7 @@ class Profile:
     lost: int
     followed: int  # streams the online producer follows (its clients)
     stream_interval: float  # the workers' --stream-interval
+    prefetch: int  # the workers' --prefetch, resolved
     latency_ms: list[float]  # sorted: a token's sampling to its reading, ms (a sample)
 
     def latency(self, q: float) -> str:
@@ -1015,31 +1016,42 @@ class Profile:
         )
 
 
-def parse_profile(spec: str, stream_interval: float) -> tuple[str, float, float]:
-    """(name, fraction of jobs streaming, the workers' --stream-interval) of a profile."""
-    name, _, interval = spec.partition("@")
-    at = float(interval) if interval else stream_interval
+def parse_profile(spec: str, sim: Sim) -> tuple[str, float, Sim]:
+    """(name, fraction of jobs streaming, the fleet) of a profile: NAME[@S][/prefetch=N], @S
+    the workers' --stream-interval, /prefetch=N their --prefetch."""
+    base, _, option = spec.partition("/")
+    name, _, interval = base.partition("@")
+    sim = dataclasses.replace(
+        sim, stream_interval=float(interval) if interval else sim.stream_interval
+    )
+    if option:
+        key, _, value = option.partition("=")
+        if key != "prefetch" or not value.lstrip("-").isdigit():
+            raise ValueError(f"profile {spec!r}: the only option is /prefetch=N")
+        sim = dataclasses.replace(sim, prefetch=int(value))
     if name == "bulk":
-        return spec, 0.0, at
+        return spec, 0.0, sim
     if name in ("stream", "interactive"):
-        return spec, 1.0, at
+        return spec, 1.0, sim
     if name.startswith("mix:"):
-        return spec, float(name[4:]), at
+        return spec, float(name[4:]), sim
     raise ValueError(
         f"profile {spec!r}: bulk, stream (alias interactive) or mix:FRACTION, each with an "
-        "optional @SECONDS (the workers' --stream-interval)"
+        "optional @SECONDS (the workers' --stream-interval) and /prefetch=N (their --prefetch)"
     )
 
 
 def measure_profile(sim: Sim, ctx: Any, spec: str, jobs: int) -> Profile:
-    name, fraction, interval = parse_profile(spec, sim.stream_interval)
-    sim = dataclasses.replace(sim, stream_interval=interval)
+    name, fraction, sim = parse_profile(spec, sim)
+    interval = sim.stream_interval
     run = Run(sim, ctx)
     try:
         empty = run.admin.info("memory")["used_memory"]
         n_stream = round(jobs * fraction)
         kinds = [(k, n) for k, n in (("bulk", jobs - n_stream), ("interactive", n_stream)) if n]
         windows = {kind: max(1, round(sim.window * n / jobs)) for kind, n in kinds}
+        if "bulk" in windows:  # a queue deep enough that busy workers claim ahead (--prefetch)
+            windows["bulk"] += round(2.5 * sim.workers * sim.prefetch_jobs * kinds[0][1] / jobs)
         for seed, (kind, n) in enumerate(kinds, 10):
             run.start_producer(kind, n, windows[kind], seed=seed)
         run.start_workers()
@@ -1067,7 +1079,7 @@ def measure_profile(sim: Sim, ctx: Any, spec: str, jobs: int) -> Profile:
         return Profile(
             name, fraction, b - a, run.sent, sum(memory.values()) / jobs, memory,
             (used - empty) / jobs, jobs, finished, run.shared.lost.value,
-            windows.get("interactive", 0), interval, sorted(run.latency_ms),
+            windows.get("interactive", 0), interval, sim.prefetch_jobs, sorted(run.latency_ms),
         )  # fmt: skip
     finally:
         run.close()
@@ -1176,6 +1188,16 @@ def print_tables(
         [f"{p.window.steps / p.window.dt / sim.workers:.1f}" for p in profiles],
     )
     row("workers' --stream-interval (s)", [f"{p.stream_interval:g}" for p in profiles])
+    row("workers' --prefetch (jobs)", [f"{p.prefetch}" for p in profiles])
+    row(
+        "jobs per DEQUEUE call",
+        [
+            f"{p.window.ended / d:.1f}"
+            if (d := p.sent.get("worker", {}).get("EVALSHA(dequeue)"))
+            else "-"
+            for p in profiles
+        ],
+    )
     row("tokens per job", [f"{p.window.tokens / p.window.ended:.1f}" for p in profiles])
     row("stream entries per job", [f"{p.window.entries / p.window.ended:.1f}" for p in profiles])
     row("Redis CPU, share of one core", [f"{p.window.rate / 1e6:.1%}" for p in profiles])
@@ -1280,8 +1302,13 @@ def print_tables(
     per_worker_fixed = (
         f.busy_worker + f.heartbeat / (sim.lease_ttl / 3) + f.reap / (sim.lease_ttl / 2)
     )
-    bulk = next((sp for p, sp in zip(profiles, splits) if p.stream_fraction == 0), None)
-    inter = next((sp for p, sp in zip(profiles, splits) if p.stream_fraction == 1), None)
+    # The last profile of each kind (after a /prefetch=0 baseline, the default).
+    bulk = next(
+        (sp for p, sp in reversed([*zip(profiles, splits)]) if p.stream_fraction == 0), None
+    )
+    inter = next(
+        (sp for p, sp in reversed([*zip(profiles, splits)]) if p.stream_fraction == 1), None
+    )
     read_entry = f.read_entry  # the hub's reads, per entry written (the fixed run's)
     print(
         f"\nCapacity of one Redis core at {args.cpu_budget:.0%}, modeled: busy workers each "
@@ -1361,7 +1388,8 @@ def main() -> None:
         "--profiles",
         default="stream,bulk",
         help="stream (every job streams, read live; alias interactive), bulk, mix:F (a "
-        "fraction F streams); each with an optional @S, the workers' --stream-interval",
+        "fraction F streams); each with an optional @S, the workers' --stream-interval, and "
+        "/prefetch=N, their --prefetch (bulk/prefetch=0,bulk: without and with claiming ahead)",
     )
     p.add_argument(
         "--stream-interval",
@@ -1401,7 +1429,8 @@ def main() -> None:
         "--window",
         type=int,
         default=0,
-        help="jobs outstanding (0: 1.25 x workers x (slots + 2 x prefetch))",
+        help="jobs outstanding (0: 1.25 x workers x slots, and for bulk jobs 2.5 x workers x "
+        "prefetch more)",
     )
     p.add_argument("--hold-s", type=float, default=6.0, help="fixed-cost windows, seconds")
     p.add_argument("--cpu-budget", type=float, default=0.7, help="share of one Redis core")
@@ -1432,8 +1461,7 @@ def main() -> None:
         prefetch=args.prefetch,
     )
     if not sim.window:
-        # Enough queued that every worker fills its slots and claims ahead from a deep queue.
-        sim.window = round(1.25 * sim.workers * (sim.slots + 2 * sim.prefetch_jobs))
+        sim.window = round(1.25 * sim.workers * sim.slots)
     cpus = sorted(os.sched_getaffinity(0))
     if args.redis_core and len(cpus) >= 2:
         # As in production, Redis gets a core of its own: the simulated fleet (these processes
