@@ -15,7 +15,8 @@ Redis busy enough to read.
 
 Each simulated worker (worker/control_loop.py's loop with the engine replaced by a clock):
 registers (REGISTER); while it has room takes up to 8 jobs per DEQUEUE call (MAX_PENDING_ADDS),
-up to `--slots` in flight; steps `--steps-per-s` times a second while it holds jobs; per step
+up to `--slots` in flight, and claims bulk jobs ahead to wait for a slot (`--prefetch`, as
+EngineLoop.admission and ControlLoop._admit do); steps `--steps-per-s` times a second while it holds jobs; per step
 appends the token entries of the jobs that stream (one STREAM call, entries coalesced to at
 most one per job per 50 ms by the worker's own StreamState) and ends every job that reached its
 tokens in one merged END call (both in one MULTI/EXEC when there are both, as RedisLink does);
@@ -30,8 +31,9 @@ with EventFollower, each result read with one GET); streaming jobs as the gatewa
 streaming requests (`--window` clients each sending one request after the other; the gateway's
 Enqueuer coalesces requests that arrive together into one `Client.enqueue`; its StreamHub
 follows every stream with one XREAD and checks the followed jobs every 2 s; the result is read
-with one GET at the end). The producers keep `--window` jobs outstanding (default 2 x workers x
-slots), so the queue never runs dry inside the measured window.
+with one GET at the end). The producers keep `--window` jobs outstanding (default 1.25 x
+workers x slots, plus 2.5 x workers x prefetch of bulk jobs), so the queue never runs dry inside
+the measured window.
 
 Runs, each on a fresh redis-server:
 
