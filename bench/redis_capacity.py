@@ -16,8 +16,8 @@ Redis busy enough to read.
 Each simulated worker (worker/control_loop.py's loop with the engine replaced by a clock):
 registers (REGISTER); while it has room takes up to 8 jobs per DEQUEUE call (MAX_PENDING_ADDS),
 up to `--slots` in flight, and claims bulk jobs ahead to wait for a slot (`--prefetch`, as
-EngineLoop.admission and ControlLoop._admit do); steps `--steps-per-s` times a second while it holds jobs; per step
-appends the token entries of the jobs that stream (one STREAM call, entries coalesced to at
+EngineLoop.admission and ControlLoop._admit do); steps `--steps-per-s` times a second while it
+holds jobs; per step appends the token entries of the jobs that stream (one STREAM call, entries coalesced to at
 most one per job per 50 ms by the worker's own StreamState) and ends every job that reached its
 tokens in one merged END call (both in one MULTI/EXEC when there are both, as RedisLink does);
 checks the cancel keys of its jobs every second (MGET); heartbeats every lease_ttl/3 and reaps
