@@ -17,12 +17,14 @@ Each simulated worker (worker/control_loop.py's loop with the engine replaced by
 registers (REGISTER); while it has room takes up to 8 jobs per DEQUEUE call (MAX_PENDING_ADDS),
 up to `--slots` in flight, and claims bulk jobs ahead to wait for a slot (`--prefetch`, as
 EngineLoop.admission and ControlLoop._admit do); steps `--steps-per-s` times a second while it
-holds jobs; per step appends the token entries of the jobs that stream (one STREAM call, entries coalesced to at
-most one per job per 50 ms by the worker's own StreamState) and ends every job that reached its
-tokens in one merged END call (both in one MULTI/EXEC when there are both, as RedisLink does);
-checks the cancel keys of its jobs every second (MGET); heartbeats every lease_ttl/3 and reaps
-every lease_ttl/2 (Leases); publishes its status key at most every 0.5 s (StatusPublisher);
-polls an empty queue every 0.1 s with jobs in flight, backing off from 0.01 to 0.25 s when idle.
+holds jobs; writes the token entries of the jobs that stream in one STREAM call per
+`--stream-interval` window (one entry per job, its first token at once: the worker's own
+StreamWindow) and ends every job that reached its tokens in one merged END call (both in one
+MULTI/EXEC when there are both, as RedisLink does); checks the cancel keys of its jobs every 5 s
+(MGET, the fallback for lost cancel messages); heartbeats every
+lease_ttl/3 and reaps every lease_ttl/2 (Leases); publishes its status key at most every 0.5 s
+(StatusPublisher); polls an empty queue every 0.1 s with jobs in flight, backing off from 0.01
+to 0.25 s when idle.
 Jobs have between tokens/2 and 3*tokens/2 tokens (mean `--tokens`), so endings are spread.
 
 Producers: bulk jobs are enqueued and read as `pagedq submit` does (BulkRun: chunks of 256
