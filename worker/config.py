@@ -136,7 +136,11 @@ class WorkerConfig:
     )
     drain_timeout: float = field(
         default=30.0,
-        metadata=_doc("on SIGTERM, seconds to finish in-flight jobs before requeueing them", min=0),
+        metadata=_doc(
+            "on SIGTERM, seconds to finish running jobs before requeueing them (jobs not begun "
+            "go back at once)",
+            min=0,
+        ),
     )
     metrics_port: int = field(
         default=0,

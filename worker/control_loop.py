@@ -128,6 +128,7 @@ class ControlLoop:
         self._queue_empty = False
         self._next_dequeue_at = 0.0
         self._next_ahead_at = 0.0
+        self._handed_back = False
         self._idle_poll_s = IDLE_POLL_S[0]
         self._next_cancel_poll_at = 0.0
         self._test_sleep = float(os.environ.get(SLEEP_AFTER_DEQUEUE_ENV) or 0)
@@ -151,6 +152,8 @@ class ControlLoop:
         log.info("worker started", worker=self.name, queues=self.adapter.queues, model=self.model)
         try:
             while True:
+                if self._stopping and not self._handed_back:
+                    self._hand_back_not_begun()
                 if self._stopping and self._should_exit():
                     break
                 if not self.link.up and self.link.poll():
@@ -241,6 +244,24 @@ class ControlLoop:
             self._stop_at = time.monotonic() + self.config.drain_timeout
         else:
             self._force_stop = True
+
+    def _hand_back_not_begun(self) -> None:
+        """On a warm stop, the jobs the engine has not begun (claimed ahead, or just admitted)
+        go back to the front of their queues at once, for other workers: only the ones that
+        run get the drain timeout."""
+        self._handed_back = True
+        items = [
+            self.in_flight.pop(job_id)
+            for job_id in self.loop.not_begun()
+            if (item := self.in_flight.get(job_id)) is not None and item.first_token_at is None
+        ]
+        if not items:
+            return
+        for item in items:
+            self.loop.abort(item.job_id)
+            self.window.discard(item.job_id)
+        self.ender.requeue(items, count_crash=False, reason="worker stopping")
+        log.info("stop: jobs not begun handed back", count=len(items))
 
     def _should_exit(self) -> bool:
         if not self.in_flight:

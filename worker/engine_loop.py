@@ -196,6 +196,21 @@ class EngineLoop:
                 prefetch = len(self.engine.scheduler.running) // 4
         return Admission(max(room, 0), max(0, prefetch - waiting), prefetch)
 
+    def not_begun(self) -> list[str]:
+        """Ids of the requests given to `add` that the engine has not begun: still being
+        tokenized, or waiting with no token computed or sampled (what a stopping worker can
+        hand back at once)."""
+        with self.paused():
+            self._apply_commands()
+            with self._pending_lock:
+                ids = list(self._pending)
+            ids += [
+                r.request_id
+                for r in self.engine.scheduler.waiting
+                if not r.num_computed_tokens and not r.num_output_tokens
+            ]
+        return ids
+
     def _apply_commands(self) -> None:
         while True:
             try:

@@ -116,15 +116,31 @@ def test_jobs_of_a_killed_worker_run_again_elsewhere_and_end_once(workers, clien
     assert failed.count == 0
 
 
-def test_sigterm_lets_in_flight_jobs_finish_then_exits_cleanly(workers, client):
-    _, b = workers
-    job_ids = client.submit_many(_jobs(4, "drain"))
+def test_sigterm_lets_in_flight_jobs_finish_then_exits_cleanly(workers, client, worker_factory):
+    """A warm stop: the running jobs finish, the job claimed ahead (not begun) goes back to the
+    front of the queue at once (a worker started after runs it); every job ends once."""
+    from producer.contract.schema import GenerationRequest
+
+    _, b = workers  # the only one left: the previous test killed the other
+    requests = [GenerationRequest.model_validate(j) for j in _jobs(30, "drain")]
+    job_ids = client.enqueue(requests, notify="drain-run")
     deadline = time.monotonic() + 120
-    while not _held_by(client, b.name):
+    while (b.status() or {}).get("in_flight") != 7:  # 6 running, 1 claimed ahead
         assert time.monotonic() < deadline, b.log_tail()
         time.sleep(0.02)
 
     assert b.stop(timeout=60) == 0
-    assert all(client.result(j, timeout=5).status == "finished" for j in job_ids)
+    assert "jobs not begun handed back" in b.log_tail(100_000)
     assert f"rq:worker:{b.name}".encode() not in client.redis.smembers("rq:workers")
     assert client.redis.get(f"pagedq:worker:{b.name}") is None
+    by_b = {j for j in job_ids if client.status(j) == "finished"}
+    assert 6 <= len(by_b) < len(job_ids)  # what b ran ended; the rest waits, none lost
+    assert client.redis.llen(f"rq:queue:{QUEUE}") == len(job_ids) - len(by_b)
+
+    c = worker_factory(QUEUE, "w-c", *SLOTS, "--rq-results", "all")
+    results = {j: client.result(j, timeout=240) for j in job_ids}
+    assert all(r.status == "finished" for r in results.values())
+    assert {results[j].worker for j in by_b} == {b.name}
+    assert {results[j].worker for j in set(job_ids) - by_b} == {c.name}
+    for job_id in job_ids:
+        assert len(_successes(client, job_id)) == 1
