@@ -142,10 +142,13 @@ def test_endings_still_waiting_are_written_when_the_worker_stops(worker_factory,
     worker.wait_ready()
     job_ids = client.submit_many(_jobs(4, "b"))
     deadline = time.monotonic() + 60
-    # Started, then done in the engine (in_flight falls to 0) while their endings wait.
-    while any(client.status(j) != "started" for j in job_ids) or (worker.status() or {}).get(
-        "in_flight"
-    ):
+    while any(client.status(j) != "started" for j in job_ids):
+        assert time.monotonic() < deadline, worker.log_tail()
+        time.sleep(0.05)
+    # Then done in the engine (in_flight falls to 0, in a status written since) while their
+    # endings wait: a stop before would hand back the jobs the engine had not begun.
+    started_at = time.time()
+    while (s := worker.status() or {}).get("updated_at", 0) <= started_at or s["in_flight"]:
         assert time.monotonic() < deadline, worker.log_tail()
         time.sleep(0.05)
     assert all(client.redis.exists(result_key(j)) == 0 for j in job_ids)
