@@ -250,18 +250,14 @@ class ControlLoop:
         go back to the front of their queues at once, for other workers: only the ones that
         run get the drain timeout."""
         self._handed_back = True
-        items = [
-            self.in_flight.pop(job_id)
+        job_ids = [
+            job_id
             for job_id in self.loop.not_begun()
             if (item := self.in_flight.get(job_id)) is not None and item.first_token_at is None
         ]
-        if not items:
-            return
-        for item in items:
-            self.loop.abort(item.job_id)
-            self.window.discard(item.job_id)
-        self.ender.requeue(items, count_crash=False, reason="worker stopping")
-        log.info("stop: jobs not begun handed back", count=len(items))
+        if job_ids:
+            self._requeue(job_ids, "worker stopping", count_crash=False)
+            log.info("stop: jobs not begun handed back", count=len(job_ids))
 
     def _should_exit(self) -> bool:
         if not self.in_flight:
@@ -506,14 +502,19 @@ class ControlLoop:
 
     def _requeue_all(self, reason: str, *, count_crash: bool) -> None:
         """Put every in-flight job back at the front of its queue (at-least-once delivery)."""
-        if not self.in_flight:
-            return
-        items = list(self.in_flight.values())
-        self.in_flight.clear()
+        if self.in_flight:
+            count = len(self.in_flight)
+            self._requeue(list(self.in_flight), reason, count_crash=count_crash)
+            log.warning("requeued in-flight jobs", count=count, reason=reason)
+
+    def _requeue(self, job_ids: list[str], reason: str, *, count_crash: bool) -> None:
+        """Take these in-flight jobs out of the engine and put them back at the front of their
+        queues."""
+        items = [self.in_flight.pop(job_id) for job_id in job_ids]
         for item in items:
             self.loop.abort(item.job_id)
+            self.window.discard(item.job_id)
         self.ender.requeue(items, count_crash=count_crash, reason=reason)
-        log.warning("requeued in-flight jobs", count=len(items), reason=reason)
 
     def _handle_cancels(self) -> None:
         while True:

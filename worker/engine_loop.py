@@ -3,7 +3,7 @@
 The control thread never touches the engine directly. It puts `AddRequest` and `AbortRequest`
 commands on a queue and reads `StepOutputs` / `AddFailed` / `RequestFailed` events from another.
 One lock guards the engine; the engine thread holds it for a step, the control thread for
-`can_admit` and for short admission bursts (`paused()`), so many jobs can join the batch
+`admission` and for short admission bursts (`paused()`), so many jobs can join the batch
 between two steps.
 
 Nothing a job carries is worked on by the control thread: a tokenizer thread turns each
@@ -171,17 +171,9 @@ class EngineLoop:
         """The control thread has admitted what it could; the engine may step again."""
         self._admitted.set()
 
-    def can_admit(self) -> bool:
-        """True when the engine can take one more request now, counting queued adds."""
-        return self.admission_room() > 0
-
-    def admission_room(self) -> int:
-        """How many more requests the engine can take now (0 to MAX_PENDING_ADDS), counting
-        queued adds: what one dequeue may claim."""
-        return self.admission(0).room
-
     def admission(self, prefetch: int) -> Admission:
-        """`admission_room()`, and how many requests more may be added to wait in the engine
+        """How many more requests the engine can take now (0 to MAX_PENDING_ADDS, counting
+        queued adds: what one dequeue may claim), and how many more may be added to wait in it
         so that at most `prefetch` wait there (queued adds included; -1: a quarter of the
         requests running): what a dequeue may claim ahead."""
         with self.paused():

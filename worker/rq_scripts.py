@@ -70,6 +70,12 @@ PICK_LUA = f"""
 local HEAD = {{F.enqueued, F.cost, 'status', 'data', 'enqueued_at', 'timeout', F.attempts,
     F.notify, F.batch}}
 
+-- A bulk job (its HEAD fields `f`): its end is read from an events stream or a batch's
+-- counts, nobody waits on it alone.
+local function pq_bulk(f)
+    return (f[8] or f[9]) and true or false
+end
+
 -- A picker over the sub-queues of `bases`: each sub-queue's index entry, its first `peek` ids
 -- and each root's virtual time are read once; pq_pick then picks job after job exactly as
 -- one call per job would, and pq_commit pops what was taken and writes the accounts.
@@ -213,7 +219,7 @@ local function pq_pick(P, aging_s, max_wait_s, limit, bulk_only)
     if best == nil or (limit and best.prio > limit) then return nil end
     local sub = best.sub
     local h = sub.head
-    if bulk_only and not (h.f[8] or h.f[9]) then return nil end
+    if bulk_only and not pq_bulk(h.f) then return nil end
     sub.head = nil
     sub.pos = sub.pos + 1
     sub.fair.v = math.max(sub.fair.v, best.start)
@@ -459,9 +465,8 @@ for n = 1, max_jobs + ahead do
         tostring(picked.cost))
     push(wip, RQ.wip .. picked.queue, deadline, id .. ':' .. execution)
     cancels[#cancels + 1] = K.cancel .. id
-    -- bulk: its end is read from an events stream or a batch's counts, not waited on alone.
     taken[#taken + 1] = {picked.queue, id, execution, attempt, f[4] or '', f[5] or '',
-        f[6] or '', 0, f[3] or '', f[1] and 0 or 1, (f[8] or f[9]) and 1 or 0}
+        f[6] or '', 0, f[3] or '', f[1] and 0 or 1, pq_bulk(f) and 1 or 0}
 end
 pq_commit(P)
 for key, args in pairs(wip) do redis.call('ZADD', key, unpack(args)) end
