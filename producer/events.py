@@ -1,9 +1,10 @@
 """Follow many jobs that do not stream through one events stream of the producer's own.
 
 A bulk producer (``pagedq submit``, ``BulkRun``) enqueues its jobs with a `notify` id; the
-script that ends such a job adds ``(job_id, status)`` to ``events_key(notify)`` (one XADD),
-but only while that stream exists (NOMKSTREAM): the producer creates it and keeps its TTL
-fresh, so a producer that went away leaves nothing behind for long. Reading it is one blocking
+script that ends such jobs adds their ids and statuses to ``events_key(notify)`` (one entry
+per script call, however many of the producer's jobs it ended), but only while that stream
+exists (NOMKSTREAM): the producer creates it and keeps its TTL fresh, so a producer that went
+away leaves nothing behind for long. Reading it is one blocking
 XREAD for every job in flight, instead of one stream per job. Ends that write no event (a queued
 job canceled, an RQ reaper's failure, an event trimmed or expired) are found by a slow check of
 the result keys, every `check_interval` seconds. With a sharded queue each shard's jobs tell
@@ -32,6 +33,15 @@ CHECK_INTERVAL_S = 60.0
 def new_notify_id() -> str:
     """A fresh notify id (one per producer run)."""
     return uuid.uuid4().hex
+
+
+def ended_job_ids(fields: dict[bytes, bytes]) -> list[str]:
+    """The job ids an events entry reports ended: `jobs` (space-separated, one entry per
+    ending call) or `job_id` (one per entry, as workers before 2026-11 wrote)."""
+    if b"jobs" in fields:
+        return fields[b"jobs"].decode(errors="replace").split()
+    job_id = fields.get(b"job_id", b"").decode(errors="replace")
+    return [job_id] if job_id else []
 
 
 class EventFollower:
@@ -103,10 +113,10 @@ class EventFollower:
         for key, entries in reply or []:
             for entry_id, fields in entries:
                 self._last_ids[key.decode()] = entry_id.decode()
-                job_id = fields.get(b"job_id", b"").decode()
-                if job_id in self._jobs:
-                    self._jobs.discard(job_id)
-                    events.append((job_id, dict(RESULT_READY)))
+                for job_id in ended_job_ids(fields):
+                    if job_id in self._jobs:
+                        self._jobs.discard(job_id)
+                        events.append((job_id, dict(RESULT_READY)))
         if not reply and not all(self.connection.exists(k) for k in self._last_ids):
             self.open()  # expired (the producer paused for an hour) or Redis restarted empty
         return events

@@ -40,6 +40,7 @@ class Claim:
     status_was: str = "queued"
     plain: bool = False  # enqueued by a plain RQ producer, not pagedq's (no pq_ fields)
     bulk: bool = False  # its end goes to an events stream or a batch (no one waits on it alone)
+    wake: str = ""  # the stream hub told of its token entries ('' for none)
 
     @property
     def member(self) -> str:

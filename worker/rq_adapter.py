@@ -339,7 +339,7 @@ class RQAdapter:
         out = []
         for row in reply or []:
             queue, job_id, execution, attempt, data, enqueued_at, timeout, canceled = row[:8]
-            status, plain, bulk = row[8:11]
+            status, plain, bulk, wake = row[8:12]
             out.append(
                 Claim(
                     job_id=job_id.decode(),
@@ -354,6 +354,7 @@ class RQAdapter:
                     status_was=status.decode(errors="replace"),
                     plain=bool(plain),
                     bulk=bool(bulk),
+                    wake=wake.decode(errors="replace"),
                 )
             )
         return out
@@ -494,10 +495,13 @@ class RQAdapter:
         calls = []
         for indexes in groups.values():
             rest: list[Any] = []
+            queues: dict[str, None] = {}
             for claim, fields, set_ttl in (entries[i] for i in indexes):
                 pairs = _pairs(fields)
-                rest += [claim.job_id, claim.execution, int(set_ttl), len(pairs), *pairs]
-            keys = [rq_job_key(entries[i][0].job_id) for i in indexes]
+                rest += [claim.job_id, claim.execution, claim.queue, claim.wake, int(set_ttl),
+                         len(pairs), *pairs]  # fmt: skip
+                queues[claim.queue] = None
+            keys = [rq_wip_key(q) for q in queues]
             calls.append(_call(STREAM, args={"maxlen": STREAM_MAXLEN,
                                              "stream_ttl": self.stream_ttl},
                                rest_keys=keys, rest=rest))  # fmt: skip

@@ -3,7 +3,8 @@
 They write what RQ's tooling reads (job hash, registries, result stream, worker registration)
 and nothing else: no callback, dependency or webhook of RQ is ever looked at. Every script that
 ends or streams a job is fenced: it first checks that the job is still `started` under the
-caller's execution id (the job hash's `F.execution`), and writes nothing otherwise. Keys come
+caller's execution id (the job hash's `F.execution`; STREAM, called every window, checks the
+same lease by the execution's member in the started registry), and writes nothing otherwise. Keys come
 from the contract's prefix tables (`K`, `RQ`, `F`: producer/contract/lua.py), arguments by name.
 
 Each call is about one queue shard (producer/contract/shards.py): its KEYS are keys of that
@@ -68,7 +69,7 @@ end
 PICK_LUA = f"""
 -- The job hash fields a head is judged and started by.
 local HEAD = {{F.enqueued, F.cost, 'status', 'data', 'enqueued_at', 'timeout', F.attempts,
-    F.notify, F.batch}}
+    F.notify, F.batch, F.wake}}
 
 -- A bulk job (its HEAD fields `f`): its end is read from an events stream or a batch's
 -- counts, nobody waits on it alone.
@@ -274,13 +275,6 @@ local function held_by(s, execution)
     return s.status == 'started' and s.execution == execution
 end
 
--- The job's wake id ('' when it has none) while `execution` holds it; nil otherwise.
-local function held_wake(jkey, execution)
-    local f = redis.call('HMGET', jkey, 'status', F.execution, F.wake)
-    if f[1] == 'started' and f[2] == execution then return f[3] or '' end
-    return nil
-end
-
 -- Tells each stream hub in `wakes` (wake id -> job ids) which of its jobs' streams got
 -- entries: one entry per hub and call, not one per job.
 local function tell_wakes(wakes)
@@ -312,13 +306,15 @@ local function count_in_batch(batch, status, prompt_tokens, completion_tokens)
 end
 
 local function new_acc()
-    return {{zrem = {{}}, zadd = {{}}, counters = {{}}, charges = {{}}, wakes = {{}}}}
+    return {{zrem = {{}}, zadd = {{}}, counters = {{}}, charges = {{}}, wakes = {{}},
+             events = {{}}}}
 end
 
 -- Ends a started job whose hash fields `s` were read: RQ status and TTL, RQ's result entry
 -- (when given: jobs of plain RQ producers), pagedq's result key, the final stream entry (when
--- given: jobs that stream), its batch's counts and its producer's event. Registry moves, the
--- ending worker's counters and the tenant's charge go to `acc`, written by `flush`.
+-- given: jobs that stream) and its batch's counts. Registry moves, the ending worker's
+-- counters, the tenant's charge and the producer's and hub's notices go to `acc`, written by
+-- `flush` (one events entry per producer and call).
 local function end_job(acc, s, job_id, queue, member, status, ended_at, score, ttl,
                        result_json, prompt_tokens, completion_tokens, rq_fields,
                        final_fields, stream_ttl, maxlen)
@@ -355,9 +351,20 @@ local function end_job(acc, s, job_id, queue, member, status, ended_at, score, t
         if stream_ttl ~= '0' then redis.call('EXPIRE', skey, stream_ttl) end
         if s.wake then push(acc.wakes, s.wake, job_id) end
     end
-    if s.notify then
-        redis.call('XADD', K.events .. s.notify, 'NOMKSTREAM', 'MAXLEN', '~', {EVENTS_MAXLEN},
-            '*', 'job_id', job_id, 'status', status)
+    if s.notify then push(acc.events, s.notify, job_id, status) end
+end
+
+-- Tells each producer in `events` (notify id -> job id, status, ...) which of its jobs ended:
+-- one entry per events stream and call, while the stream exists.
+local function tell_events(events)
+    for notify, ended in pairs(events) do
+        local ids, statuses = {{}}, {{}}
+        for j = 1, #ended, 2 do
+            ids[#ids + 1] = ended[j]
+            statuses[#statuses + 1] = ended[j + 1]
+        end
+        redis.call('XADD', K.events .. notify, 'NOMKSTREAM', 'MAXLEN', '~', {EVENTS_MAXLEN}, '*',
+            'jobs', table.concat(ids, ' '), 'statuses', table.concat(statuses, ' '))
     end
 end
 
@@ -370,6 +377,7 @@ local function flush(acc, worker_key)
     end
     for _, c in pairs(acc.charges) do pq_charge(c.root, c.tenant, c.delta, c.used) end
     tell_wakes(acc.wakes)
+    tell_events(acc.events)
 end
 """
 
@@ -466,7 +474,7 @@ for n = 1, max_jobs + ahead do
     push(wip, RQ.wip .. picked.queue, deadline, id .. ':' .. execution)
     cancels[#cancels + 1] = K.cancel .. id
     taken[#taken + 1] = {picked.queue, id, execution, attempt, f[4] or '', f[5] or '',
-        f[6] or '', 0, f[3] or '', f[1] and 0 or 1, pq_bulk(f) and 1 or 0}
+        f[6] or '', 0, f[3] or '', f[1] and 0 or 1, pq_bulk(f) and 1 or 0, f[10] or ''}
 end
 pq_commit(P)
 for key, args in pairs(wip) do redis.call('ZADD', key, unpack(args)) end
@@ -559,29 +567,42 @@ return 1
 """,
 )
 
-# KEYS: the job hashes (one shard). ARGV after the named ones, per job: job_id, execution,
-# set_ttl (0/1), n, n field/values.
-# Appends one step's token entries, each only if its execution still holds the job.
+# KEYS: the started registries of the entries' queues (one shard). ARGV after the named ones,
+# per job: job_id, execution, queue, wake ('' for none), set_ttl (0/1), n, n field/values.
+# Appends one window's token entries, each only if its execution still holds the job: its
+# member is still in its started registry (one ZMSCORE per queue, not a read of every job's
+# hash: every way a started job stops being held, end, requeue or reap, removes the member).
+# The wake id comes from the caller, which read it with the job (DEQUEUE).
 # Returns the job ids whose entries were refused (the lease was lost).
 STREAM = LuaScript(
     "stream",
     args=("maxlen", "stream_ttl"),
     libraries=(UTIL_LUA, CHARGE_LUA, END_LUA),
     body="""
-local lost, wakes = {}, {}
+local members, at = {}, {}
 local i = REST
 while i <= #ARGV do
-    local job_id, execution, set_ttl, n = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
-    local wake = held_wake(RQ.job .. job_id, execution)
-    if wake then
+    local queue = ARGV[i + 2]
+    push(members, queue, ARGV[i] .. ':' .. ARGV[i + 1])
+    at[#at + 1] = i
+    i = i + 6 + tonumber(ARGV[i + 5])
+end
+local held = {}
+for queue, m in pairs(members) do
+    local scores = redis.call('ZMSCORE', RQ.wip .. queue, unpack(m))
+    for j = 1, #m do if scores[j] then held[m[j]] = true end end
+end
+local lost, wakes = {}, {}
+for _, i in ipairs(at) do
+    local job_id, wake, n = ARGV[i], ARGV[i + 3], tonumber(ARGV[i + 5])
+    if held[job_id .. ':' .. ARGV[i + 1]] then
         local skey = K.stream .. job_id
-        redis.call('XADD', skey, 'MAXLEN', '~', a_maxlen, '*', unpack(slice(ARGV, i + 4, n)))
-        if set_ttl == '1' then redis.call('EXPIRE', skey, a_stream_ttl) end
+        redis.call('XADD', skey, 'MAXLEN', '~', a_maxlen, '*', unpack(ARGV, i + 6, i + 5 + n))
+        if ARGV[i + 4] == '1' then redis.call('EXPIRE', skey, a_stream_ttl) end
         if wake ~= '' then push(wakes, wake, job_id) end
     else
         lost[#lost + 1] = job_id
     end
-    i = i + 4 + n
 end
 tell_wakes(wakes)
 return lost

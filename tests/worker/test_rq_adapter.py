@@ -471,6 +471,39 @@ def test_an_ending_tells_its_producers_events_stream_only_while_it_exists(redis_
     assert 0 < redis_client.ttl("pagedq:events:run1") <= 3600
 
 
+def test_a_merged_ending_tells_an_events_stream_once_for_all_its_jobs(redis_client):
+    """Jobs of one producer ended in one call share one events entry (ids and statuses in
+    order); the follower also reads the one-job entries of older workers."""
+    from producer.events import EventFollower
+
+    client = Client(connection=redis_client, queue=QUEUE)
+    follower = EventFollower(redis_client, notify="run2")
+    follower.open()
+    ids = client.enqueue([_as_request({"prompt": f"p{i}"}) for i in range(3)], notify="run2")
+    for job_id in ids:
+        follower.add(job_id)
+    adapter = _adapter(redis_client)
+    claims = adapter.dequeue_many(3)
+    statuses = ["finished", "failed", "finished"]
+    calls = [
+        adapter.end_call(c, s, _result(s, c.job_id), {}, {})
+        for c, s in zip(claims, statuses, strict=True)
+    ]
+    [merged] = adapter.merge_ends(calls)
+    assert adapter.scripts.call(merged) == [1, 1, 1]
+
+    entries = redis_client.xrange("pagedq:events:run2")
+    assert [e[b"event"] for _, e in entries[:1]] == [b"open"] and len(entries) == 2
+    ended = entries[1][1]
+    assert ended[b"jobs"].decode().split() == [c.job_id for c in claims]
+    assert ended[b"statuses"].decode().split() == statuses
+    assert sorted(j for j, _ in follower.read(1.0)) == sorted(ids)
+
+    follower.add("legacy")
+    redis_client.xadd("pagedq:events:run2", {"job_id": "legacy", "status": "finished"})
+    assert follower.read(1.0) == [("legacy", {"event": "done", "status": "result"})]
+
+
 def test_token_entries_and_final_entries_tell_their_hubs_wake_stream(redis_client):
     """A step's entries list the jobs of each stream hub in one wake entry per hub; a final
     entry tells it too; a job enqueued without a wake id tells no one; the job stays online."""
@@ -496,6 +529,15 @@ def test_token_entries_and_final_entries_tell_their_hubs_wake_stream(redis_clien
         assert adapter.scripts.call(call) == [1]
     assert wakes("hub1") == [sorted([a, b]), [b]] and wakes("hub2") == [[c], [c]]
     assert sorted(redis_client.keys("pagedq:wake:*")) == [b"pagedq:wake:hub1", b"pagedq:wake:hub2"]
+
+    # The fence: an execution that no longer holds its job (ended, or put back) writes nothing.
+    requeue = adapter.requeue_call(claims[a], count_crash=False, result={}, reason="x")
+    assert adapter.scripts.call(requeue) == 1
+    lengths = {j: redis_client.xlen(f"pagedq:stream:{j}") for j in (a, b, c, d)}
+    lost = adapter.scripts.call(adapter.stream_call(step))
+    assert sorted(j.decode() for j in lost) == sorted([a, b, c, d])
+    assert {j: redis_client.xlen(f"pagedq:stream:{j}") for j in (a, b, c, d)} == lengths
+    assert wakes("hub1") == [sorted([a, b]), [b]]
 
 
 def test_a_job_whose_end_goes_to_an_events_stream_or_a_batch_is_claimed_as_bulk(redis_client):
