@@ -17,6 +17,9 @@ pytestmark = pytest.mark.slow
 QUEUE = "q-scale"
 # Few slots per worker, so a burst of jobs has to spread over both.
 SLOTS = ("--max-num-seqs", "6")
+# Tokens of the jobs whose claims ahead the tests watch: long enough that a worker's slots stay
+# full across several of its status keys (written every 0.5 s), on a fast host too.
+LONG = 48
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +52,11 @@ def _held_by(client, worker_name: str) -> set[str]:
     return {j for j, n in zip(job_ids, names, strict=True) if n == worker_name.encode()}
 
 
-def _jobs(n: int, tag: str) -> list[dict]:
+def _jobs(n: int, tag: str, max_tokens: int = 8) -> list[dict]:
+    """`n` jobs of `max_tokens` to twice as many tokens."""
     return [
         {"prompt": f"{tag} {i}: list some words", "temperature": 0.0, "ignore_eos": True,
-         "max_tokens": 8 + i % 3 * 4}
+         "max_tokens": max_tokens + i % 3 * max_tokens // 2}
         for i in range(n)
     ]  # fmt: skip
 
@@ -77,7 +81,7 @@ def test_busy_workers_claim_bulk_jobs_ahead_and_every_job_ends_once(workers, cli
     of bulk jobs each busy worker holds more jobs than it runs, and each job still ends once."""
     from producer.contract.schema import GenerationRequest
 
-    requests = [GenerationRequest.model_validate(j) for j in _jobs(48, "ahead")]
+    requests = [GenerationRequest.model_validate(j) for j in _jobs(48, "ahead", LONG)]
     job_ids = client.enqueue(requests, notify="ahead-run")
     held, deadline = [], time.monotonic() + 240
     while any(client.status(j) != "finished" for j in job_ids[:-8]):
@@ -122,7 +126,7 @@ def test_sigterm_lets_in_flight_jobs_finish_then_exits_cleanly(workers, client, 
     from producer.contract.schema import GenerationRequest
 
     _, b = workers  # the only one left: the previous test killed the other
-    requests = [GenerationRequest.model_validate(j) for j in _jobs(30, "drain")]
+    requests = [GenerationRequest.model_validate(j) for j in _jobs(30, "drain", LONG)]
     job_ids = client.enqueue(requests, notify="drain-run")
     deadline = time.monotonic() + 120
     while (b.status() or {}).get("in_flight") != 7:  # 6 running, 1 claimed ahead
