@@ -9,9 +9,10 @@ naming every followed stream cost about 0.5 us per stream per read, entries or n
 registering and unregistering the reader on each key). Reads are paced
 (READ_INTERVAL_S), so one read takes the windows of many workers. A new follow is read at once
 (its first entries may predate it) and wakes a blocked read with CLIENT UNBLOCK; every CHECK_S
-every followed stream is read and the followed jobs are looked up, because some ends write no
-stream entry (a queued job canceled through RQ), streams expire before results do, and a
-worker of an older release tells no wake stream.
+the followed jobs that got no entry for CHECK_S are looked up and their streams read, because
+some ends write no stream entry (a queued job canceled through RQ), streams expire before
+results do, and a worker of an older release tells no wake stream. A job whose entries keep
+coming is not looked up: the check costs Redis per quiet job, not per followed job.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -66,6 +68,7 @@ class StreamHub:
         self._follows: dict[str, list[Follow]] = {}
         self._wakes: dict[str, str] = {}  # wake stream (one per queue shard) -> last id read
         self._due: set[str] = set()  # followed jobs whose streams the next read reads
+        self._heard: dict[str, float] = {}  # followed job -> when its last entries came
         self._reader_id: int | None = None
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -117,6 +120,7 @@ class StreamHub:
             follows.remove(follow)
         if not follows:
             self._follows.pop(follow.job_id, None)
+            self._heard.pop(follow.job_id, None)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -172,6 +176,8 @@ class StreamHub:
         return min((f.last_id for f in self._follows[job_id]), key=_entry_order)
 
     def _deliver(self, job_id: str, entries: list) -> None:
+        if entries and job_id in self._follows:
+            self._heard[job_id] = time.monotonic()
         for entry_id, fields in entries:
             entry_id = entry_id.decode()
             entry = decode_entry(fields)
@@ -184,8 +190,11 @@ class StreamHub:
                     self.unfollow(follow)
 
     async def _check_ended(self) -> None:
-        job_ids = list(self._follows)
-        self._due.update(job_ids)  # the next read reads every followed stream once
+        quiet_since = time.monotonic() - CHECK_S
+        job_ids = [j for j in self._follows if self._heard.get(j, quiet_since) <= quiet_since]
+        if not job_ids:
+            return
+        self._due.update(job_ids)  # the next read reads every quiet stream once
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.exists(result_key(job_id))

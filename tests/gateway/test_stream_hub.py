@@ -12,7 +12,7 @@ import pytest
 from gateway import stream_hub
 from gateway.stream_hub import StreamHub
 from producer.client import Client
-from producer.contract.keys import stream_key
+from producer.contract.keys import result_key, stream_key
 from producer.contract.schema import GenerationRequest
 from producer.results import is_final
 from worker.redis_link import ScriptRunner
@@ -24,10 +24,12 @@ DONE = {"event": "done", "status": "result"}
 
 
 class XReads:
-    """The stream keys each XREAD names, as Redis runs them (MONITOR)."""
+    """The stream keys each XREAD names, and the keys of each EXISTS, as Redis runs them
+    (MONITOR)."""
 
     def __init__(self, redis) -> None:
         self.keys: list[list[str]] = []
+        self.exists: list[str] = []
         self._monitor = redis.monitor()
         self._monitor.connection.send_command("MONITOR")
         self._monitor.connection.read_response()
@@ -37,6 +39,8 @@ class XReads:
         try:
             for cmd in self._monitor.listen():
                 words = cmd["command"].split()
+                if words[0].lower() == "exists":
+                    self.exists += words[1:]
                 if words[0].lower() == "xread":
                     at = [w.lower() for w in words].index("streams") + 1
                     names = words[at:]
@@ -103,6 +107,36 @@ def test_a_stream_whose_worker_tells_no_hub_is_read_by_the_check(redis_client, r
             await asyncio.sleep(0.3)
             assert scripts.call(adapter.stream_call([(claim, DELTA, True)])) == []
             assert await _next(follow) == DELTA
+        finally:
+            await hub.close()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream_hub, "CHECK_S", 0.5)
+        asyncio.run(run())
+
+
+def test_the_check_looks_up_only_followed_jobs_whose_entries_stopped(redis_client, redis_server):
+    """A job whose entries keep coming is not looked up by the periodic check; a quiet one is."""
+
+    async def run() -> None:
+        hub = StreamHub(redis_server.url)
+        await hub.start()
+        try:
+            busy, quiet = _enqueue(redis_client, ["busy", "quiet"], wake=hub.wake_id)
+            follows = {j: hub.follow(j) for j in (busy, quiet)}
+            adapter, scripts = _worker(redis_client)
+            call, started_at = adapter.dequeue_call(2)
+            claims = {c.job_id: c for c in adapter.claims(scripts.call(call), started_at)}
+            assert scripts.call(adapter.stream_call([(claims[busy], DELTA, True)])) == []
+            assert await _next(follows[busy]) == DELTA
+            reads = XReads(redis_client)
+            for _ in range(20):  # 2 s of windows, four checks' worth
+                await asyncio.sleep(0.1)
+                assert scripts.call(adapter.stream_call([(claims[busy], DELTA, False)])) == []
+            await asyncio.sleep(0.2)
+            assert reads.exists.count(result_key(quiet)) >= 3, reads.exists
+            assert result_key(busy) not in reads.exists, reads.exists
+            assert follows[busy].entries.qsize() >= 15 and follows[quiet].entries.empty()
         finally:
             await hub.close()
 
