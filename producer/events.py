@@ -37,7 +37,7 @@ def new_notify_id() -> str:
 
 def ended_job_ids(fields: dict[bytes, bytes]) -> list[str]:
     """The job ids an events entry reports ended: `jobs` (space-separated, one entry per
-    ending call) or `job_id` (one per entry, as workers before 2026-11 wrote)."""
+    ending call) or `job_id` (one per entry, as workers before 2026-11-27 wrote)."""
     if b"jobs" in fields:
         return fields[b"jobs"].decode(errors="replace").split()
     job_id = fields.get(b"job_id", b"").decode(errors="replace")
