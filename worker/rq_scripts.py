@@ -65,6 +65,20 @@ local function slice(t, first, count)
     for i = first, first + count - 1 do out[#out + 1] = t[i] end
     return out
 end
+
+-- The leases still held among `by_queue` (queue -> started-registry members): member -> its
+-- deadline, one ZMSCORE per queue. A member leaves the registry however its job stops being
+-- held (end, requeue, reap), so presence is the lease.
+local function held_leases(by_queue)
+    local held = {}
+    for queue, members in pairs(by_queue) do
+        local scores = redis.call('ZMSCORE', RQ.wip .. queue, unpack(members))
+        for j, member in ipairs(members) do
+            if scores[j] then held[member] = scores[j] end
+        end
+    end
+    return held
+end
 """
 
 PICK_LUA = f"""
@@ -308,7 +322,7 @@ end
 
 local function new_acc()
     return {{zrem = {{}}, zadd = {{}}, counters = {{}}, charges = {{}}, wakes = {{}},
-             events = {{}}}}
+             ended_ids = {{}}, ended_statuses = {{}}}}
 end
 
 -- Ends a started job whose hash fields `s` were read: RQ status and TTL, RQ's result entry
@@ -352,20 +366,18 @@ local function end_job(acc, s, job_id, queue, member, status, ended_at, score, t
         if stream_ttl ~= '0' then redis.call('EXPIRE', skey, stream_ttl) end
         if s.wake then push(acc.wakes, s.wake, job_id) end
     end
-    if s.notify then push(acc.events, s.notify, job_id, status) end
+    if s.notify then
+        push(acc.ended_ids, s.notify, job_id)
+        push(acc.ended_statuses, s.notify, status)
+    end
 end
 
--- Tells each producer in `events` (notify id -> job id, status, ...) which of its jobs ended:
--- one entry per events stream and call, while the stream exists.
-local function tell_events(events)
-    for notify, ended in pairs(events) do
-        local ids, statuses = {{}}, {{}}
-        for j = 1, #ended, 2 do
-            ids[#ids + 1] = ended[j]
-            statuses[#statuses + 1] = ended[j + 1]
-        end
+-- Tells each producer (notify id) which of its jobs ended, with their statuses in the same
+-- order: one entry per events stream and call, while the stream exists.
+local function tell_events(ids, statuses)
+    for notify, ended in pairs(ids) do
         redis.call('XADD', K.events .. notify, 'NOMKSTREAM', 'MAXLEN', '~', {EVENTS_MAXLEN}, '*',
-            'jobs', table.concat(ids, ' '), 'statuses', table.concat(statuses, ' '))
+            'jobs', table.concat(ended, ' '), 'statuses', table.concat(statuses[notify], ' '))
     end
 end
 
@@ -378,7 +390,7 @@ local function flush(acc, worker_key)
     end
     for _, c in pairs(acc.charges) do pq_charge(c.root, c.tenant, c.delta, c.used) end
     tell_wakes(acc.wakes)
-    tell_events(acc.events)
+    tell_events(acc.ended_ids, acc.ended_statuses)
 end
 """
 
@@ -571,8 +583,8 @@ return 1
 # KEYS: the started registries of the entries' queues (one shard). ARGV after the named ones,
 # per job: job_id, execution, queue, wake ('' for none), set_ttl (0/1), n, n field/values.
 # Appends one window's token entries, each only if its execution still holds the job: its
-# member is still in its started registry (one ZMSCORE per queue, not a read of every job's
-# hash: every way a started job stops being held, end, requeue or reap, removes the member).
+# member is still in its started registry (`held_leases`, as HEARTBEAT checks them; not a read
+# of every job's hash).
 # The wake id comes from the caller, which read it with the job (DEQUEUE).
 # Returns the job ids whose entries were refused (the lease was lost).
 STREAM = LuaScript(
@@ -580,23 +592,20 @@ STREAM = LuaScript(
     args=("maxlen", "stream_ttl"),
     libraries=(UTIL_LUA, CHARGE_LUA, END_LUA),
     body="""
-local members, at = {}, {}
+local by_queue, at, member_at = {}, {}, {}
 local i = REST
 while i <= #ARGV do
-    local queue = ARGV[i + 2]
-    push(members, queue, ARGV[i] .. ':' .. ARGV[i + 1])
+    local member = ARGV[i] .. ':' .. ARGV[i + 1]
+    push(by_queue, ARGV[i + 2], member)
     at[#at + 1] = i
+    member_at[i] = member
     i = i + 6 + tonumber(ARGV[i + 5])
 end
-local held = {}
-for queue, m in pairs(members) do
-    local scores = redis.call('ZMSCORE', RQ.wip .. queue, unpack(m))
-    for j = 1, #m do if scores[j] then held[m[j]] = true end end
-end
+local held = held_leases(by_queue)
 local lost, wakes = {}, {}
 for _, i in ipairs(at) do
     local job_id, wake, n = ARGV[i], ARGV[i + 3], tonumber(ARGV[i + 5])
-    if held[job_id .. ':' .. ARGV[i + 1]] then
+    if held[member_at[i]] then
         local skey = K.stream .. job_id
         redis.call('XADD', skey, 'MAXLEN', '~', a_maxlen, '*', unpack(ARGV, i + 6, i + 5 + n))
         if ARGV[i + 4] == '1' then redis.call('EXPIRE', skey, a_stream_ttl) end
@@ -622,19 +631,18 @@ HEARTBEAT = LuaScript(
     body="""
 local lost, by_queue = {}, {}
 for i = REST, #ARGV, 2 do push(by_queue, ARGV[i], ARGV[i + 1]) end
+local held = held_leases(by_queue)
 for queue, members in pairs(by_queue) do
-    local wip = RQ.wip .. queue
-    local scores = redis.call('ZMSCORE', wip, unpack(members))
     local renew = {}
-    for j, member in ipairs(members) do
-        if scores[j] then
+    for _, member in ipairs(members) do
+        if held[member] then
             renew[#renew + 1] = a_lease_deadline
             renew[#renew + 1] = member
         else
             lost[#lost + 1] = member
         end
     end
-    if #renew > 0 then redis.call('ZADD', wip, 'XX', unpack(renew)) end
+    if #renew > 0 then redis.call('ZADD', RQ.wip .. queue, 'XX', unpack(renew)) end
 end
 if a_counters == '1' then
     local k_worker = KEYS[#KEYS]
