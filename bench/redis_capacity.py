@@ -47,6 +47,11 @@ Runs, each on a fresh redis-server:
    job streams; `mix:F` = a fraction F of jobs streams): `--jobs` jobs, measured between the
    first 2 x slots x workers ended jobs and the point where the producers stop refilling.
 
+3. with `/load=U` on a profile, the same run while other work (bench/redis_background.py)
+   keeps Redis busy at U of a core, its cost taken out: what the fleet costs a busy primary,
+   whose requests share the event loop's wake-ups. The same profile at several loads gives
+   the workers per core when each added worker costs what the load before it makes a job cost.
+
 From these it prints Redis CPU per finished job and per generated token, commands per job
 (INFO commandstats: everything Redis executed, script internals included; and the commands
 the clients sent), the memory left per job, and how many busy workers of a given speed
@@ -82,6 +87,7 @@ import redis
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
+import redis_background  # noqa: E402  (bench/, beside this script)
 from redis_ops import memory_by_kind  # noqa: E402
 
 from gateway.enqueuer import Enqueuer  # noqa: E402
@@ -127,6 +133,7 @@ AHEAD_BACKOFF_S = 0.5
 PREFETCH = -1  # WorkerConfig.prefetch: a quarter of the requests running
 COALESCE_WINDOW_S = 0.1  # WorkerConfig.coalesce_window
 BULK_COALESCE_WINDOW_S = 1.0  # WorkerConfig.bulk_coalesce_window
+BACKGROUND_CONNECTIONS = 16  # clients of a /load=U background (bench/redis_background.py)
 # Bulk producers enqueue in BulkRun's chunks (producer/bulk.py).
 BULK_CHUNK = 256
 # The gateway waits this long for a result key after a done entry (gateway/completions.py).
@@ -279,6 +286,7 @@ class Sim:
     stream_interval: float = STREAM_INTERVAL_S
     prefetch: int = PREFETCH
     redis_cpu: int | None = None  # the core redis-server has to itself (None: shared)
+    load: float = 0.0  # share of a core other work keeps Redis busy with (redis_background.py)
 
     @property
     def prefetch_jobs(self) -> int:
@@ -1010,6 +1018,8 @@ class Profile:
     stream_interval: float  # the workers' --stream-interval
     prefetch: int  # the workers' --prefetch, resolved
     latency_ms: list[float]  # sorted: a token's sampling to its reading, ms (a sample)
+    load: float = 0.0  # the background's share of a core, alone (0: none)
+    background_call_us: float = 0.0  # Redis CPU per background call, alone
 
     def latency(self, q: float) -> str:
         """The q-quantile of `latency_ms`, or "-"."""
@@ -1021,18 +1031,27 @@ class Profile:
 
 
 def parse_profile(spec: str, sim: Sim) -> tuple[str, float, Sim]:
-    """(name, fraction of jobs streaming, the fleet) of a profile: NAME[@S][/prefetch=N], @S
-    the workers' --stream-interval, /prefetch=N their --prefetch."""
-    base, _, option = spec.partition("/")
+    """(name, fraction of jobs streaming, the fleet) of a profile: NAME[@S][/prefetch=N]
+    [/load=U], @S the workers' --stream-interval, /prefetch=N their --prefetch, /load=U other
+    work keeping Redis busy at U of a core (the fleet's cost is then its marginal cost)."""
+    base, *options = spec.split("/")
     name, _, interval = base.partition("@")
     sim = dataclasses.replace(
         sim, stream_interval=float(interval) if interval else sim.stream_interval
     )
-    if option:
+    for option in options:
         key, _, value = option.partition("=")
-        if key != "prefetch" or not value.lstrip("-").isdigit():
-            raise ValueError(f"profile {spec!r}: the only option is /prefetch=N")
-        sim = dataclasses.replace(sim, prefetch=int(value))
+        try:
+            if key == "prefetch":
+                sim = dataclasses.replace(sim, prefetch=int(value))
+            elif key == "load" and 0 < float(value) < 1:
+                sim = dataclasses.replace(sim, load=float(value))
+            else:
+                raise ValueError(option)
+        except ValueError:
+            raise ValueError(
+                f"profile {spec!r}: options are /prefetch=N (an integer) and /load=U (0 < U < 1)"
+            ) from None
     if name == "bulk":
         return spec, 0.0, sim
     if name in ("stream", "interactive"):
@@ -1049,8 +1068,11 @@ def measure_profile(sim: Sim, ctx: Any, spec: str, jobs: int) -> Profile:
     name, fraction, sim = parse_profile(spec, sim)
     interval = sim.stream_interval
     run = Run(sim, ctx)
+    empty = run.admin.info("memory")["used_memory"]
+    background = Background(run, ctx, sim.load) if sim.load else None
     try:
-        empty = run.admin.info("memory")["used_memory"]
+        if background:
+            background.measure_alone()
         n_stream = round(jobs * fraction)
         kinds = [(k, n) for k, n in (("bulk", jobs - n_stream), ("interactive", n_stream)) if n]
         windows = {kind: max(1, round(sim.window * n / jobs)) for kind, n in kinds}
@@ -1077,16 +1099,101 @@ def measure_profile(sim: Sim, ctx: Any, spec: str, jobs: int) -> Profile:
         run.wait(lambda: run.shared.read.value >= jobs, "every result read")
         time.sleep(0.3)
         run.stop()
+        window = b - a
+        if background:
+            background.measure_alone()
+            window = background.remove(window)
+            background.stop()
+            redis_background.clear(run.admin)
         finished = run.admin.zcard(rq_registry_key("finished", QUEUE))
         memory = memory_by_kind(run.admin)
         used = run.admin.info("memory")["used_memory"]
         return Profile(
-            name, fraction, b - a, run.sent, sum(memory.values()) / jobs, memory,
+            name, fraction, window, run.sent, sum(memory.values()) / jobs, memory,
             (used - empty) / jobs, jobs, finished, run.shared.lost.value,
             windows.get("interactive", 0), interval, sim.prefetch_jobs, sorted(run.latency_ms),
+            background.load if background else 0.0, background.call_us if background else 0.0,
         )  # fmt: skip
     finally:
+        if background:
+            background.stop()
         run.close()
+
+
+class Background:
+    """Other work keeping a Run's Redis busy (bench/redis_background.py), its own cost measured
+    alone (`measure_alone`, before and after the fleet) and taken out of a window (`remove`)."""
+
+    ALONE_S = 4.0
+
+    def __init__(self, run: Run, ctx: Any, load: float) -> None:
+        self.run = run
+        redis_background.load_library(run.admin)
+        spin = redis_background.calibrate_spin(run.admin)
+        self._rate = ctx.Value("d", load * 1e6 / redis_background.CALL_US)
+        self._stop = ctx.Value("b", 0)
+        self.proc = ctx.Process(
+            target=redis_background.run_background,
+            args=(run.server.url, self._rate, spin, BACKGROUND_CONNECTIONS, self._stop),
+            daemon=True,
+        )
+        self.proc.start()
+        self.alone: list[Delta] = []
+        for _ in range(3):  # the calibration was serial: set the rate by the load it makes
+            time.sleep(1.0)
+            a = run.snap()
+            time.sleep(2.0)
+            d = run.snap() - a
+            self._rate.value *= load / max(0.01, d.rate / 1e6)
+
+    def measure_alone(self) -> None:
+        """A window of the background alone (the fleet not started, or stopped)."""
+        a = self.run.snap()
+        time.sleep(self.ALONE_S)
+        self.alone.append(self.run.snap() - a)
+
+    def _calls(self, d: Delta) -> int:
+        return d.cmds.get(redis_background.COMMAND, (0, 0))[0]
+
+    @property
+    def call_us(self) -> float:
+        """Redis CPU per background call, alone (the server's cron included)."""
+        return sum(d.cpu_us for d in self.alone) / max(1, sum(self._calls(d) for d in self.alone))
+
+    @property
+    def load(self) -> float:
+        """The share of a core the background kept Redis busy with, alone."""
+        return sum(d.cpu_us for d in self.alone) / sum(d.dt for d in self.alone) / 1e6
+
+    def remove(self, w: Delta) -> Delta:
+        """`w` less the background's calls: their time inside the function as measured in `w`
+        itself (INFO commandstats; the machine's speed of that moment), and the rest of each
+        call (network, parsing, the server's cron) at its cost alone: what the fleet cost."""
+        calls = self._calls(w)
+        alone_calls = max(1, sum(self._calls(d) for d in self.alone))
+        inside_alone = sum(d.cmds.get(redis_background.COMMAND, (0, 0))[1] for d in self.alone)
+        outside = (sum(d.cpu_us for d in self.alone) - inside_alone) / alone_calls
+        inside = w.cmds.get(redis_background.COMMAND, (0, 0))[1]
+        sys_per_call = sum(d.sys_us for d in self.alone) / alone_calls
+        cmds = dict(w.cmds)
+        cmds.pop(redis_background.COMMAND, None)
+        for name in ("set", "get"):  # what each background call ran inside
+            if name in cmds:
+                n, usec = cmds[name]
+                left = max(0, n - calls * redis_background.KEYS_PER_CALL)
+                cmds[name] = (left, round(usec * left / n) if n else 0)
+        return dataclasses.replace(
+            w,
+            cpu_us=w.cpu_us - inside - calls * outside,
+            sys_us=w.sys_us - calls * sys_per_call,
+            cmds={k: v for k, v in cmds.items() if v[0]},
+        )
+
+    def stop(self) -> None:
+        self._stop.value = 1
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.terminate()
 
 
 # --- arithmetic and tables ----------------------------------------------------------------------
@@ -1124,7 +1231,8 @@ class PerJob:
 
 def split_costs(p: Profile, f: Fixed, sim: Sim) -> PerJob:
     w = p.window
-    fixed = w.dt * (f.baseline + sim.workers * f.busy_worker)
+    # With a background, the server's own cron is part of the background's cost, removed.
+    fixed = w.dt * ((0.0 if p.load else f.baseline) + sim.workers * f.busy_worker)
     fixed += w.dt * sim.workers * (f.heartbeat / (sim.lease_ttl / 3) + f.reap / (sim.lease_ttl / 2))
     entries = w.entries * f.entry
     reading = w.entries * f.read_entry if p.followed else 0.0
@@ -1193,6 +1301,11 @@ def print_tables(
     )
     row("workers' --stream-interval (s)", [f"{p.stream_interval:g}" for p in profiles])
     row("workers' --prefetch (jobs)", [f"{p.prefetch}" for p in profiles])
+    if any(p.load for p in profiles):
+        row(
+            "other work keeping Redis busy (share of a core; its CPU per call, taken out)",
+            [f"{p.load:.0%} ({p.background_call_us:.0f} us)" if p.load else "-" for p in profiles],
+        )
     row(
         "jobs per DEQUEUE call",
         [
@@ -1291,13 +1404,15 @@ def print_tables(
     for p in profiles:
         w = p.window
         jps = w.ended / w.dt / sim.workers
-        us = (w.rate - f.baseline) / sim.workers
+        us = (w.rate - (0.0 if p.load else f.baseline)) / sim.workers
         n = budget / us
         tps = w.tokens / w.ended
         print(
             f"| {p.name} | {jps:.1f} | {us:,.0f} us/s | {n:,.0f} | {n * jps:,.0f} | "
             f"{n * jps * tps:,.0f} |"
         )
+
+    print_load_curve(sim, f, profiles, args.cpu_budget)
 
     t, s = args.target_tokens, args.target_token_rate
     j = args.target_seqs * s / t
@@ -1352,6 +1467,63 @@ def print_tables(
         )
 
 
+def workers_at_budget(points: list[tuple[float, float]], jobs_per_s: float, budget: float) -> float:
+    """Busy workers whose Redis CPU fills `budget` of a core, each one added costing the
+    marginal cost per job of the load the workers before it made: `points` are (load, Redis
+    CPU per job in us) measured at background loads, linear between them and flat past the
+    last. N = integral of dL / (jobs_per_s x cost(L)) from 0 to `budget`."""
+    points = sorted(points)
+    steps, n = 700, 0.0
+    for i in range(steps):
+        load = (i + 0.5) * budget / steps
+        if load <= points[0][0]:
+            cost = points[0][1]
+        elif load >= points[-1][0]:
+            cost = points[-1][1]
+        else:
+            (l0, c0), (l1, c1) = next(
+                (a, b) for a, b in zip(points, points[1:]) if a[0] <= load <= b[0]
+            )
+            cost = c0 + (c1 - c0) * (load - l0) / (l1 - l0)
+        n += (budget / steps) * 1e6 / (jobs_per_s * cost)
+    return n
+
+
+def print_load_curve(sim: Sim, f: Fixed, profiles: list[Profile], budget: float) -> None:
+    """For each profile measured at several background loads (NAME, NAME/load=U, ...): its
+    Redis CPU per job at each load, and the busy workers one core holds at `budget` when each
+    added worker costs what the load so far makes a job cost (`workers_at_budget`)."""
+    groups: dict[str, list[Profile]] = {}
+    for p in profiles:
+        base = "/".join(o for o in p.name.split("/") if not o.startswith("load="))
+        groups.setdefault(base, []).append(p)
+    for base, group in groups.items():
+        if len(group) < 2 or not any(p.load for p in group):
+            continue
+        points, rates = [], []
+        for p in group:
+            w = p.window
+            own = w.cpu_us - (0.0 if p.load else f.baseline * w.dt)  # the fleet's alone
+            points.append((p.load, own / w.ended))
+            rates.append(w.ended / w.dt / sim.workers)
+        jobs_per_s = sum(rates) / len(rates)
+        print(
+            f"\n{base}: Redis CPU per job (all in, the fleet's own) by how busy other work kept "
+            "Redis; busy workers per core when each added worker costs what the load before it "
+            "makes a job cost"
+        )
+        print(
+            "| other work (share of a core) | " + " | ".join(f"{ld:.0%}" for ld, _ in points) + " |"
+        )
+        print("|---|" + "---:|" * len(points))
+        print("| Redis CPU per job | " + " | ".join(f"{c:.0f} us" for _, c in points) + " |")
+        n = workers_at_budget(points, jobs_per_s, budget)
+        print(
+            f"busy workers per core at {budget:.0%}, integrated over load: {n:,.0f} "
+            f"({jobs_per_s:.1f} jobs/s each)"
+        )
+
+
 def calibrate() -> tuple[float, float] | None:
     """Redis CPU per SET round trip at saturation (redis-benchmark, 50 clients), and SET/s:
     this machine's yardstick, to carry the figures to another one."""
@@ -1392,8 +1564,10 @@ def main() -> None:
         "--profiles",
         default="stream,bulk",
         help="stream (every job streams, read live; alias interactive), bulk, mix:F (a "
-        "fraction F streams); each with an optional @S, the workers' --stream-interval, and "
-        "/prefetch=N, their --prefetch (bulk/prefetch=0,bulk: without and with claiming ahead)",
+        "fraction F streams); each with an optional @S, the workers' --stream-interval, "
+        "/prefetch=N, their --prefetch (bulk/prefetch=0,bulk: without and with claiming ahead), "
+        "and /load=U, other work keeping Redis busy at U of a core (bulk,bulk/load=0.3,"
+        "bulk/load=0.6: the cost per job by load, and the workers per core it gives)",
     )
     p.add_argument(
         "--stream-interval",

@@ -1,18 +1,24 @@
 """Every token stream a gateway follows, read on one connection, woken by the workers.
 
 A request follows its job's stream through a `Follow` (an asyncio queue of entries). The
-gateway enqueues its jobs with the hub's wake id, and a worker's call that writes token
-entries also lists those jobs in the hub's wake stream (`wake_key`, one entry per hub and
-call). The hub blocks on its wake stream alone and then reads only the streams listed there:
-Redis's work follows the entries written, not the number of streams followed (a blocking XREAD
-naming every followed stream cost about 0.5 us per stream per read, entries or not, for
-registering and unregistering the reader on each key). Reads are paced
+gateway enqueues its jobs with the hub's wake id, which is inline (producer/contract/stream.py):
+a worker's call writes the entries of all the hub's jobs into one entry of the hub's wake
+stream (`wake_key`, one entry per hub and call; its `entries` field, a JSON object by job), not
+into each job's stream, so a window of a worker's 64 streaming jobs is one XADD, and the hub's
+one XREAD of its wake stream reads them all. A worker of an older release writes each job's
+stream and only lists the job in the wake entry; the hub then reads the streams listed there:
+Redis's work follows the entries written, not the number of streams followed (a blocking
+XREAD naming every followed stream cost about 0.5 us per stream per read, entries or not).
+Entries of a job not followed yet (its request is between its enqueue and its follow) wait in
+the hub for UNCLAIMED_S. Reads are paced
 (READ_INTERVAL_S), so one read takes the windows of many workers. A new follow is read at once
 (its first entries may predate it) and wakes a blocked read with CLIENT UNBLOCK; every CHECK_S
 the followed jobs that got no entry for CHECK_S are looked up and their streams read, because
 some ends write no stream entry (a queued job canceled through RQ), streams expire before
 results do, and a worker of an older release tells no wake stream. A job whose entries keep
-coming is not looked up: the check costs Redis per quiet job, not per followed job.
+coming is not looked up: the check costs Redis per quiet job, not per followed job. A job the
+check finds ended gets the wake entries written before the look-up first, so no delta is lost to
+the end.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from rq.job import Job
 from producer.connection import async_redis_client, async_xread, is_cluster
 from producer.contract.keys import result_key, stream_key, wake_key
 from producer.contract.shards import hash_tag, shard_name
+from producer.contract.stream import ENTRIES_FIELD, INLINE_WAKE, decode_inline
 from producer.results import decode_entry, is_final
 
 log = logging.getLogger("pagedq.gateway.streams")
@@ -40,6 +47,8 @@ BLOCK_MS = 1000
 # follows of many requests.
 READ_INTERVAL_S = 0.05
 CHECK_S = 2.0
+# How long the inline entries of a job not followed (yet) wait for their follow.
+UNCLAIMED_S = 10.0
 COUNT = 512
 POOL_SIZE = 64
 POOL_WAIT_S = 30.0
@@ -58,8 +67,9 @@ class StreamHub:
     """Reads the streams of all followed jobs and hands each entry to its follower."""
 
     def __init__(self, redis_url: str, wake_id: str | None = None) -> None:
-        self.wake_id = wake_id or uuid.uuid4().hex
-        """What this hub's jobs are enqueued with (`Client.enqueue(wake=...)`)."""
+        self.wake_id = wake_id or uuid.uuid4().hex + INLINE_WAKE
+        """What this hub's jobs are enqueued with (`Client.enqueue(wake=...)`); by default
+        inline: the workers write the jobs' entries into its wake stream."""
         # Many requests at once wait for a pooled connection rather than fail.
         self.redis = async_redis_client(
             redis_url, blocking=True, max_connections=POOL_SIZE, timeout=POOL_WAIT_S
@@ -69,6 +79,9 @@ class StreamHub:
         self._wakes: dict[str, str] = {}  # wake stream (one per queue shard) -> last id read
         self._due: set[str] = set()  # followed jobs whose streams the next read reads
         self._heard: dict[str, float] = {}  # followed job -> when its last entries came
+        # job not followed (yet) -> when its first inline entries came, and them (None: its
+        # stream has entries)
+        self._unclaimed: dict[str, tuple[float, list[dict[str, str] | None]]] = {}
         self._reader_id: int | None = None
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -98,6 +111,8 @@ class StreamHub:
         self._follows.setdefault(job_id, []).append(follow)
         self._wakes.setdefault(wake_key(shard_name(hash_tag(job_id), self.wake_id)), "0")
         self._due.add(job_id)
+        _, waiting = self._unclaimed.pop(job_id, (0.0, []))
+        self._deliver_inline(job_id, [e for e in waiting if e is not None])
         self._changed.set()
         if not self._wake_scheduled:
             self._wake_scheduled = True
@@ -151,15 +166,7 @@ class StreamHub:
         follow, the check), then one XREAD of the due streams; True when entries came."""
         self._changed.clear()
         block = None if self._due & self._follows.keys() else BLOCK_MS
-        self._blocked = block is not None
-        try:
-            woken = await async_xread(self._reader, dict(self._wakes), COUNT, block)
-        finally:
-            self._blocked = False
-        for key, entries in woken:
-            self._wakes[key.decode()] = entries[-1][0].decode()
-            for _, fields in entries:
-                self._due.update(fields.get(b"jobs", b"").decode().split())
+        await self._read_wakes(block)
         due, self._due = self._due & self._follows.keys(), set()
         if not due:  # woken by a new follow, or for jobs no longer followed
             return False
@@ -171,6 +178,41 @@ class StreamHub:
             if len(entries) == COUNT:  # more than one read's worth: read on next time
                 self._due.add(job_id)
         return bool(reply)
+
+    async def _read_wakes(self, block: int | None) -> None:
+        """Read the wake streams: deliver the inline entries, and mark due the streams of the
+        jobs listed without them (written by a worker of an older release)."""
+        self._blocked = block is not None
+        try:
+            woken = await async_xread(self._reader, dict(self._wakes), COUNT, block)
+        finally:
+            self._blocked = False
+        now = time.monotonic()
+        for key, entries in woken:
+            self._wakes[key.decode()] = entries[-1][0].decode()
+            for _, fields in entries:
+                by_job = decode_inline(fields.get(ENTRIES_FIELD.encode(), b"{}").decode())
+                for job_id in fields.get(b"jobs", b"").decode().split():
+                    inline = by_job.get(job_id)
+                    if job_id in self._follows:
+                        if inline is None:
+                            self._due.add(job_id)
+                        else:
+                            self._deliver_inline(job_id, inline)
+                    else:
+                        self._unclaimed.setdefault(job_id, (now, []))[1].extend(inline or [None])
+        for job_id in [j for j, (t, _) in self._unclaimed.items() if t < now - UNCLAIMED_S]:
+            del self._unclaimed[job_id]
+
+    def _deliver_inline(self, job_id: str, entries: list[dict[str, str]]) -> None:
+        """Hand `entries` (read from a wake stream, in order, once) to the job's followers."""
+        if entries and job_id in self._follows:
+            self._heard[job_id] = time.monotonic()
+        for entry in entries:
+            for follow in list(self._follows.get(job_id, [])):
+                follow.entries.put_nowait(entry)
+                if is_final(entry):
+                    self.unfollow(follow)
 
     def _last_id(self, job_id: str) -> str:
         return min((f.last_id for f in self._follows[job_id]), key=_entry_order)
@@ -200,6 +242,8 @@ class StreamHub:
             pipe.exists(result_key(job_id))
             pipe.hget(Job.key_for(job_id), "status")
         replies = await pipe.execute()
+        # An end seen by the look-up wrote its inline entries before it: take them first.
+        await self._read_wakes(None)
         for i, job_id in enumerate(job_ids):
             has_result, status = replies[2 * i], replies[2 * i + 1]
             ended = _synthetic_end(bool(has_result), status.decode() if status else None)

@@ -17,7 +17,7 @@ import structlog
 
 from producer.contract.keys import result_key
 from producer.contract.schema import Choice, GenerationRequest, GenerationResult, Timings, Usage
-from producer.contract.stream import done_entry, error_entry
+from producer.contract.stream import done_entry, error_entry, is_inline
 from worker.claim import Claim
 from worker.inflight import InFlight
 from worker.logs import log_job_end
@@ -119,9 +119,10 @@ def token_texts(logprobs: list[dict[int, float]] | None, decode: Any) -> dict[in
 
 
 def _final(item: InFlight, entry: dict[str, str]) -> dict[str, str]:
-    """The stream's final entry for a job that streams; nothing for one that does not (its
-    result key is what its reader polls: no stream is made for it)."""
-    return entry if item.stream.enabled else {}
+    """The stream's final entry for a job that streams or is followed by an inline hub (the
+    gateway's whole answers: a field of the hub's wake entry tells it at once); nothing for any
+    other (its result key is what its reader polls: no stream is made for it)."""
+    return entry if item.stream.enabled or is_inline(item.claim.wake) else {}
 
 
 class JobEnder:

@@ -42,6 +42,7 @@ from producer.contract.keys import (
 )
 from producer.contract.lua import LuaScript
 from producer.contract.shards import hash_tag
+from producer.contract.stream import encode_inline, is_inline
 from worker.claim import Claim
 from worker.redis_link import Command, ScriptCall, SplitCall
 from worker.rq_scripts import (
@@ -487,7 +488,8 @@ class RQAdapter:
         self, entries: list[tuple[Claim, dict[str, str], bool]]
     ) -> ScriptCall | SplitCall:
         """One fenced script appending a step's entries: (claim, fields, set_ttl) per job (one
-        per shard, when sharded).
+        per shard, when sharded). The entries of a job of an inline hub go, as one value, into
+        the hub's wake entry (producer/contract/stream.py).
 
         Reply: the job ids whose lease was lost (their entries were not written).
         """
@@ -496,14 +498,26 @@ class RQAdapter:
         for indexes in groups.values():
             rest: list[Any] = []
             queues: dict[str, None] = {}
+            hubs: dict[str, dict[str, tuple[Claim, list[dict[str, str]]]]] = {}
             for claim, fields, set_ttl in (entries[i] for i in indexes):
+                queues[claim.queue] = None
+                if is_inline(claim.wake):
+                    jobs = hubs.setdefault(claim.wake, {})
+                    jobs.setdefault(claim.job_id, (claim, []))[1].append(fields)
+                    continue
                 pairs = _pairs(fields)
                 rest += [claim.job_id, claim.execution, claim.queue, claim.wake, int(set_ttl),
                          len(pairs), *pairs]  # fmt: skip
-                queues[claim.queue] = None
+            inline_at = len(rest)
+            for wake, jobs in hubs.items():
+                data = encode_inline({job_id: e for job_id, (_, e) in jobs.items()})
+                rest += [wake, data, len(jobs)]
+                for claim, _ in jobs.values():
+                    rest += [claim.job_id, claim.execution, claim.queue]
             keys = [rq_wip_key(q) for q in queues]
             calls.append(_call(STREAM, args={"maxlen": STREAM_MAXLEN,
-                                             "stream_ttl": self.stream_ttl},
+                                             "stream_ttl": self.stream_ttl,
+                                             "inline_at": inline_at},
                                rest_keys=keys, rest=rest))  # fmt: skip
         return calls[0] if len(calls) == 1 else SplitCall(calls, merge=_concat)
 

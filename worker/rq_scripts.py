@@ -43,9 +43,10 @@ rest.
 
 from __future__ import annotations
 
-from producer.contract.keys import EVENTS_MAXLEN, WAKE_MAXLEN, WAKE_TTL_S
+from producer.contract.keys import EVENTS_MAXLEN, WAKE_MAXLEN, WAKE_RETAIN_MS, WAKE_TTL_S
 from producer.contract.lua import LuaScript
 from producer.contract.routing import DEFAULT_JOB_COST
+from producer.contract.stream import ENTRIES_FIELD, INLINE_WAKE
 
 # Defaults a worker passes unless configured: a level of priority per minute of waiting, and the
 # seed's full starvation boost after ten minutes.
@@ -57,7 +58,12 @@ UTIL_LUA = """
 local function push(t, k, ...)
     local l = t[k]
     if not l then l = {}; t[k] = l end
-    for _, x in ipairs({...}) do l[#l + 1] = x end
+    local n = select('#', ...)
+    if n == 1 then  -- the hot case, without a table per call
+        l[#l + 1] = ...
+        return
+    end
+    for i = 1, n do l[#l + 1] = select(i, ...) end
 end
 
 local function slice(t, first, count)
@@ -290,12 +296,32 @@ local function held_by(s, execution)
     return s.status == 'started' and s.execution == execution
 end
 
--- Tells each stream hub in `wakes` (wake id -> job ids) which of its jobs' streams got
--- entries: one entry per hub and call, not one per job.
-local function tell_wakes(wakes)
+-- A hub whose jobs' entries go into its wake stream, not into each job's stream.
+local function is_inline(wake)
+    return string.sub(wake, -{len(INLINE_WAKE)}) == '{INLINE_WAKE}'
+end
+
+-- Tells each stream hub in `wakes` (wake id -> job ids) which of its jobs got entries, and
+-- gives an inline hub the entries themselves (`inline`: wake id -> JSON object of job id ->
+-- entries, encoded or as a table): one entry per hub and call, not one per job. An inline
+-- stream keeps {WAKE_RETAIN_MS} ms of entries, whatever the fleet writes.
+local function tell_wakes(wakes, inline)
+    local oldest
     for wake, ids in pairs(wakes) do
-        local key = K.wake .. wake
-        redis.call('XADD', key, 'MAXLEN', '~', {WAKE_MAXLEN}, '*', 'jobs', table.concat(ids, ' '))
+        local key, data = K.wake .. wake, inline[wake]
+        if data then
+            if not oldest then
+                local t = redis.call('TIME')
+                oldest = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+                    - {WAKE_RETAIN_MS}
+            end
+            if type(data) == 'table' then data = cjson.encode(data) end
+            redis.call('XADD', key, 'MINID', '~', string.format('%d', oldest), '*',
+                'jobs', table.concat(ids, ' '), '{ENTRIES_FIELD}', data)
+        else
+            redis.call('XADD', key, 'MAXLEN', '~', {WAKE_MAXLEN}, '*', 'jobs',
+                table.concat(ids, ' '))
+        end
         redis.call('EXPIRE', key, {WAKE_TTL_S})
     end
 end
@@ -322,7 +348,7 @@ end
 
 local function new_acc()
     return {{zrem = {{}}, zadd = {{}}, counters = {{}}, charges = {{}}, wakes = {{}},
-             ended_ids = {{}}, ended_statuses = {{}}}}
+             inline = {{}}, ended_ids = {{}}, ended_statuses = {{}}}}
 end
 
 -- Ends a started job whose hash fields `s` were read: RQ status and TTL, RQ's result entry
@@ -360,10 +386,17 @@ local function end_job(acc, s, job_id, queue, member, status, ended_at, score, t
     if s.batch then count_in_batch(s.batch, status, prompt_tokens, completion_tokens) end
     redis.call('SET', K.result .. job_id, result_json, 'EX', ttl)
     if #final_fields > 0 then
-        local skey = K.stream .. job_id
-        redis.call('XADD', skey, 'MAXLEN', '~', maxlen, '*', unpack(final_fields))
-        -- stream_ttl '0': the stream's TTL was set with its first entry of this run.
-        if stream_ttl ~= '0' then redis.call('EXPIRE', skey, stream_ttl) end
+        if s.wake and is_inline(s.wake) then
+            local entry = {{}}
+            for j = 1, #final_fields, 2 do entry[final_fields[j]] = final_fields[j + 1] end
+            acc.inline[s.wake] = acc.inline[s.wake] or {{}}
+            acc.inline[s.wake][job_id] = {{entry}}
+        else
+            local skey = K.stream .. job_id
+            redis.call('XADD', skey, 'MAXLEN', '~', maxlen, '*', unpack(final_fields))
+            -- stream_ttl '0': the stream's TTL was set with its first entry of this run.
+            if stream_ttl ~= '0' then redis.call('EXPIRE', skey, stream_ttl) end
+        end
         if s.wake then push(acc.wakes, s.wake, job_id) end
     end
     if s.notify then
@@ -389,7 +422,7 @@ local function flush(acc, worker_key)
         for field, n in pairs(acc.counters) do redis.call('HINCRBY', worker_key, field, n) end
     end
     for _, c in pairs(acc.charges) do pq_charge(c.root, c.tenant, c.delta, c.used) end
-    tell_wakes(acc.wakes)
+    tell_wakes(acc.wakes, acc.inline)
     tell_events(acc.ended_ids, acc.ended_statuses)
 end
 """
@@ -580,29 +613,45 @@ return 1
 """,
 )
 
-# KEYS: the started registries of the entries' queues (one shard). ARGV after the named ones,
-# per job: job_id, execution, queue, wake ('' for none), set_ttl (0/1), n, n field/values.
+# KEYS: the started registries of the entries' queues (one shard). ARGV after the named ones:
+# per job stream entry, job_id, execution, queue, wake ('' for none), set_ttl (0/1), n, n
+# field/values; then, `inline_at` values after the named ones, per inline hub, its wake id,
+# the JSON object of its jobs' entries (producer/contract/stream.py), n, and n (job_id,
+# execution, queue).
 # Appends one window's token entries, each only if its execution still holds the job: its
 # member is still in its started registry (`held_leases`, as HEARTBEAT checks them; not a read
-# of every job's hash).
+# of every job's hash). An inline hub gets its jobs' entries as the worker built them, in one
+# wake entry (re-encoded without a job whose lease was lost).
 # The wake id comes from the caller, which read it with the job (DEQUEUE).
 # Returns the job ids whose entries were refused (the lease was lost).
 STREAM = LuaScript(
     "stream",
-    args=("maxlen", "stream_ttl"),
+    args=("maxlen", "stream_ttl", "inline_at"),
     libraries=(UTIL_LUA, CHARGE_LUA, END_LUA),
     body="""
 local by_queue, at, member_at = {}, {}, {}
+local inline_at = REST + tonumber(a_inline_at)
 local i = REST
-while i <= #ARGV do
+while i < inline_at do
     local member = ARGV[i] .. ':' .. ARGV[i + 1]
     push(by_queue, ARGV[i + 2], member)
     at[#at + 1] = i
     member_at[i] = member
     i = i + 6 + tonumber(ARGV[i + 5])
 end
+local hubs = {}
+while i <= #ARGV do
+    local hub = {wake = ARGV[i], data = ARGV[i + 1], first = i + 3, members = {}}
+    i = hub.first + 3 * tonumber(ARGV[i + 2])
+    for j = hub.first, i - 1, 3 do
+        local member = ARGV[j] .. ':' .. ARGV[j + 1]
+        push(by_queue, ARGV[j + 2], member)
+        hub.members[#hub.members + 1] = member
+    end
+    hubs[#hubs + 1] = hub
+end
 local held = held_leases(by_queue)
-local lost, wakes = {}, {}
+local lost, wakes, inline = {}, {}, {}
 for _, i in ipairs(at) do
     local job_id, wake, n = ARGV[i], ARGV[i + 3], tonumber(ARGV[i + 5])
     if held[member_at[i]] then
@@ -614,7 +663,26 @@ for _, i in ipairs(at) do
         lost[#lost + 1] = job_id
     end
 end
-tell_wakes(wakes)
+for _, hub in ipairs(hubs) do
+    local ids, gone = {}, {}
+    for k, member in ipairs(hub.members) do
+        local job_id = ARGV[hub.first + 3 * (k - 1)]
+        if held[member] then ids[#ids + 1] = job_id else gone[#gone + 1] = job_id end
+    end
+    if #gone > 0 then
+        local data = cjson.decode(hub.data)
+        for _, job_id in ipairs(gone) do
+            data[job_id] = nil
+            lost[#lost + 1] = job_id
+        end
+        hub.data = data
+    end
+    if #ids > 0 then
+        wakes[hub.wake] = ids
+        inline[hub.wake] = hub.data
+    end
+end
+tell_wakes(wakes, inline)
 return lost
 """,
 )

@@ -21,6 +21,9 @@ EVENTS_MAXLEN = 100_000
 # by each entry: a hub that went away leaves it for an hour at most.
 WAKE_MAXLEN = 1_000
 WAKE_TTL_S = 3600
+# How long an inline wake stream (one carrying its jobs' entries) keeps them: a hub reads them
+# within a read interval; one stalled longer than this has lost its requests anyway.
+WAKE_RETAIN_MS = 30_000
 
 GENERATE_FUNC = "pagedq.generate"
 """The only function name a pagedq job may carry; the worker refuses any other."""

@@ -11,6 +11,12 @@ Field/value pairs, all strings:
 - `event=restart`: a re-run of the job starts (its worker died); drop what was read before it.
 - `event=done finish_reason=<reason>`: the job finished; its result key is written.
 - `event=error error=<message>`: the job failed (`error=canceled`: it was canceled).
+
+A job enqueued with an inline wake id (`pq_wake` ending in `INLINE_WAKE`, as the gateway's
+StreamHub enqueues) gets no entries in its own stream: the worker writes them into the hub's
+wake stream, in the entry of the call that wrote them, whose field `entries` is a JSON object
+of job id -> the list of that job's entries in the call (`encode_inline`). One XADD per hub and
+call then carries the tokens of all its jobs, built by the worker, instead of one per job.
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ ERROR = "error"
 FINAL_EVENTS = (DONE, ERROR)
 # The longest token_ids value a reader parses (ids of a window are far fewer).
 MAX_TOKEN_IDS_CHARS = 1 << 20
+# What ends an inline wake id, and the field of an inline wake entry that carries the entries.
+INLINE_WAKE = ":inline"
+ENTRIES_FIELD = "entries"
+# The longest inline value a reader parses (a window of a hub's jobs is far less).
+MAX_INLINE_CHARS = 1 << 22
 
 
 def token_entry(delta: str, token_ids: list[int]) -> dict[str, str]:
@@ -67,3 +78,35 @@ def entry_token_ids(entry: dict[str, str]) -> list[int]:
     except ValueError:
         return []
     return [i for i in ids if isinstance(i, int)] if isinstance(ids, list) else []
+
+
+def is_inline(wake: str) -> bool:
+    """True for a wake id whose jobs' entries go into the wake stream itself."""
+    return wake.endswith(INLINE_WAKE)
+
+
+def encode_inline(by_job: dict[str, list[dict[str, str]]]) -> str:
+    """The entries of one call, job id -> that job's entries in order, as an inline wake entry
+    carries them."""
+    return json.dumps(by_job, separators=(",", ":"))
+
+
+def decode_inline(raw: str) -> dict[str, list[dict[str, str]]]:
+    """The entries an inline wake entry carries, by job ({} for a malformed or oversized one)."""
+    if len(raw) > MAX_INLINE_CHARS:
+        return {}
+    try:
+        by_job = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(by_job, dict):
+        return {}
+    return {
+        str(job_id): [_fields(e) for e in entries if isinstance(e, dict)]
+        for job_id, entries in by_job.items()
+        if isinstance(entries, list)
+    }
+
+
+def _fields(entry: dict) -> dict[str, str]:
+    return {str(k): str(v) for k, v in entry.items()}

@@ -10,7 +10,8 @@ import httpx
 import openai
 import pytest
 
-from producer.contract.keys import stream_key
+from producer.contract.keys import JOB_FIELDS, rq_job_key, stream_key, wake_key
+from producer.contract.stream import ENTRIES_FIELD, decode_inline, is_inline
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -34,6 +35,21 @@ def test_a_chat_completion_is_what_the_python_client_gets_for_the_same_request(o
     assert answer.choices[0].finish_reason == expected.finish_reason
     assert answer.usage.completion_tokens == expected.usage.completion_tokens
     assert answer.usage.prompt_tokens == expected.usage.prompt_tokens
+    # A whole answer streams no tokens, but its end is told to the gateway's hub at once.
+    entries = _inline_entries(stack, answer.id.removeprefix("chatcmpl-"))
+    assert [e["event"] for e in entries] == ["done"]
+
+
+def _inline_entries(stack, job_id: str) -> list[dict[str, str]]:
+    """The entries a job got in its gateway's inline wake stream (none in its own stream)."""
+    assert stack.redis.xlen(stream_key(job_id)) == 0
+    wake = stack.redis.hget(rq_job_key(job_id), JOB_FIELDS["wake"]).decode()
+    assert is_inline(wake)
+    return [
+        e
+        for _, f in stack.redis.xrange(wake_key(wake))
+        for e in decode_inline(f[ENTRIES_FIELD.encode()].decode()).get(job_id, [])
+    ]
 
 
 def test_streamed_chat_deltas_join_to_the_non_streamed_text(oai):
@@ -62,7 +78,8 @@ def test_streamed_chat_deltas_join_to_the_non_streamed_text(oai):
 
 def test_every_streamed_job_reads_the_same_text_over_sse_and_client_stream(oai, stack):
     """Several jobs at once, their tokens written in shared windows: the SSE text and the
-    Python client's stream of each job are its whole result, token for token."""
+    Python client's stream of each job are its whole result, token for token (the client's
+    stream of a gateway job, whose tokens go to the gateway's hub, comes at its end)."""
     sse_texts: dict[str, str] = {}
     live: dict[str, str] = {}
 
@@ -94,8 +111,10 @@ def test_every_streamed_job_reads_the_same_text_over_sse_and_client_stream(oai, 
         for job_id, text in sse_texts.items():
             result = client.result(job_id, timeout=30)
             assert text == live[job_id] == result.text
-            entries = stack.redis.xrange(stream_key(job_id))
-            ids = [json.loads(f[b"token_ids"]) for _, f in entries if f[b"event"] == b"token"]
+            # The tokens went inline to the gateway's wake stream, not to the job's stream.
+            entries = _inline_entries(stack, job_id)
+            assert entries[-1]["event"] == "done"
+            ids = [json.loads(e["token_ids"]) for e in entries if e["event"] == "token"]
             assert sum(ids, []) == result.token_ids
 
 

@@ -1,11 +1,13 @@
-"""The gateway's StreamHub against a real redis-server and the worker's own scripts: woken by
-the workers' wake entries, it reads only the streams that got entries; a stream whose worker
-tells no hub is still read by its periodic check."""
+"""The gateway's StreamHub against a real redis-server and the worker's own scripts: the
+entries of its jobs come inline in its wake stream (or, from workers that write job streams, it
+reads only the streams listed there); a stream whose worker tells no hub is still read by its
+periodic check."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 
 import pytest
 
@@ -64,9 +66,15 @@ async def _next(follow, timeout: float = 5.0) -> dict:
     return await asyncio.wait_for(follow.entries.get(), timeout)
 
 
-def test_the_hub_reads_only_the_streams_its_wake_stream_lists(redis_client, redis_server):
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "listed"])
+def test_the_hub_reads_only_its_wake_stream_and_the_streams_listed_there(
+    redis_client, redis_server, inline
+):
+    """Inline (the default): the entries come in the wake stream and no job stream is read or
+    written. Listed (a hub id a worker writes job streams for): only the listed are read."""
+
     async def run() -> None:
-        hub = StreamHub(redis_server.url)
+        hub = StreamHub(redis_server.url, wake_id=None if inline else uuid.uuid4().hex)
         await hub.start()
         try:
             a, b, c = _enqueue(redis_client, ["a", "b", "c"], wake=hub.wake_id)
@@ -84,14 +92,72 @@ def test_the_hub_reads_only_the_streams_its_wake_stream_lists(redis_client, redi
             await asyncio.sleep(0.3)
             assert follows[c].entries.empty() and follows[a].entries.empty()
             named = [key for keys in reads.keys for key in keys]
-            assert stream_key(a) in named and stream_key(b) in named
-            assert stream_key(c) not in named, reads.keys
+            if inline:
+                assert not any(k.startswith(stream_key("")) for k in named), reads.keys
+                assert redis_client.keys(stream_key("*")) == []
+            else:
+                assert stream_key(a) in named and stream_key(b) in named
+                assert stream_key(c) not in named, reads.keys
         finally:
             await hub.close()
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(stream_hub, "CHECK_S", 3600.0)  # only the wake entries can bring these
         asyncio.run(run())
+
+
+def test_inline_entries_written_before_the_follow_wait_for_it(redis_client, redis_server):
+    """A job's first entries may be read before its request follows it: they wait in the hub
+    (and are dropped after UNCLAIMED_S when no one follows)."""
+
+    async def run() -> None:
+        hub = StreamHub(redis_server.url)
+        await hub.start()
+        try:
+            first, early, orphan = _enqueue(redis_client, ["1", "2", "3"], wake=hub.wake_id)
+            hub.follow(first)  # the hub reads the wake stream from now on
+            adapter, scripts = _worker(redis_client)
+            call, started_at = adapter.dequeue_call(3)
+            claims = {cl.job_id: cl for cl in adapter.claims(scripts.call(call), started_at)}
+            step = [(claims[j], DELTA, True) for j in (early, orphan)]
+            assert scripts.call(adapter.stream_call(step)) == []
+            await asyncio.sleep(0.4)
+            follow = hub.follow(early)
+            assert await _next(follow) == DELTA
+            await asyncio.sleep(stream_hub.BLOCK_MS / 1000 + 0.5)  # a read after UNCLAIMED_S
+            assert orphan not in hub._unclaimed
+        finally:
+            await hub.close()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream_hub, "UNCLAIMED_S", 0.5)
+        asyncio.run(run())
+
+
+def test_an_end_the_check_finds_comes_after_the_entries_written_before_it(
+    redis_client, redis_server
+):
+    """The check looks up a quiet job and finds it ended: the inline entries its worker wrote
+    with the end (not read yet) reach the follower first, then the real final entry."""
+
+    async def run() -> None:
+        hub = StreamHub(redis_server.url)  # not started: the test runs its check by hand
+        try:
+            [job_id] = _enqueue(redis_client, ["quiet"], wake=hub.wake_id)
+            follow = hub.follow(job_id)
+            adapter, scripts = _worker(redis_client)
+            call, started_at = adapter.dequeue_call(1)
+            [claim] = adapter.claims(scripts.call(call), started_at)
+            assert scripts.call(adapter.stream_call([(claim, DELTA, True)])) == []
+            end = adapter.end_call(claim, "finished", '{"status": "finished"}', (1, 1), DONE)
+            assert scripts.call(end) == [1]
+            await hub._check_ended()
+            assert [follow.entries.get_nowait() for _ in range(2)] == [DELTA, DONE]
+            assert follow.entries.empty() and len(hub) == 0
+        finally:
+            await hub.close()
+
+    asyncio.run(run())
 
 
 def test_a_stream_whose_worker_tells_no_hub_is_read_by_the_check(redis_client, redis_server):

@@ -29,6 +29,7 @@ from producer.client import Client
 from producer.contract.codec import load_job_data
 from producer.contract.models import canonical_model
 from producer.contract.routing import model_queue
+from producer.contract.stream import ENTRIES_FIELD, INLINE_WAKE, decode_inline
 from worker.claim import Claim
 from worker.redis_link import ScriptRunner
 from worker.rq_adapter import RQAdapter
@@ -538,6 +539,47 @@ def test_token_entries_and_final_entries_tell_their_hubs_wake_stream(redis_clien
     assert sorted(j.decode() for j in lost) == sorted([a, b, c, d])
     assert {j: redis_client.xlen(f"pagedq:stream:{j}") for j in (a, b, c, d)} == lengths
     assert wakes("hub1") == [sorted([a, b]), [b]]
+
+
+def test_an_inline_hubs_jobs_get_their_entries_in_its_wake_stream_only(redis_client):
+    """For a hub whose wake id is inline, one wake entry per call carries the entries of all its
+    jobs (a JSON object by job, each job's entries in order), and no job stream is written; the
+    final entry comes the same way; the fence holds as for job streams."""
+    client = Client(connection=redis_client, queue=QUEUE)
+    hub = "hub3" + INLINE_WAKE
+    a, b = client.enqueue([_as_request({"prompt": p}) for p in ("a", "b")], wake=hub)
+    adapter = _adapter(redis_client)
+    claims = {claim.job_id: claim for claim in adapter.dequeue_many(2)}
+    restart, delta = {"event": "restart"}, {"event": "token", "delta": "x", "token_ids": "[7]"}
+    step = [(claims[a], restart, True), (claims[a], delta, False), (claims[b], delta, True)]
+    assert adapter.scripts.call(adapter.stream_call(step)) == []
+
+    def wake_entries() -> list[tuple[list[str], dict]]:
+        out = []
+        for _, fields in redis_client.xrange(f"pagedq:wake:{hub}"):
+            jobs = sorted(fields[b"jobs"].decode().split())
+            out.append((jobs, decode_inline(fields[ENTRIES_FIELD.encode()].decode())))
+        return out
+
+    assert wake_entries() == [(sorted([a, b]), {a: [restart, delta], b: [delta]})]
+    call = adapter.end_call(claims[b], "finished", _result("finished", b), {"event": "done"})
+    assert adapter.scripts.call(call) == [1]
+    assert wake_entries()[1] == ([b], {b: [{"event": "done"}]})
+    assert redis_client.keys("pagedq:stream:*") == []
+    assert 0 < redis_client.ttl(f"pagedq:wake:{hub}") <= 3600
+
+    # A job whose lease was lost is left out of the hub's entry; the others' entries go in.
+    [c] = client.enqueue([_as_request({"prompt": "c"})], wake=hub)
+    [claims[c]] = adapter.dequeue_many(1)
+    step2 = [(claims[a], delta, False), (claims[b], delta, False), (claims[c], delta, True)]
+    assert [j.decode() for j in adapter.scripts.call(adapter.stream_call(step2))] == [b]
+    assert wake_entries()[2] == (sorted([a, c]), {a: [delta], c: [delta]})
+
+    requeue = adapter.requeue_call(claims[a], count_crash=False, result={}, reason="x")
+    assert adapter.scripts.call(requeue) == 1
+    lost = adapter.scripts.call(adapter.stream_call(step))
+    assert sorted(j.decode() for j in lost) == sorted([a, b])
+    assert len(wake_entries()) == 3
 
 
 def test_a_job_whose_end_goes_to_an_events_stream_or_a_batch_is_claimed_as_bulk(redis_client):
