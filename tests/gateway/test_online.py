@@ -53,13 +53,16 @@ def _inline_entries(stack, job_id: str) -> list[dict[str, str]]:
 
 
 def test_streamed_chat_deltas_join_to_the_non_streamed_text(oai):
+    # A long answer: its tokens span several of the hub's reads (50 ms apart) even where the
+    # tiny model samples a token a millisecond.
+    messages = [{"role": "user", "content": "Tell me a long story about a dragon."}]
     whole = oai.chat.completions.create(
-        model="any", messages=MESSAGES, max_tokens=12, temperature=0
+        model="any", messages=messages, max_tokens=256, temperature=0
     )
     stream = oai.chat.completions.create(
         model="any",
-        messages=MESSAGES,
-        max_tokens=12,
+        messages=messages,
+        max_tokens=256,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
