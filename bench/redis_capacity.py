@@ -22,7 +22,7 @@ holds jobs; writes the token entries of the jobs that stream in one STREAM call 
 StreamWindow) and ends every job that reached its tokens in one merged END call (both in one
 MULTI/EXEC when there are both, as RedisLink does); checks the cancel keys of its jobs every 5 s
 (MGET, the fallback for lost cancel messages); heartbeats every
-lease_ttl/3 and reaps every lease_ttl/2 (Leases); publishes its status key at most every 0.5 s
+lease_ttl/3 and reaps every lease_ttl/2 (Leases); publishes its status key at most every 2 s
 (StatusPublisher); polls an empty queue every 0.1 s with jobs in flight, backing off from 0.01
 to 0.25 s when idle.
 Jobs have between tokens/2 and 3*tokens/2 tokens (mean `--tokens`), so endings are spread.
