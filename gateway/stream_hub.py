@@ -11,8 +11,9 @@ Redis's work follows the entries written, not the number of streams followed (a 
 XREAD naming every followed stream cost about 0.5 us per stream per read, entries or not).
 Entries of a job not followed yet (its request is between its enqueue and its follow) wait in
 the hub for UNCLAIMED_S. Reads are paced
-(READ_INTERVAL_S), so one read takes the windows of many workers. A new follow is read at once
-(its first entries may predate it) and wakes a blocked read with CLIENT UNBLOCK; every CHECK_S
+(READ_INTERVAL_S), so one read takes the windows of many workers. A new follow whose stream
+may hold entries (a hub that is not inline, or a job an older worker listed) is read at once
+and wakes a blocked read with CLIENT UNBLOCK (as does a follow on a new wake stream); every CHECK_S
 the followed jobs that got no entry for CHECK_S are looked up and their streams read, because
 some ends write no stream entry (a queued job canceled through RQ), streams expire before
 results do, and a worker of an older release tells no wake stream. A job whose entries keep
@@ -36,7 +37,7 @@ from rq.job import Job
 from producer.connection import async_redis_client, async_xread, is_cluster
 from producer.contract.keys import result_key, stream_key, wake_key
 from producer.contract.shards import hash_tag, shard_name
-from producer.contract.stream import ENTRIES_FIELD, INLINE_WAKE, decode_inline
+from producer.contract.stream import ENTRIES_FIELD, INLINE_WAKE, decode_inline, is_inline
 from producer.results import decode_entry, is_final
 
 log = logging.getLogger("pagedq.gateway.streams")
@@ -109,12 +110,18 @@ class StreamHub:
         """Follow a job's stream from its first entry."""
         follow = Follow(job_id)
         self._follows.setdefault(job_id, []).append(follow)
-        self._wakes.setdefault(wake_key(shard_name(hash_tag(job_id), self.wake_id)), "0")
-        self._due.add(job_id)
+        key = wake_key(shard_name(hash_tag(job_id), self.wake_id))
+        new_key = key not in self._wakes
+        self._wakes.setdefault(key, "0")
         _, waiting = self._unclaimed.pop(job_id, (0.0, []))
         self._deliver_inline(job_id, [e for e in waiting if e is not None])
+        # An inline hub's entries come in its wake stream, read anyway: the job's own stream
+        # is read at once only when it may hold some (an older release's worker listed it).
+        due = not is_inline(self.wake_id) or None in waiting
+        if due:
+            self._due.add(job_id)
         self._changed.set()
-        if not self._wake_scheduled:
+        if (due or new_key) and not self._wake_scheduled:
             self._wake_scheduled = True
             asyncio.get_running_loop().create_task(self._wake())
         return follow

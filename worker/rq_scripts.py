@@ -641,11 +641,12 @@ while i < inline_at do
 end
 local hubs = {}
 while i <= #ARGV do
-    local hub = {wake = ARGV[i], data = ARGV[i + 1], first = i + 3, members = {}}
-    i = hub.first + 3 * tonumber(ARGV[i + 2])
-    for j = hub.first, i - 1, 3 do
+    local hub, first = {wake = ARGV[i], data = ARGV[i + 1], ids = {}, members = {}}, i + 3
+    i = first + 3 * tonumber(ARGV[i + 2])
+    for j = first, i - 1, 3 do
         local member = ARGV[j] .. ':' .. ARGV[j + 1]
         push(by_queue, ARGV[j + 2], member)
+        hub.ids[#hub.ids + 1] = ARGV[j]
         hub.members[#hub.members + 1] = member
     end
     hubs[#hubs + 1] = hub
@@ -665,9 +666,8 @@ for _, i in ipairs(at) do
 end
 for _, hub in ipairs(hubs) do
     local ids, gone = {}, {}
-    for k, member in ipairs(hub.members) do
-        local job_id = ARGV[hub.first + 3 * (k - 1)]
-        if held[member] then ids[#ids + 1] = job_id else gone[#gone + 1] = job_id end
+    for k, job_id in ipairs(hub.ids) do
+        if held[hub.members[k]] then ids[#ids + 1] = job_id else gone[#gone + 1] = job_id end
     end
     if #gone > 0 then
         local data = cjson.decode(hub.data)
