@@ -23,19 +23,20 @@ StreamWindow) and ends every job that reached its tokens in one merged END call 
 MULTI/EXEC when there are both, as RedisLink does); checks the cancel keys of its jobs every 5 s
 (MGET, the fallback for lost cancel messages); heartbeats every
 lease_ttl/3 and reaps every lease_ttl/2 (Leases); publishes its status key at most every 2 s
-(StatusPublisher); polls an empty queue every 0.1 s with jobs in flight, backing off from 0.01
-to 0.25 s when idle.
+(StatusPublisher); with room and its queue found empty, waits for its doorbell (BLPOP of the
+bells producers ring as they enqueue, worker/doorbell.py; a ring is seen at its next turn, at
+most 0.1 s later) and asks the queue again every 2 s anyway.
 Jobs have between tokens/2 and 3*tokens/2 tokens (mean `--tokens`), so endings are spread.
 
 Producers: bulk jobs are enqueued and read as `pagedq submit` does (BulkRun: chunks of 256
-through `Client.enqueue` with a notify id, an EXISTS per job, ends read from one events stream
-with EventFollower, each result read with one GET); streaming jobs as the gateway serves
-streaming requests (`--window` clients each sending one request after the other; the gateway's
-Enqueuer coalesces requests that arrive together into one `Client.enqueue`; its StreamHub
-follows every stream with one XREAD and checks the followed jobs every 2 s; the result is read
-with one GET at the end). The producers keep `--window` jobs outstanding (default 1.25 x
-workers x slots, plus 2.5 x workers x prefetch of bulk jobs), so the queue never runs dry inside
-the measured window.
+through `Client.enqueue` with a notify id, an EXISTS per job it did not create, ends read from
+one events stream with EventFollower, each result read with one GET); streaming jobs as the
+gateway serves streaming requests (`--window` clients each sending one request after the
+other; the gateway's Enqueuer coalesces requests that arrive together into one
+`Client.enqueue`; its StreamHub follows every stream with one XREAD and checks the followed
+jobs every 2 s; the result comes in the job's final entry). The producers keep `--window`
+jobs outstanding (default 1.25 x workers x slots, plus 2.5 x workers x prefetch of bulk jobs),
+so the queue never runs dry inside the measured window.
 
 Runs, each on a fresh redis-server:
 
@@ -101,11 +102,12 @@ from producer.contract.keys import (  # noqa: E402
     rq_registry_key,
 )
 from producer.contract.schema import GenerationRequest  # noqa: E402
-from producer.contract.stream import entry_delta  # noqa: E402
+from producer.contract.stream import RESULT_FIELD, entry_delta  # noqa: E402
 from producer.enqueue import ENQUEUE_IF_ABSENT  # noqa: E402
 from producer.events import EventFollower  # noqa: E402
 from producer.results import final_results, is_final  # noqa: E402
 from worker.coalesce import AdmissionGate, EndCoalescer, StreamWindow  # noqa: E402
+from worker.doorbell import SAFETY_POLL_S, Doorbell  # noqa: E402
 from worker.endings import JobEnder  # noqa: E402
 from worker.engine_loop import MAX_PENDING_ADDS  # noqa: E402
 from worker.inflight import InFlight, StreamState, stream_entries, window_entries  # noqa: E402
@@ -130,6 +132,7 @@ EMPTY_QUEUE_BACKOFF_S = 0.1
 IDLE_POLL_S = (0.01, 0.25)
 ADMISSION_BURST_S = 0.05
 AHEAD_BACKOFF_S = 0.5
+BELL_CHECK_S = 0.1
 PREFETCH = -1  # WorkerConfig.prefetch: a quarter of the requests running
 COALESCE_WINDOW_S = 0.1  # WorkerConfig.coalesce_window
 BULK_COALESCE_WINDOW_S = 1.0  # WorkerConfig.bulk_coalesce_window
@@ -330,6 +333,7 @@ class SimWorker:
         self.endings: EndCoalescer = EndCoalescer(sim.coalesce_window)
         self.gate = AdmissionGate(sim.coalesce_window)
         self.window = StreamWindow(sim.stream_interval)
+        self.bell = Doorbell(self.conn, self.adapter.bell_keys())
 
     def _stats(self) -> SimpleNamespace:
         n = len(self.in_flight)
@@ -350,9 +354,11 @@ class SimWorker:
     def register(self) -> None:
         if not self.link.scripts.call(self.adapter.register_call()):
             raise RuntimeError(f"worker name {self.adapter.name} taken")
+        self.bell.start()
 
     def stop(self) -> None:
         """As a worker that stops cleanly: status key and RQ registration removed."""
+        self.bell.stop()
         self.status.clear()
         self.adapter.unregister()
 
@@ -382,8 +388,8 @@ class SimWorker:
             return self.next_step_at if ends_in is None else min(self.next_step_at, t + ends_in)
         if ends_in is not None:
             return t + ends_in
-        if self._queue_empty:
-            return self._next_dequeue_at
+        if self._queue_empty:  # a ring is seen at the next turn, as the worker's event wait
+            return min(self._next_dequeue_at, t + BELL_CHECK_S)
         return time.monotonic()
 
     def _promote(self) -> None:
@@ -402,7 +408,7 @@ class SimWorker:
     # MAX_PENDING_ADDS (8) a call, as EngineLoop.admission gives, and bulk jobs claimed ahead.
     def _admit(self) -> None:
         now = time.monotonic()
-        if now < self._next_dequeue_at:
+        if now < self._next_dequeue_at and not self.bell.rang.is_set():
             return
         prefetch = self.sim.prefetch_jobs
         room, ahead = self._room()
@@ -411,6 +417,7 @@ class SimWorker:
                 return
             room = 0
         self.gate.dequeued()
+        self.bell.rang.clear()
         deadline = time.monotonic() + ADMISSION_BURST_S
         while True:
             call, started_at = self.adapter.dequeue_call(room, ahead)
@@ -422,6 +429,10 @@ class SimWorker:
                 return
             if not claims:
                 self._queue_empty = True
+                if ok:  # ControlLoop._on_empty_queue: wait for a ring (worker/doorbell.py)
+                    self.bell.want(True)
+                    self._next_dequeue_at = time.monotonic() + SAFETY_POLL_S
+                    return
                 if self.in_flight:
                     backoff = EMPTY_QUEUE_BACKOFF_S
                 else:
@@ -431,6 +442,7 @@ class SimWorker:
                 return
             self._queue_empty = False
             self._idle_poll_s = IDLE_POLL_S[0]
+            self.bell.want(False)
             for claim in claims[:room]:
                 self._start(claim)
             self.waiting += claims[room:]
@@ -625,8 +637,8 @@ def produce_bulk(
 ) -> None:
     """A bulk producer process, as `pagedq submit` (producer/bulk.py BulkRun): chunks of 256
     through `Client.enqueue` with its notify id, refilled a quarter chunk at a time, an
-    EXISTS per job, ends from the events stream (EventFollower), then the results of each read
-    in one MGET (`final_results`)."""
+    EXISTS per job it did not create, ends from the events stream (EventFollower), then the
+    results of each read in one MGET (`final_results`)."""
     watcher = MarkWatcher(shared, "producer")
     rng = random.Random(seed)
     writer = redis.Redis.from_url(url, connection_class=CountingConnection)
@@ -649,12 +661,16 @@ def produce_bulk(
             for i in range(submitted, submitted + room):
                 payload = _payload(rng, sim, max_tokens, False) | {"custom_id": f"line-{i}"}
                 requests.append(GenerationRequest.parse(payload))
-            job_ids = client.enqueue(requests, id_namespace=batch_id, notify=follower.notify)
+            enqueued = client.enqueue_created(
+                requests, id_namespace=batch_id, notify=follower.notify
+            )
             pipe = writer.pipeline(transaction=False)
-            for job_id in job_ids:
-                pipe.exists(result_key(job_id))
-            pipe.execute()
-            for job_id in job_ids:
+            for job_id, created in enqueued:
+                if not created:
+                    pipe.exists(result_key(job_id))
+            if len(pipe):
+                pipe.execute()
+            for job_id, _ in enqueued:
                 new_ids.put(job_id)
             submitted += room
 
@@ -684,7 +700,8 @@ def produce_online(
     (gateway/completions.py): `window` clients, each sending one request after the other;
     each request enqueued through the gateway's Enqueuer (requests arriving together share
     one `Client.enqueue`), its stream followed through the gateway's StreamHub (one XREAD
-    over every followed stream, the followed jobs checked every 2 s), then its result GET."""
+    over every followed stream, the followed jobs checked every 2 s), its result read from its
+    final entry (a GET only when the entry has none)."""
     count_async_commands()
     watcher = MarkWatcher(shared, "producer")
     asyncio.run(_online(url, n_jobs, window, sim, shared, seed, max_tokens, watcher))
@@ -717,8 +734,9 @@ async def _online(
             while not is_final(entry := await follow.entries.get()):
                 if shared.mark.value == 1 and (delta := entry_delta(entry)):
                     delays.extend(_stamp_delays_ms(delta, time.time()))
+            # The gateway's _result: the result the final entry carries, else its key.
             deadline = time.monotonic() + RESULT_GRACE_S
-            while await hub.redis.get(result_key(job_id)) is None:
+            while RESULT_FIELD not in entry and await hub.redis.get(result_key(job_id)) is None:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no result for {job_id}")
                 await asyncio.sleep(0.05)

@@ -29,6 +29,7 @@ from gateway.stream_parts import StreamParts
 from producer.chat_answer import AnswerFormat
 from producer.contract.keys import result_key
 from producer.contract.schema import GenerationResult
+from producer.contract.stream import MAX_INLINE_RESULT_CHARS, RESULT_FIELD
 from producer.openai_output import CHAT_URL, COMPLETIONS_URL, completion_body, refused_by_worker
 from producer.results import MAX_READ_BYTES, is_final
 
@@ -203,7 +204,14 @@ def _cancel(request: Request, job_id: str) -> None:
 
 
 async def _result(request: Request, job_id: str, entry: dict[str, str]) -> GenerationResult:
-    """The result of a job whose final entry was read (its result key, or what the entry says)."""
+    """The result of a job whose final entry was read: the result it carries (an inline hub's
+    entry), else its result key, else what the entry says."""
+    inline = entry.get(RESULT_FIELD)
+    if inline is not None and len(inline) <= MAX_INLINE_RESULT_CHARS:
+        try:
+            return GenerationResult.model_validate_json(inline)
+        except ValidationError:
+            pass
     redis = request.app.state.hub.redis
     deadline = time.monotonic() + (RESULT_GRACE_S if entry.get("event") == "done" else 0)
     while True:

@@ -37,7 +37,7 @@ from rq.job import Job
 from producer.connection import async_redis_client, async_xread, is_cluster
 from producer.contract.keys import result_key, stream_key, wake_key
 from producer.contract.shards import hash_tag, shard_name
-from producer.contract.stream import ENTRIES_FIELD, INLINE_WAKE, decode_inline, is_inline
+from producer.contract.stream import INLINE_WAKE, inline_entries, is_inline
 from producer.results import decode_entry, is_final
 
 log = logging.getLogger("pagedq.gateway.streams")
@@ -198,7 +198,7 @@ class StreamHub:
         for key, entries in woken:
             self._wakes[key.decode()] = entries[-1][0].decode()
             for _, fields in entries:
-                by_job = decode_inline(fields.get(ENTRIES_FIELD.encode(), b"{}").decode())
+                by_job = inline_entries(fields)
                 for job_id in fields.get(b"jobs", b"").decode().split():
                     inline = by_job.get(job_id)
                     if job_id in self._follows:

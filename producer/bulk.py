@@ -260,14 +260,19 @@ class BulkRun:
         if not self._pending:
             return
         requests = [p.request for p in self._pending if p.request is not None]
-        job_ids = self.client.enqueue(
+        enqueued = self.client.enqueue_created(
             requests, id_namespace=self.batch_id, notify=self.follower.notify
         )
-        # A job whose result is already in Redis was computed by an earlier run.
+        # A job whose result is already in Redis was computed by an earlier run (a job created
+        # now had none: only the others are looked up).
         pipe = self.client.redis.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.exists(result_key(job_id))
-        for job_id, parsed, had_result in zip(job_ids, self._pending, pipe.execute(), strict=True):
+        for job_id, created in enqueued:
+            if not created:
+                pipe.exists(result_key(job_id))
+        found = iter(pipe.execute() if len(pipe) else [])
+        had = [False if created else bool(next(found)) for _, created in enqueued]
+        job_ids = [job_id for job_id, _ in enqueued]
+        for job_id, parsed, had_result in zip(job_ids, self._pending, had, strict=True):
             if job_id not in self.in_flight:
                 self.summary.submitted += 1
             self.in_flight[job_id] = parsed

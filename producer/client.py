@@ -175,15 +175,22 @@ class Client:
             job_ids += self.enqueue([_as_request(r) for r in chunk])
         return job_ids
 
-    def enqueue(
+    def enqueue(self, requests: list[GenerationRequest], **options: str | None) -> list[str]:
+        """Enqueue validated requests in one round trip; an existing job is reused, not re-run.
+        `options`: those of `enqueue_created`."""
+        return [job_id for job_id, _ in self.enqueue_created(requests, **options)]
+
+    def enqueue_created(
         self,
         requests: list[GenerationRequest],
         id_namespace: str | None = None,
         batch_id: str | None = None,
         notify: str | None = None,
         wake: str | None = None,
-    ) -> list[str]:
-        """Enqueue validated requests in one round trip; an existing job is reused, not re-run.
+    ) -> list[tuple[str, bool]]:
+        """Enqueue validated requests in one round trip, each job id with True when this call
+        created the job (it had neither a job hash nor a result to reuse: an existing job is
+        reused, not re-run).
 
         `id_namespace` scopes custom_ids (job id from "{id_namespace}/{custom_id}"); with
         `batch_id`, each job's end is counted in `batch_counts_key(batch_id)`; with `notify`,
@@ -218,7 +225,7 @@ class Client:
         except ReplicaAckError as exc:
             ids = [job.id for job in queued]
             raise ReplicaAckError(exc.acked, exc.wanted, exc.timeout_ms, ids) from None
-        return [job.id for job in queued]
+        return [(job.id, was_created) for job, was_created in zip(queued, created, strict=True)]
 
     def _rerun_if_ended(
         self, job: QueuedJob, batch_id: str | None, notify: str | None, wake: str | None

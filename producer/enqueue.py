@@ -14,6 +14,9 @@ from rq.utils import now
 
 from producer.contract.ids import job_id_for
 from producer.contract.keys import (
+    BELL_JOBS,
+    BELL_MAX,
+    BELL_TTL_S,
     GENERATE_FUNC,
     RQ_QUEUES,
     cancel_key,
@@ -33,9 +36,11 @@ from producer.results import job_shell
 # once, plus a check of our result key, so a job whose RQ hash expired before its result is not
 # computed again. Stamps the enqueue time from Redis's clock (one clock for every producer and
 # worker, for aging) and the fair-queueing fields, and indexes each sub-queue for the workers'
-# fair pick. Per call: one TIME, and per queue one LLEN and one RPUSH; per job one EXISTS and
-# one HSET. ARGV after the named ones, per job: ENQUEUE_FIELDS, then `n_fields` field/values
-# of the job hash. Returns per job 1 created, 0 existing.
+# fair pick. Per call: one TIME, per queue one LLEN and one RPUSH, and per base queue that got
+# jobs one ring of its bell per BELL_JOBS of them (RPUSH, LTRIM, EXPIRE: waiting workers BLPOP
+# it, worker/doorbell.py); per job one EXISTS and one HSET. ARGV after the named ones, per job:
+# ENQUEUE_FIELDS, then `n_fields` field/values of the job hash. Returns per job 1 created, 0
+# existing.
 ENQUEUE_FIELDS = ("job_id", "queue_name", "base", "meta", "cost", "tenant", "n_fields")
 ENQUEUE_IF_ABSENT = LuaScript(
     "enqueue",
@@ -43,7 +48,7 @@ ENQUEUE_IF_ABSENT = LuaScript(
     body=f"""
 local t = redis.call('TIME')
 local enqueued = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
-local created, pushes, order, seen, indexed = {{}}, {{}}, {{}}, {{}}, {{}}
+local created, pushes, order, seen, indexed, rings = {{}}, {{}}, {{}}, {{}}, {{}}, {{}}
 local i = REST
 while i <= #ARGV do
     local job_id, queue_name, base, meta, cost, tenant, n = unpack(ARGV, i, i + 6)
@@ -77,6 +82,7 @@ while i <= #ARGV do
         redis.call('HSET', jkey, unpack(fields))
         local p = pushes[qkey]
         p[#p + 1] = job_id
+        rings[base] = (rings[base] or 0) + 1
         if queue_name ~= base and not indexed[queue_name] then
             indexed[queue_name] = true
             redis.call('HSET', K.subqueues .. base, queue_name, meta)
@@ -86,6 +92,13 @@ while i <= #ARGV do
 end
 for _, qkey in ipairs(order) do
     if #pushes[qkey] > 0 then redis.call('RPUSH', qkey, unpack(pushes[qkey])) end
+end
+for base, n in pairs(rings) do
+    local bell, ring = K.bell .. base, {{}}
+    for j = 1, math.min({BELL_MAX}, math.ceil(n / {BELL_JOBS})) do ring[j] = '1' end
+    redis.call('RPUSH', bell, unpack(ring))
+    redis.call('LTRIM', bell, -{BELL_MAX}, -1)
+    redis.call('EXPIRE', bell, {BELL_TTL_S})
 end
 return created
 """,
@@ -173,7 +186,9 @@ def build_job(
 def _hset_args(job: Job) -> list[bytes | str]:
     args: list[bytes | str] = []
     for field, value in job.to_dict().items():
-        if value is not None:
+        # RQ writes eight fields empty (started_at, worker_name, callback names, ...) and reads
+        # a missing one as empty: left out, they cost the enqueue script nothing.
+        if value is not None and value != "":
             args += [field, value if isinstance(value, bytes | str) else str(value)]
     return args
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 
+from producer.connection import is_cluster
 from producer.contract.models import canonical_model
 from producer.refusal import RedisRefusedError
 from worker.cancels import CancelListener
@@ -28,6 +29,7 @@ from worker.chat import chat_prompt, chat_sampling
 from worker.claim import Claim, JobRejected, parse_claim
 from worker.coalesce import AdmissionGate, EndCoalescer, StreamWindow
 from worker.config import WorkerConfig
+from worker.doorbell import SAFETY_POLL_S, Doorbell
 from worker.endings import Ending, JobEnder
 from worker.endpoints import WorkerHealth
 from worker.engine_loop import (
@@ -58,9 +60,11 @@ log = structlog.get_logger("pagedq.worker")
 # outputs wake it at once; a shorter wait only woke it (on a core the engine's threads use) to
 # find nothing: 0.02 s gave 0.89-0.92 of offline in bench/service.py, 0.1 s gave 0.92-0.94.
 EVENT_WAIT_S = 0.1
-# With jobs in flight and the queue empty, ask the queue again after this long.
+# With jobs in flight and the queue empty, ask the queue again after this long (without a
+# doorbell, worker/doorbell.py: Redis Cluster).
 EMPTY_QUEUE_BACKOFF_S = 0.1
-# An idle worker polls the queue, backing off from the first to the second value.
+# An idle worker polls the queue, backing off from the first to the second value (without a
+# doorbell); with one, it waits for a ring at most the second value at a time.
 IDLE_POLL_S = (0.01, 0.25)
 # The fallback for cancel messages lost while the pub/sub connection was down (rare).
 CANCEL_POLL_S = 5.0
@@ -117,6 +121,8 @@ class ControlLoop:
         )
         self.leases = Leases(config.lease_ttl)
         self.cancels = CancelListener(adapter.connection)
+        bell = None if is_cluster(adapter.connection) else adapter.connection
+        self.bell = Doorbell(bell, adapter.bell_keys())
         self.in_flight: dict[str, InFlight] = {}
         self.endings: EndCoalescer[Ending] = EndCoalescer(config.coalesce_window)
         self.gate = AdmissionGate(config.coalesce_window)
@@ -146,6 +152,7 @@ class ControlLoop:
         if not self._register():
             raise WorkerNameTaken(self.name)
         self.cancels.start()
+        self.bell.start()
         signal.signal(signal.SIGINT, self._on_stop_signal)
         signal.signal(signal.SIGTERM, self._on_stop_signal)
         self.loop.start()
@@ -175,11 +182,12 @@ class ControlLoop:
                 if not self.in_flight and not self._stopping and self._queue_empty:
                     t = time.monotonic()
                     ends_in = self.endings.wait_s(t)
-                    time.sleep(
+                    # A ring (a producer enqueued) ends the wait at once.
+                    self.bell.rang.wait(
                         min(
-                            self._idle_poll_s,
+                            IDLE_POLL_S[1] if self.bell.enabled else self._idle_poll_s,
                             max(0.0, self._next_dequeue_at - t),
-                            self._idle_poll_s if ends_in is None else ends_in,
+                            IDLE_POLL_S[1] if ends_in is None else ends_in,
                         )
                     )
                 if (
@@ -199,6 +207,7 @@ class ControlLoop:
                 self._requeue_all("worker stopping", count_crash=False)
             self.loop.stop()
             self.cancels.stop()
+            self.bell.stop()
             with contextlib.suppress(RedisRefusedError):
                 if self.link.up:
                     self.status.clear()
@@ -278,7 +287,7 @@ class ControlLoop:
     def _admit(self) -> None:
         """Take jobs while the engine can admit them, all between two engine steps."""
         now = time.monotonic()
-        if now < self._next_dequeue_at:
+        if now < self._next_dequeue_at and not self.bell.rang.is_set():
             return
         room, ahead, prefetch = self.loop.admission(self.config.prefetch)
         if not self.gate.ready(room, len(self.in_flight), now):
@@ -288,6 +297,7 @@ class ControlLoop:
                 return
             room = 0
         self.gate.dequeued()
+        self.bell.rang.clear()
         try:
             with self.loop.paused():
                 deadline = time.monotonic() + ADMISSION_BURST_S
@@ -303,6 +313,7 @@ class ControlLoop:
                         return
                     self._queue_empty = False
                     self._idle_poll_s = IDLE_POLL_S[0]
+                    self.bell.want(False)
                     if self._test_sleep:
                         time.sleep(self._test_sleep)
                     for claim in claims:
@@ -327,6 +338,11 @@ class ControlLoop:
 
     def _on_empty_queue(self, reachable: bool) -> None:
         self._queue_empty = True
+        if self.bell.enabled and reachable:
+            # Wait for a ring; ask again anyway after SAFETY_POLL_S (jobs nobody rang for).
+            self.bell.want(True)
+            self._next_dequeue_at = time.monotonic() + SAFETY_POLL_S
+            return
         if self.in_flight:
             backoff = EMPTY_QUEUE_BACKOFF_S
         else:

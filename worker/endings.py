@@ -17,7 +17,13 @@ import structlog
 
 from producer.contract.keys import result_key
 from producer.contract.schema import Choice, GenerationRequest, GenerationResult, Timings, Usage
-from producer.contract.stream import done_entry, error_entry, is_inline
+from producer.contract.stream import (
+    MAX_INLINE_RESULT_CHARS,
+    RESULT_FIELD,
+    done_entry,
+    error_entry,
+    is_inline,
+)
 from worker.claim import Claim
 from worker.inflight import InFlight
 from worker.logs import log_job_end
@@ -177,10 +183,15 @@ class JobEnder:
     def _ending(
         self, claim: Claim, result: GenerationResult, final: dict[str, str], **end: Any
     ) -> ScriptCall:
+        result_json = result.model_dump_json()
+        if final and is_inline(claim.wake) and len(result_json) <= MAX_INLINE_RESULT_CHARS:
+            # The hub reads the result with the end (END adds it to the wake entry): no GET of
+            # the result key per answer.
+            final = {**final, RESULT_FIELD: "1"}
         return self.adapter.end_call(
             claim,
             result.status,
-            result.model_dump_json(),
+            result_json,
             (result.usage.prompt_tokens, result.usage.completion_tokens),
             final,
             error=result.error,

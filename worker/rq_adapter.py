@@ -31,6 +31,7 @@ from producer.contract.keys import (
     RQ_RESULT_SUCCESSFUL,
     RQ_WORKERS,
     STREAM_MAXLEN,
+    bell_key,
     cancel_key,
     rq_job_key,
     rq_queue_key,
@@ -394,6 +395,11 @@ class RQAdapter:
             rest_keys=[rq_job_key(claim.job_id), *self._worker_keys()],
             rest=rest,
         )
+
+    def bell_keys(self) -> list[str]:
+        """The doorbells of the base queues this worker serves, every shard's
+        (worker/doorbell.py)."""
+        return [bell_key(q) for queues in self.shards.values() for q in queues]
 
     def _worker_keys(self) -> list[str]:
         return [self.key] if self.counters else []

@@ -43,10 +43,16 @@ rest.
 
 from __future__ import annotations
 
-from producer.contract.keys import EVENTS_MAXLEN, WAKE_MAXLEN, WAKE_RETAIN_MS, WAKE_TTL_S
+from producer.contract.keys import (
+    BELL_TTL_S,
+    EVENTS_MAXLEN,
+    WAKE_MAXLEN,
+    WAKE_RETAIN_MS,
+    WAKE_TTL_S,
+)
 from producer.contract.lua import LuaScript
 from producer.contract.routing import DEFAULT_JOB_COST
-from producer.contract.stream import ENTRIES_FIELD, INLINE_WAKE
+from producer.contract.stream import ENTRIES_FIELD, INLINE_WAKE, RESULT_FIELD
 
 # Defaults a worker passes unless configured: a level of priority per minute of waiting, and the
 # seed's full starvation boost after ten minutes.
@@ -88,6 +94,7 @@ end
 """
 
 PICK_LUA = f"""
+local BELL_TTL_S = {BELL_TTL_S}  -- a base queue's bell lives this long after its last ring
 -- The job hash fields a head is judged and started by.
 local HEAD = {{F.enqueued, F.cost, 'status', 'data', 'enqueued_at', 'timeout', F.attempts,
     F.notify, F.batch, F.wake}}
@@ -251,6 +258,15 @@ local function pq_pick(P, aging_s, max_wait_s, limit, bulk_only)
             cost = best.cost, f = h.f}}
 end
 
+-- The bases with queued ids the picker has not consumed (stale ones included).
+local function pq_left_bases(P)
+    local left = {{}}
+    for _, sub in ipairs(P.subs) do
+        if not sub.done or sub.pos <= #sub.ids then left[sub.base] = true end
+    end
+    return left
+end
+
 -- Pops what the picks consumed (taken and stale entries) and writes the accounts they moved.
 local function pq_commit(P)
     for _, sub in ipairs(P.subs) do
@@ -303,9 +319,11 @@ end
 
 -- Tells each stream hub in `wakes` (wake id -> job ids) which of its jobs got entries, and
 -- gives an inline hub the entries themselves (`inline`: wake id -> JSON object of job id ->
--- entries, encoded or as a table): one entry per hub and call, not one per job. An inline
--- stream keeps {WAKE_RETAIN_MS} ms of entries, whatever the fleet writes.
-local function tell_wakes(wakes, inline)
+-- entries, encoded or as a table) and the results of its jobs that ended (`results`: wake id
+-- -> field/value pairs `{RESULT_FIELD}:<job id>`, the result JSON; not inside the JSON object,
+-- which would escape them): one entry per hub and call, not one per job. An inline stream
+-- keeps {WAKE_RETAIN_MS} ms of entries, whatever the fleet writes.
+local function tell_wakes(wakes, inline, results)
     local oldest
     for wake, ids in pairs(wakes) do
         local key, data = K.wake .. wake, inline[wake]
@@ -317,7 +335,8 @@ local function tell_wakes(wakes, inline)
             end
             if type(data) == 'table' then data = cjson.encode(data) end
             redis.call('XADD', key, 'MINID', '~', string.format('%d', oldest), '*',
-                'jobs', table.concat(ids, ' '), '{ENTRIES_FIELD}', data)
+                'jobs', table.concat(ids, ' '), '{ENTRIES_FIELD}', data,
+                unpack(results[wake] or {{}}))
         else
             redis.call('XADD', key, 'MAXLEN', '~', {WAKE_MAXLEN}, '*', 'jobs',
                 table.concat(ids, ' '))
@@ -348,7 +367,7 @@ end
 
 local function new_acc()
     return {{zrem = {{}}, zadd = {{}}, counters = {{}}, charges = {{}}, wakes = {{}},
-             inline = {{}}, ended_ids = {{}}, ended_statuses = {{}}}}
+             inline = {{}}, results = {{}}, ended_ids = {{}}, ended_statuses = {{}}}}
 end
 
 -- Ends a started job whose hash fields `s` were read: RQ status and TTL, RQ's result entry
@@ -388,7 +407,14 @@ local function end_job(acc, s, job_id, queue, member, status, ended_at, score, t
     if #final_fields > 0 then
         if s.wake and is_inline(s.wake) then
             local entry = {{}}
-            for j = 1, #final_fields, 2 do entry[final_fields[j]] = final_fields[j + 1] end
+            for j = 1, #final_fields, 2 do
+                if final_fields[j] == '{RESULT_FIELD}' then  -- the worker asks for the result
+                    push(acc.results, s.wake, '{RESULT_FIELD}:' .. job_id)
+                    push(acc.results, s.wake, result_json)
+                else
+                    entry[final_fields[j]] = final_fields[j + 1]
+                end
+            end
             acc.inline[s.wake] = acc.inline[s.wake] or {{}}
             acc.inline[s.wake][job_id] = {{entry}}
         else
@@ -422,7 +448,7 @@ local function flush(acc, worker_key)
         for field, n in pairs(acc.counters) do redis.call('HINCRBY', worker_key, field, n) end
     end
     for _, c in pairs(acc.charges) do pq_charge(c.root, c.tenant, c.delta, c.used) end
-    tell_wakes(acc.wakes, acc.inline)
+    tell_wakes(acc.wakes, acc.inline, acc.results)
     tell_events(acc.ended_ids, acc.ended_statuses)
 end
 """
@@ -523,6 +549,18 @@ for n = 1, max_jobs + ahead do
         f[6] or '', 0, f[3] or '', f[1] and 0 or 1, pq_bulk(f) and 1 or 0, f[10] or ''}
 end
 pq_commit(P)
+-- Jobs are left: ring their base's bell once more (when no ring waits there), so that another
+-- waiting worker takes them; a producer rang once per BELL_JOBS jobs, and this worker may
+-- have taken fewer.
+if #taken > 0 then
+    for base in pairs(pq_left_bases(P)) do
+        local bell = K.bell .. base
+        if redis.call('LLEN', bell) == 0 then
+            redis.call('RPUSH', bell, '1')
+            redis.call('EXPIRE', bell, BELL_TTL_S)
+        end
+    end
+end
 for key, args in pairs(wip) do redis.call('ZADD', key, unpack(args)) end
 if #cancels > 0 then
     local c = redis.call('MGET', unpack(cancels))
@@ -682,7 +720,7 @@ for _, hub in ipairs(hubs) do
         inline[hub.wake] = hub.data
     end
 end
-tell_wakes(wakes, inline)
+tell_wakes(wakes, inline, {})
 return lost
 """,
 )

@@ -24,6 +24,12 @@ WAKE_TTL_S = 3600
 # How long an inline wake stream (one carrying its jobs' entries) keeps them: a hub reads them
 # within a read interval; one stalled longer than this has lost its requests anyway.
 WAKE_RETAIN_MS = 30_000
+# A producer rings a base queue's bell once per this many jobs it enqueued there (a worker
+# takes up to 8 a call, worker/engine_loop.py); the bell keeps the last BELL_MAX rings, for an
+# hour after the last one.
+BELL_JOBS = 8
+BELL_MAX = 64
+BELL_TTL_S = 3600
 
 GENERATE_FUNC = "pagedq.generate"
 """The only function name a pagedq job may carry; the worker refuses any other."""
@@ -45,6 +51,9 @@ PAGEDQ = {
     # + a stream hub's wake id: a stream whose entries list the jobs (named it) whose token
     # streams just got entries, so the hub reads only those (gateway/stream_hub.py)
     "wake": "pagedq:wake:",
+    # + base queue: a list of rings (a producer pushes one per BELL_JOBS jobs it enqueued
+    # there); workers with room BLPOP it instead of polling the queue (worker/doorbell.py)
+    "bell": "pagedq:bell:",
     # The gateway's files and batches (gateway/):
     "file": "pagedq:file:",  # + file id: hash of a file's fields
     "file_data": "pagedq:file-data:",  # + file id: list of an uploaded file's chunks
@@ -105,6 +114,12 @@ def stream_key(job_id: str) -> str:
 def events_key(notify: str) -> str:
     """Key of a producer's events stream: one (job_id, status) entry per ended job naming it."""
     return PAGEDQ["events"] + notify
+
+
+def bell_key(base: str) -> str:
+    """Key of a base queue's doorbell: a list a producer pushes a ring to per BELL_JOBS jobs it
+    enqueued there, which waiting workers BLPOP."""
+    return PAGEDQ["bell"] + base
 
 
 def wake_key(wake: str) -> str:

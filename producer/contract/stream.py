@@ -17,6 +17,10 @@ StreamHub enqueues) gets no entries in its own stream: the worker writes them in
 wake stream, in the entry of the call that wrote them, whose field `entries` is a JSON object
 of job id -> the list of that job's entries in the call (`encode_inline`). One XADD per hub and
 call then carries the tokens of all its jobs, built by the worker, instead of one per job.
+When such a job ends, the wake entry also has the field `result:<job id>`, the value of its
+result key (when at most `MAX_INLINE_RESULT_CHARS` long; a field of its own, so that the JSON is
+not escaped into `entries`): its reader needs no GET at the end (`inline_entries` puts it in the
+job's final entry as `result`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ INLINE_WAKE = ":inline"
 ENTRIES_FIELD = "entries"
 # The longest inline value a reader parses (a window of a hub's jobs is far less).
 MAX_INLINE_CHARS = 1 << 22
+# The field (`result:<job id>` in a wake entry, `result` in the final entry a reader gets) that
+# carries an ended job's result to an inline reader, and the longest result carried.
+RESULT_FIELD = "result"
+MAX_INLINE_RESULT_CHARS = 1 << 15
 
 
 def token_entry(delta: str, token_ids: list[int]) -> dict[str, str]:
@@ -110,3 +118,17 @@ def decode_inline(raw: str) -> dict[str, list[dict[str, str]]]:
 
 def _fields(entry: dict) -> dict[str, str]:
     return {str(k): str(v) for k, v in entry.items()}
+
+
+def inline_entries(fields: dict[bytes, bytes]) -> dict[str, list[dict[str, str]]]:
+    """The entries an inline wake entry (its raw fields) carries, by job; a job's result, when
+    the entry carries it, is in its final entry as `result`."""
+    by_job = decode_inline(fields.get(ENTRIES_FIELD.encode(), b"{}").decode())
+    prefix = f"{RESULT_FIELD}:".encode()
+    for name, value in fields.items():
+        if not name.startswith(prefix) or len(value) > MAX_INLINE_RESULT_CHARS:
+            continue
+        entries = by_job.get(name[len(prefix) :].decode())
+        if entries and is_final(entries[-1]):
+            entries[-1][RESULT_FIELD] = value.decode()
+    return by_job

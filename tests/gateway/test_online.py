@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from producer.contract.keys import JOB_FIELDS, rq_job_key, stream_key, wake_key
-from producer.contract.stream import ENTRIES_FIELD, decode_inline, is_inline
+from producer.contract.keys import JOB_FIELDS, result_key, rq_job_key, stream_key, wake_key
+from producer.contract.stream import RESULT_FIELD, inline_entries, is_inline
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -36,8 +36,11 @@ def test_a_chat_completion_is_what_the_python_client_gets_for_the_same_request(o
     assert answer.usage.completion_tokens == expected.usage.completion_tokens
     assert answer.usage.prompt_tokens == expected.usage.prompt_tokens
     # A whole answer streams no tokens, but its end is told to the gateway's hub at once.
-    entries = _inline_entries(stack, answer.id.removeprefix("chatcmpl-"))
+    job_id = answer.id.removeprefix("chatcmpl-")
+    entries = _inline_entries(stack, job_id)
     assert [e["event"] for e in entries] == ["done"]
+    # ... with the result itself, so that the gateway reads no result key.
+    assert entries[0][RESULT_FIELD] == stack.redis.get(result_key(job_id)).decode()
 
 
 def _inline_entries(stack, job_id: str) -> list[dict[str, str]]:
@@ -46,9 +49,7 @@ def _inline_entries(stack, job_id: str) -> list[dict[str, str]]:
     wake = stack.redis.hget(rq_job_key(job_id), JOB_FIELDS["wake"]).decode()
     assert is_inline(wake)
     return [
-        e
-        for _, f in stack.redis.xrange(wake_key(wake))
-        for e in decode_inline(f[ENTRIES_FIELD.encode()].decode()).get(job_id, [])
+        e for _, f in stack.redis.xrange(wake_key(wake)) for e in inline_entries(f).get(job_id, [])
     ]
 
 
@@ -117,6 +118,7 @@ def test_every_streamed_job_reads_the_same_text_over_sse_and_client_stream(oai, 
             # The tokens went inline to the gateway's wake stream, not to the job's stream.
             entries = _inline_entries(stack, job_id)
             assert entries[-1]["event"] == "done"
+            assert entries[-1][RESULT_FIELD] == stack.redis.get(result_key(job_id)).decode()
             ids = [json.loads(e["token_ids"]) for e in entries if e["event"] == "token"]
             assert sum(ids, []) == result.token_ids
 

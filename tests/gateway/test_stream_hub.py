@@ -6,10 +6,10 @@ periodic check."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import uuid
 
 import pytest
+from redis_monitor import CommandLog
 
 from gateway import stream_hub
 from gateway.stream_hub import StreamHub
@@ -25,30 +25,20 @@ DELTA = {"event": "delta", "delta": "x"}
 DONE = {"event": "done", "status": "result"}
 
 
-class XReads:
-    """The stream keys each XREAD names, and the keys of each EXISTS, as Redis runs them
-    (MONITOR)."""
+class XReads(CommandLog):
+    """The stream keys each XREAD names, and the keys of each EXISTS, as Redis runs them."""
 
-    def __init__(self, redis) -> None:
-        self.keys: list[list[str]] = []
-        self.exists: list[str] = []
-        self._monitor = redis.monitor()
-        self._monitor.connection.send_command("MONITOR")
-        self._monitor.connection.read_response()
-        threading.Thread(target=self._collect, daemon=True).start()
+    @property
+    def keys(self) -> list[list[str]]:
+        out = []
+        for words in self.words("xread"):
+            names = words[[w.lower() for w in words].index("streams") + 1 :]
+            out.append(names[: len(names) // 2])
+        return out
 
-    def _collect(self) -> None:
-        try:
-            for cmd in self._monitor.listen():
-                words = cmd["command"].split()
-                if words[0].lower() == "exists":
-                    self.exists += words[1:]
-                if words[0].lower() == "xread":
-                    at = [w.lower() for w in words].index("streams") + 1
-                    names = words[at:]
-                    self.keys.append(names[: len(names) // 2])
-        except Exception:  # the connection closed at the end of the test
-            pass
+    @property
+    def exists(self) -> list[str]:
+        return [key for words in self.words("exists") for key in words[1:]]
 
 
 def _worker(redis_client) -> tuple[RQAdapter, ScriptRunner]:
@@ -209,3 +199,35 @@ def test_the_check_looks_up_only_followed_jobs_whose_entries_stopped(redis_clien
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(stream_hub, "CHECK_S", 0.5)
         asyncio.run(run())
+
+
+def test_a_final_entry_that_carries_its_result_is_answered_without_the_result_key(
+    redis_client, redis_server
+):
+    """An inline hub's final entry carries the job's result: the gateway takes it from there
+    (no result key is read), and reads the key only when the entry's result is missing, too
+    long or malformed."""
+    from types import SimpleNamespace
+
+    from gateway.completions import _result
+    from producer.contract.schema import GenerationResult
+    from producer.contract.stream import MAX_INLINE_RESULT_CHARS, RESULT_FIELD
+
+    inline = GenerationResult(job_id="j1", status="finished", text="from the entry")
+    stored = GenerationResult(job_id="j1", status="finished", text="from the key")
+
+    async def run() -> None:
+        hub = StreamHub(redis_server.url)
+        request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(hub=hub)))
+        try:
+            entry = {"event": "done", RESULT_FIELD: inline.model_dump_json()}
+            assert (await _result(request, "j1", entry)).text == "from the entry"
+            redis_client.set(result_key("j1"), stored.model_dump_json())
+            too_long = inline.model_dump_json() + " " * MAX_INLINE_RESULT_CHARS
+            for value in (too_long, "{not json", None):
+                entry = {"event": "done"} | ({RESULT_FIELD: value} if value else {})
+                assert (await _result(request, "j1", entry)).text == "from the key"
+        finally:
+            await hub.close()
+
+    asyncio.run(run())
