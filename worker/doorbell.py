@@ -7,7 +7,8 @@ once more. While the control loop has room and found its queues empty it `want`s
 then blocks in BLPOP on its bells, and each ring wakes exactly one waiting worker (no herd),
 which asks the queue at once. A worker with jobs in flight used to ask every 0.1 s and an idle
 one every 0.25 s: each ask is a script call, about 100 µs of Redis CPU, for nothing. They still
-ask every `SAFETY_POLL_S` for jobs no producer rang for (plain RQ producers, requeued jobs).
+ask every `SAFETY_POLL_S` for jobs no producer rang for (plain RQ producers). A job put back
+(REQUEUE, the reaper) rings for itself.
 
 Redis Cluster has no BLPOP across slots: there the bell is off and workers poll as before.
 """

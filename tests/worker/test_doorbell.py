@@ -1,6 +1,7 @@
 """The doorbell (worker/doorbell.py): producers ring a base queue's bell as they enqueue, a
-DEQUEUE that leaves jobs rings once more, and a worker with room waits for a ring instead of
-polling its empty queue; a real worker asks an empty queue about every SAFETY_POLL_S only."""
+DEQUEUE that leaves jobs rings once more, so does a job put back, and a worker with room waits
+for a ring instead of polling its empty queue; a real worker asks an empty queue about every
+SAFETY_POLL_S only."""
 
 from __future__ import annotations
 
@@ -44,8 +45,13 @@ def test_producers_ring_once_per_eight_jobs_and_a_dequeue_that_leaves_jobs_rings
     assert len(adapter.claims(scripts.call(call), started_at)) == 4
     assert r.llen(bell) == 1  # jobs are left: another waiting worker is woken
     call, started_at = adapter.dequeue_call(4)
-    adapter.claims(scripts.call(call), started_at)
+    claims = adapter.claims(scripts.call(call), started_at)
     assert r.llen(bell) == 1  # a ring already waits: not one more
+    # A job put back (a worker stopping) rings for itself.
+    r.delete(bell)
+    call = adapter.requeue_call(claims[0], count_crash=False, result_json="{}", reason="stop")
+    assert scripts.call(call) == 1
+    assert r.llen(bell) == 1
 
 
 def test_the_bell_is_taken_only_while_the_worker_wants_work(private_redis):
