@@ -15,8 +15,6 @@ from rq.utils import now
 from producer.contract.ids import job_id_for
 from producer.contract.keys import (
     BELL_JOBS,
-    BELL_MAX,
-    BELL_TTL_S,
     GENERATE_FUNC,
     RQ_QUEUES,
     cancel_key,
@@ -25,7 +23,7 @@ from producer.contract.keys import (
     rq_queue_key,
     stream_key,
 )
-from producer.contract.lua import LuaScript
+from producer.contract.lua import RING_BELL_LUA, LuaScript
 from producer.contract.routing import Routing
 from producer.contract.schema import GenerationRequest, GenerationResult
 from producer.contract.shards import QueueShards, hash_tag, shard_name
@@ -45,6 +43,7 @@ ENQUEUE_FIELDS = ("job_id", "queue_name", "base", "meta", "cost", "tenant", "n_f
 ENQUEUE_IF_ABSENT = LuaScript(
     "enqueue",
     args=("batch", "notify", "wake"),
+    libraries=(RING_BELL_LUA,),
     body=f"""
 local t = redis.call('TIME')
 local enqueued = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
@@ -93,13 +92,7 @@ end
 for _, qkey in ipairs(order) do
     if #pushes[qkey] > 0 then redis.call('RPUSH', qkey, unpack(pushes[qkey])) end
 end
-for base, n in pairs(rings) do
-    local bell, ring = K.bell .. base, {{}}
-    for j = 1, math.min({BELL_MAX}, math.ceil(n / {BELL_JOBS})) do ring[j] = '1' end
-    redis.call('RPUSH', bell, unpack(ring))
-    redis.call('LTRIM', bell, -{BELL_MAX}, -1)
-    redis.call('EXPIRE', bell, {BELL_TTL_S})
-end
+for base, n in pairs(rings) do ring_bell(base, math.ceil(n / {BELL_JOBS})) end
 return created
 """,
 )

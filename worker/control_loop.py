@@ -182,14 +182,11 @@ class ControlLoop:
                 if not self.in_flight and not self._stopping and self._queue_empty:
                     t = time.monotonic()
                     ends_in = self.endings.wait_s(t)
+                    wait = IDLE_POLL_S[1] if self.bell.enabled else self._idle_poll_s
+                    if ends_in is not None:
+                        wait = min(wait, ends_in)
                     # A ring (a producer enqueued) ends the wait at once.
-                    self.bell.rang.wait(
-                        min(
-                            IDLE_POLL_S[1] if self.bell.enabled else self._idle_poll_s,
-                            max(0.0, self._next_dequeue_at - t),
-                            IDLE_POLL_S[1] if ends_in is None else ends_in,
-                        )
-                    )
+                    self.bell.rang.wait(min(wait, max(0.0, self._next_dequeue_at - t)))
                 if (
                     burst
                     and self._queue_empty

@@ -43,15 +43,8 @@ rest.
 
 from __future__ import annotations
 
-from producer.contract.keys import (
-    BELL_MAX,
-    BELL_TTL_S,
-    EVENTS_MAXLEN,
-    WAKE_MAXLEN,
-    WAKE_RETAIN_MS,
-    WAKE_TTL_S,
-)
-from producer.contract.lua import LuaScript
+from producer.contract.keys import EVENTS_MAXLEN, WAKE_MAXLEN, WAKE_RETAIN_MS, WAKE_TTL_S
+from producer.contract.lua import RING_BELL_LUA, LuaScript
 from producer.contract.routing import DEFAULT_JOB_COST
 from producer.contract.stream import ENTRIES_FIELD, INLINE_WAKE, RESULT_FIELD
 
@@ -60,12 +53,13 @@ from producer.contract.stream import ENTRIES_FIELD, INLINE_WAKE, RESULT_FIELD
 DEFAULT_AGING_SECONDS = 60.0
 DEFAULT_MAX_WAIT_SECONDS = 600.0
 
-UTIL_LUA = f"""
-local BELL_MAX, BELL_TTL_S = {BELL_MAX}, {BELL_TTL_S}
+UTIL_LUA = (
+    RING_BELL_LUA
+    + """
 -- Appends values to the list t[k], creating it.
 local function push(t, k, ...)
     local l = t[k]
-    if not l then l = {{}}; t[k] = l end
+    if not l then l = {}; t[k] = l end
     local n = select('#', ...)
     if n == 1 then  -- the hot case, without a table per call
         l[#l + 1] = ...
@@ -74,16 +68,8 @@ local function push(t, k, ...)
     for i = 1, n do l[#l + 1] = select(i, ...) end
 end
 
--- One ring of a base queue's doorbell (worker/doorbell.py): a waiting worker takes its jobs.
-local function ring_bell(base)
-    local bell = K.bell .. base
-    redis.call('RPUSH', bell, '1')
-    redis.call('LTRIM', bell, -BELL_MAX, -1)
-    redis.call('EXPIRE', bell, BELL_TTL_S)
-end
-
 local function slice(t, first, count)
-    local out = {{}}
+    local out = {}
     for i = first, first + count - 1 do out[#out + 1] = t[i] end
     return out
 end
@@ -92,7 +78,7 @@ end
 -- deadline, one ZMSCORE per queue. A member leaves the registry however its job stops being
 -- held (end, requeue, reap), so presence is the lease.
 local function held_leases(by_queue)
-    local held = {{}}
+    local held = {}
     for queue, members in pairs(by_queue) do
         local scores = redis.call('ZMSCORE', RQ.wip .. queue, unpack(members))
         for j, member in ipairs(members) do
@@ -102,6 +88,7 @@ local function held_leases(by_queue)
     return held
 end
 """
+)
 
 PICK_LUA = f"""
 -- The job hash fields a head is judged and started by.
@@ -563,7 +550,7 @@ pq_commit(P)
 -- have taken fewer.
 if #taken > 0 then
     for base in pairs(pq_left_bases(P)) do
-        if redis.call('LLEN', K.bell .. base) == 0 then ring_bell(base) end
+        if redis.call('LLEN', K.bell .. base) == 0 then ring_bell(base, 1) end
     end
 end
 for key, args in pairs(wip) do redis.call('ZADD', key, unpack(args)) end
@@ -652,7 +639,7 @@ redis.call('ZREM', RQ.wip .. e.queue, e.job_id .. ':' .. e.execution)
 redis.call('HSET', jkey, 'status', 'queued')
 redis.call('LPUSH', RQ.queue .. e.queue, e.job_id)
 reindex(jkey, e.queue)
-ring_bell(s.base or e.queue)
+ring_bell(s.base or e.queue, 1)
 return 1
 """,
 )
@@ -826,7 +813,7 @@ for k = KEYS_REST, #KEYS do
                     redis.call('HSET', jkey, 'status', 'queued')
                     redis.call('LPUSH', RQ.queue .. queue, job_id)
                     reindex(jkey, queue)
-                    ring_bell(s.base or queue)
+                    ring_bell(s.base or queue, 1)
                     requeued[#requeued + 1] = job_id
                 end
             end

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from producer.contract.keys import (
+    BELL_MAX,
+    BELL_TTL_S,
     JOB_FIELDS,
     PAGEDQ,
     RQ,
@@ -36,6 +38,19 @@ PRELUDE = (
     + _lua_table("RESULT", {"successful": RQ_RESULT_SUCCESSFUL, "failed": RQ_RESULT_FAILED})
 )
 """The tables every script sees: `K.result .. job_id` is a job's result key, and so on."""
+
+RING_BELL_LUA = f"""
+-- Rings a base queue's doorbell `n` times (worker/doorbell.py): each ring wakes one waiting
+-- worker. The bell keeps its last {BELL_MAX} rings, for {BELL_TTL_S} s after the last one.
+local function ring_bell(base, n)
+    local bell, ring = K.bell .. base, {{}}
+    for j = 1, math.min(n, {BELL_MAX}) do ring[j] = '1' end
+    redis.call('RPUSH', bell, unpack(ring))
+    redis.call('LTRIM', bell, -{BELL_MAX}, -1)
+    redis.call('EXPIRE', bell, {BELL_TTL_S})
+end
+"""
+"""The Lua function every script that puts jobs in a queue rings its doorbell with."""
 
 
 @dataclass(frozen=True, slots=True)
