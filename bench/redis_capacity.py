@@ -526,7 +526,7 @@ class SimWorker:
     def _written(self, replies: list, n_entries: int, ends: list) -> None:
         lost = 0
         if n_entries:
-            lost += len(replies[0])
+            lost += len(self.adapter.stream_lost(replies[0]))
             replies = replies[1:]
             _add(self.shared.entries, n_entries)
         ended = tokens = 0

@@ -476,8 +476,8 @@ class ControlLoop:
 
     def _on_step_written(self, replies: list[Any], has_entries: bool, ends: list[Ending]) -> None:
         if has_entries:
-            for job_id in replies[0]:
-                self._drop(job_id.decode(), "lease lost: stream entry refused")
+            for job_id in self.adapter.stream_lost(replies[0]):
+                self._drop(job_id, "lease lost: stream entry refused")
             replies = replies[1:]
         for ending, reply in zip(ends, replies[0] if ends else [], strict=True):
             self.ender.ended(ending, reply)

@@ -11,6 +11,7 @@ send a webhook; from RQ it takes only its date format.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import sys
@@ -26,6 +27,7 @@ from rq.utils import utcformat
 
 from producer.connection import is_cluster
 from producer.contract.keys import (
+    EXECUTION_PREFIX_CHARS,
     RQ_QUEUES,
     RQ_RESULT_FAILED,
     RQ_RESULT_SUCCESSFUL,
@@ -33,6 +35,7 @@ from producer.contract.keys import (
     STREAM_MAXLEN,
     bell_key,
     cancel_key,
+    fence_key,
     rq_job_key,
     rq_queue_key,
     rq_queue_name,
@@ -174,7 +177,9 @@ class RQAdapter:
         self.counters = "" in self.shards and len(self.shards) == 1
         self._next_shard = 0
         self._execution_seq = 0
-        self._execution_prefix = os.urandom(6).hex()
+        self._execution_prefix = os.urandom(EXECUTION_PREFIX_CHARS // 2).hex()
+        # queue -> the value of this worker's lease fence there that its STREAM calls last saw
+        self._fences: dict[str, str] = {}
 
     @property
     def worker_ttl(self) -> int:
@@ -478,7 +483,8 @@ class RQAdapter:
             "execution": claim.execution,
             "status": status,
             "ended_at": rq_date(t),
-            "score": t + self.result_ttl,
+            # Whole seconds, as RQ writes them: Redis parses them far faster than 17 digits.
+            "score": math.ceil(t + self.result_ttl),
             "ttl": self.result_ttl,
             "result": result_json,
             "prompt_tokens": usage[0],
@@ -497,35 +503,54 @@ class RQAdapter:
         per shard, when sharded). The entries of a job of an inline hub go, as one value, into
         the hub's wake entry (producer/contract/stream.py).
 
-        Reply: the job ids whose lease was lost (their entries were not written).
+        Reply: read it with `stream_lost` (the job ids whose lease was lost: their entries were
+        not written).
         """
         groups = _by_shard(entries, lambda e: hash_tag(e[0].job_id))
         calls = []
         for indexes in groups.values():
-            rest: list[Any] = []
-            queues: dict[str, None] = {}
-            hubs: dict[str, dict[str, tuple[Claim, list[dict[str, str]]]]] = {}
+            queues: dict[str, int] = {}
+            streams: list[Any] = []  # n_streams jobs' arguments
+            n_streams = 0
+            hubs: dict[str, dict[str, tuple[str, list[dict[str, str]]]]] = {}
             for claim, fields, set_ttl in (entries[i] for i in indexes):
-                queues[claim.queue] = None
+                q = queues.setdefault(claim.queue, len(queues) + 1)
+                lease = f"{q}:{claim.execution.removeprefix(self._execution_prefix)}"
                 if is_inline(claim.wake):
                     jobs = hubs.setdefault(claim.wake, {})
-                    jobs.setdefault(claim.job_id, (claim, []))[1].append(fields)
+                    jobs.setdefault(claim.job_id, (lease, []))[1].append(fields)
                     continue
                 pairs = _pairs(fields)
-                rest += [claim.job_id, claim.execution, claim.queue, claim.wake, int(set_ttl),
-                         len(pairs), *pairs]  # fmt: skip
-            inline_at = len(rest)
+                streams += [claim.job_id, lease, claim.wake, int(set_ttl), len(pairs), *pairs]
+                n_streams += 1
+            keys: list[str] = []
+            rest: list[Any] = []
+            for queue in queues:
+                keys += [rq_wip_key(queue), fence_key(queue, self._execution_prefix)]
+                rest += [queue, self._fences.get(queue, "")]
+            rest += streams
             for wake, jobs in hubs.items():
                 data = encode_inline({job_id: e for job_id, (_, e) in jobs.items()})
-                rest += [wake, data, len(jobs)]
-                for claim, _ in jobs.values():
-                    rest += [claim.job_id, claim.execution, claim.queue]
-            keys = [rq_wip_key(q) for q in queues]
+                leases = " ".join(lease for lease, _ in jobs.values())
+                rest += [wake, data, " ".join(jobs), leases]
             calls.append(_call(STREAM, args={"maxlen": STREAM_MAXLEN,
                                              "stream_ttl": self.stream_ttl,
-                                             "inline_at": inline_at},
+                                             "prefix": self._execution_prefix,
+                                             "n_queues": len(queues),
+                                             "n_streams": n_streams},
                                rest_keys=keys, rest=rest))  # fmt: skip
-        return calls[0] if len(calls) == 1 else SplitCall(calls, merge=_concat)
+        if len(calls) == 1:
+            return calls[0]
+        return SplitCall(calls, merge=lambda replies: [_concat(r[0] for r in replies),
+                                                       _concat(r[1] for r in replies)])  # fmt: skip
+
+    def stream_lost(self, reply: Any) -> list[str]:
+        """The job ids a STREAM reply refused (their lease was lost); remembers the lease fences
+        it saw move, so that the next calls check leases only when a fence moves again."""
+        lost, fences = reply
+        for i in range(0, len(fences), 2):
+            self._fences[fences[i].decode()] = fences[i + 1].decode()
+        return [job_id.decode() for job_id in lost]
 
     @staticmethod
     def cancel_check(job_ids: list[str]) -> Command | SplitCall:

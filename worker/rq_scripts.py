@@ -43,7 +43,14 @@ rest.
 
 from __future__ import annotations
 
-from producer.contract.keys import EVENTS_MAXLEN, WAKE_MAXLEN, WAKE_RETAIN_MS, WAKE_TTL_S
+from producer.contract.keys import (
+    EVENTS_MAXLEN,
+    EXECUTION_PREFIX_CHARS,
+    FENCE_TTL_S,
+    WAKE_MAXLEN,
+    WAKE_RETAIN_MS,
+    WAKE_TTL_S,
+)
 from producer.contract.lua import RING_BELL_LUA, LuaScript
 from producer.contract.routing import DEFAULT_JOB_COST
 from producer.contract.stream import ENTRIES_FIELD, INLINE_WAKE, RESULT_FIELD
@@ -55,11 +62,11 @@ DEFAULT_MAX_WAIT_SECONDS = 600.0
 
 UTIL_LUA = (
     RING_BELL_LUA
-    + """
+    + f"""
 -- Appends values to the list t[k], creating it.
 local function push(t, k, ...)
     local l = t[k]
-    if not l then l = {}; t[k] = l end
+    if not l then l = {{}}; t[k] = l end
     local n = select('#', ...)
     if n == 1 then  -- the hot case, without a table per call
         l[#l + 1] = ...
@@ -69,7 +76,7 @@ local function push(t, k, ...)
 end
 
 local function slice(t, first, count)
-    local out = {}
+    local out = {{}}
     for i = first, first + count - 1 do out[#out + 1] = t[i] end
     return out
 end
@@ -78,7 +85,7 @@ end
 -- deadline, one ZMSCORE per queue. A member leaves the registry however its job stops being
 -- held (end, requeue, reap), so presence is the lease.
 local function held_leases(by_queue)
-    local held = {}
+    local held = {{}}
     for queue, members in pairs(by_queue) do
         local scores = redis.call('ZMSCORE', RQ.wip .. queue, unpack(members))
         for j, member in ipairs(members) do
@@ -86,6 +93,14 @@ local function held_leases(by_queue)
         end
     end
     return held
+end
+
+-- Tells the worker that started `execution` that a lease of its jobs in `queue` was taken from
+-- it: its next STREAM call checks every lease there (see STREAM).
+local function bump_fence(queue, execution)
+    local fence = K.fence .. queue .. ':' .. string.sub(execution, 1, {EXECUTION_PREFIX_CHARS})
+    redis.call('INCR', fence)
+    redis.call('EXPIRE', fence, {FENCE_TTL_S})
 end
 """
 )
@@ -158,7 +173,7 @@ local function pq_head(P, sub)
         local f = redis.call('HMGET', RQ.job .. id, unpack(HEAD))
         -- A hash without status but with data is started too, so that it fails with a reason.
         if f[3] == 'queued' or (not f[3] and f[4]) then
-            sub.head = {{id = id, f = f}}
+            sub.head = {{id = id, f = f, enq = tonumber(f[1]) or P.now}}
         else
             sub.pos = sub.pos + 1
             P.stale = P.stale + 1
@@ -189,7 +204,7 @@ end
 
 -- A head's priority after aging: lower runs sooner.
 local function pq_aged(P, sub, h, aging_s)
-    local waited = math.max(0, P.now - (tonumber(h.f[1]) or P.now))
+    local waited = math.max(0, P.now - h.enq)
     if aging_s > 0 then return sub.prio - math.floor(waited / aging_s) end
     return sub.prio
 end
@@ -226,7 +241,7 @@ local function pq_pick(P, aging_s, max_wait_s, limit, bulk_only)
     for _, sub in ipairs(P.subs) do
         local h = pq_head(P, sub)
         if h then
-            local enq = tonumber(h.f[1]) or P.now
+            local enq = h.enq
             local cost = tonumber(h.f[2]) or {DEFAULT_JOB_COST}
             local waited = math.max(0, P.now - enq)
             local prio = pq_aged(P, sub, h, aging_s)
@@ -313,16 +328,17 @@ local function is_inline(wake)
     return string.sub(wake, -{len(INLINE_WAKE)}) == '{INLINE_WAKE}'
 end
 
--- Tells each stream hub in `wakes` (wake id -> job ids) which of its jobs got entries, and
--- gives an inline hub the entries themselves (`inline`: wake id -> JSON object of job id ->
--- entries, encoded or as a table) and the results of its jobs that ended (`results`: wake id
--- -> field/value pairs `{RESULT_FIELD}:<job id>`, the result JSON; not inside the JSON object,
--- which would escape them): one entry per hub and call, not one per job. An inline stream
--- keeps {WAKE_RETAIN_MS} ms of entries, whatever the fleet writes.
+-- Tells each stream hub in `wakes` (wake id -> job ids, or those ids joined by spaces) which of
+-- its jobs got entries, and gives an inline hub the entries themselves (`inline`: wake id ->
+-- JSON object of job id -> entries, encoded or as a table) and the results of its jobs that
+-- ended (`results`: wake id -> field/value pairs `{RESULT_FIELD}:<job id>`, the result JSON; not
+-- inside the JSON object, which would escape them): one entry per hub and call, not one per
+-- job. An inline stream keeps {WAKE_RETAIN_MS} ms of entries, whatever the fleet writes.
 local function tell_wakes(wakes, inline, results)
     local oldest
     for wake, ids in pairs(wakes) do
         local key, data = K.wake .. wake, inline[wake]
+        if type(ids) == 'table' then ids = table.concat(ids, ' ') end
         if data then
             if not oldest then
                 local t = redis.call('TIME')
@@ -331,11 +347,10 @@ local function tell_wakes(wakes, inline, results)
             end
             if type(data) == 'table' then data = cjson.encode(data) end
             redis.call('XADD', key, 'MINID', '~', string.format('%d', oldest), '*',
-                'jobs', table.concat(ids, ' '), '{ENTRIES_FIELD}', data,
+                'jobs', ids, '{ENTRIES_FIELD}', data,
                 unpack(results[wake] or {{}}))
         else
-            redis.call('XADD', key, 'MAXLEN', '~', {WAKE_MAXLEN}, '*', 'jobs',
-                table.concat(ids, ' '))
+            redis.call('XADD', key, 'MAXLEN', '~', {WAKE_MAXLEN}, '*', 'jobs', ids)
         end
         redis.call('EXPIRE', key, {WAKE_TTL_S})
     end
@@ -361,6 +376,9 @@ local function count_in_batch(batch, status, prompt_tokens, completion_tokens)
     end
 end
 
+-- The ending worker's RQ counter of each status that has one.
+local COUNTERS = {{finished = 'successful_job_count', failed = 'failed_job_count'}}
+
 local function new_acc()
     return {{zrem = {{}}, zadd = {{}}, counters = {{}}, charges = {{}}, wakes = {{}},
              inline = {{}}, results = {{}}, ended_ids = {{}}, ended_statuses = {{}}}}
@@ -376,7 +394,7 @@ local function end_job(acc, s, job_id, queue, member, status, ended_at, score, t
                        final_fields, stream_ttl, maxlen)
     local used = prompt_tokens + completion_tokens
     local jkey = RQ.job .. job_id
-    local counter = ({{finished = 'successful_job_count', failed = 'failed_job_count'}})[status]
+    local counter = COUNTERS[status]
     if counter then acc.counters[counter] = (acc.counters[counter] or 0) + 1 end
     push(acc.zrem, RQ.wip .. queue, member)
     redis.call('HSET', jkey, 'status', status, 'ended_at', ended_at)
@@ -469,6 +487,7 @@ ENDING_FIELDS = (
     "n_final",
 )
 _OFFSETS = ", ".join(f"{name} = {i}" for i, name in enumerate(ENDING_FIELDS))
+_ENDING_CONSTRUCTOR = ", ".join(f"{name} = ARGV[i + {i}]" for i, name in enumerate(ENDING_FIELDS))
 ENDING_LUA = f"""
 local E = {{{_OFFSETS}}}
 local E_LEN = {len(ENDING_FIELDS)}
@@ -476,10 +495,10 @@ local E_LEN = {len(ENDING_FIELDS)}
 -- The ending at ARGV[i]: its fields, and the index of the next one.
 local function ending_at(i)
     local n_rq, n_final = tonumber(ARGV[i + E.n_rq]), tonumber(ARGV[i + E.n_final])
-    local e = {{}}
-    for name, off in pairs(E) do e[name] = ARGV[i + off] end
-    e.rq_fields = slice(ARGV, i + E_LEN, n_rq)
-    e.final_fields = slice(ARGV, i + E_LEN + n_rq, n_final)
+    -- One constructor: the table is sized once, not grown field by field.
+    local e = {{{_ENDING_CONSTRUCTOR},
+        rq_fields = slice(ARGV, i + E_LEN, n_rq),
+        final_fields = slice(ARGV, i + E_LEN + n_rq, n_final)}}
     return e, i + E_LEN + n_rq + n_final
 end
 
@@ -524,8 +543,9 @@ for i = KEYS_REST, #KEYS do bases[#bases + 1] = string.sub(KEYS[i], string.len(R
 local max_jobs, ahead = tonumber(a_max_jobs), tonumber(a_ahead)
 -- Reading 2 x `ahead` ids more tells whether `ahead` would stay queued after the extra ones.
 local P = pq_picker(bases, max_jobs + 2 * ahead, tonumber(a_max_pops))
--- Leases are on the workers' clock, as the heartbeat and the reaper keep them.
-local deadline = tonumber(a_now) + tonumber(a_lease_ttl)
+-- Leases are on the workers' clock, as the heartbeat and the reaper keep them; in whole
+-- seconds, which Redis parses far faster than a float of 17 digits, once per job.
+local deadline = string.format('%d', math.ceil(tonumber(a_now) + tonumber(a_lease_ttl)))
 local taken, wip, cancels = {}, {}, {}
 for n = 1, max_jobs + ahead do
     local extra = n > max_jobs
@@ -537,8 +557,8 @@ for n = 1, max_jobs + ahead do
     local attempt = (tonumber(f[7]) or 0) + 1
     redis.call('HSET', RQ.job .. id, 'status', 'started', 'started_at', a_started_at,
         'last_heartbeat', a_started_at, 'worker_name', a_worker_name, F.execution, execution,
-        F.attempts, attempt, F.base, picked.base, F.tenant, picked.tenant, F.cost,
-        tostring(picked.cost))
+        F.attempts, string.format('%d', attempt), F.base, picked.base, F.tenant, picked.tenant,
+        F.cost, (tonumber(f[2]) and f[2]) or tostring(picked.cost))
     push(wip, RQ.wip .. picked.queue, deadline, id .. ':' .. execution)
     cancels[#cancels + 1] = K.cancel .. id
     taken[#taken + 1] = {picked.queue, id, execution, attempt, f[4] or '', f[5] or '',
@@ -644,77 +664,108 @@ return 1
 """,
 )
 
-# KEYS: the started registries of the entries' queues (one shard). ARGV after the named ones:
-# per job stream entry, job_id, execution, queue, wake ('' for none), set_ttl (0/1), n, n
-# field/values; then, `inline_at` values after the named ones, per inline hub, its wake id,
-# the JSON object of its jobs' entries (producer/contract/stream.py), n, and n (job_id,
-# execution, queue).
-# Appends one window's token entries, each only if its execution still holds the job: its
-# member is still in its started registry (`held_leases`, as HEARTBEAT checks them; not a read
-# of every job's hash). An inline hub gets its jobs' entries as the worker built them, in one
-# wake entry (re-encoded without a job whose lease was lost).
+# KEYS: per queue of the entries (one shard), its started registry and this worker's lease
+# fence there (`fence_key`). ARGV after the named ones: per queue, its name and the fence's value
+# the worker last saw; then `n_streams` jobs with streams of their own, each job_id, lease, wake
+# ('' for none), set_ttl (0/1), n, n field/values; then per inline hub its wake id, the JSON
+# object of its jobs' entries (producer/contract/stream.py), their ids joined by spaces, and
+# their leases joined the same way. A job's lease is `<q>:<rest>`: the number of its queue
+# among the call's, and the rest of its execution id after the worker's `prefix`.
+# Appends one window's token entries, each only if its execution still holds the job. A lease
+# is taken from a live worker only by another worker's reaper (REAP), which bumps the worker's
+# fence in that queue: while the fence is what the worker last saw, every lease there holds and
+# none is read; when it moved, each job's member is looked up in the queue's started registry
+# (one ZMSCORE, as HEARTBEAT checks them). An inline hub gets its jobs' entries as the worker
+# built them, in one wake entry, untouched while every lease holds (re-encoded without a job
+# whose lease was lost): the script's work does not grow with the jobs, only with their bytes.
 # The wake id comes from the caller, which read it with the job (DEQUEUE).
-# Returns the job ids whose entries were refused (the lease was lost).
+# Returns {the job ids whose entries were refused (the lease was lost), (queue, fence) pairs of
+# the fences that moved}.
 STREAM = LuaScript(
     "stream",
-    args=("maxlen", "stream_ttl", "inline_at"),
+    args=("maxlen", "stream_ttl", "prefix", "n_queues", "n_streams"),
     libraries=(UTIL_LUA, CHARGE_LUA, END_LUA),
     body="""
-local by_queue, at, member_at = {}, {}, {}
-local inline_at = REST + tonumber(a_inline_at)
-local i = REST
-while i < inline_at do
-    local member = ARGV[i] .. ':' .. ARGV[i + 1]
-    push(by_queue, ARGV[i + 2], member)
-    at[#at + 1] = i
-    member_at[i] = member
-    i = i + 6 + tonumber(ARGV[i + 5])
-end
-local hubs = {}
-while i <= #ARGV do
-    local hub, first = {wake = ARGV[i], data = ARGV[i + 1], ids = {}, members = {}}, i + 3
-    i = first + 3 * tonumber(ARGV[i + 2])
-    for j = first, i - 1, 3 do
-        local member = ARGV[j] .. ':' .. ARGV[j + 1]
-        push(by_queue, ARGV[j + 2], member)
-        hub.ids[#hub.ids + 1] = ARGV[j]
-        hub.members[#hub.members + 1] = member
-    end
-    hubs[#hubs + 1] = hub
-end
-local held = held_leases(by_queue)
-local lost, wakes, inline = {}, {}, {}
-for _, i in ipairs(at) do
-    local job_id, wake, n = ARGV[i], ARGV[i + 3], tonumber(ARGV[i + 5])
-    if held[member_at[i]] then
-        local skey = K.stream .. job_id
-        redis.call('XADD', skey, 'MAXLEN', '~', a_maxlen, '*', unpack(ARGV, i + 6, i + 5 + n))
-        if ARGV[i + 4] == '1' then redis.call('EXPIRE', skey, a_stream_ttl) end
-        if wake ~= '' then push(wakes, wake, job_id) end
-    else
-        lost[#lost + 1] = job_id
+local n_queues, n_streams = tonumber(a_n_queues), tonumber(a_n_streams)
+local moved, fences = nil, {}
+for q = 1, n_queues do
+    local fence = redis.call('GET', KEYS[KEYS_REST + 2 * q - 1]) or ''
+    if fence ~= ARGV[REST + 2 * q - 1] then
+        moved = moved or {}
+        moved[q] = {members = {}, ids = {}}
+        fences[#fences + 1] = ARGV[REST + 2 * q - 2]
+        fences[#fences + 1] = fence
     end
 end
-for _, hub in ipairs(hubs) do
-    local ids, gone = {}, {}
-    for k, job_id in ipairs(hub.ids) do
-        if held[hub.members[k]] then ids[#ids + 1] = job_id else gone[#gone + 1] = job_id end
-    end
-    if #gone > 0 then
-        local data = cjson.decode(hub.data)
-        for _, job_id in ipairs(gone) do
-            data[job_id] = nil
-            lost[#lost + 1] = job_id
+local first = REST + 2 * n_queues
+local gone = {}
+if moved then
+    -- A fence moved: look up the lease of each of the call's jobs in that queue.
+    local function note(job_id, lease)
+        local q, rest = string.match(lease, '^(%d+):(.*)$')
+        local m = moved[tonumber(q)]
+        if m then
+            m.members[#m.members + 1] = job_id .. ':' .. a_prefix .. rest
+            m.ids[#m.ids + 1] = job_id
         end
-        hub.data = data
     end
-    if #ids > 0 then
-        wakes[hub.wake] = ids
-        inline[hub.wake] = hub.data
+    local i = first
+    for _ = 1, n_streams do
+        note(ARGV[i], ARGV[i + 1])
+        i = i + 5 + tonumber(ARGV[i + 4])
+    end
+    while i <= #ARGV do
+        local leases = string.gmatch(ARGV[i + 3], '%S+')
+        for job_id in string.gmatch(ARGV[i + 2], '%S+') do note(job_id, leases()) end
+        i = i + 4
+    end
+    for q, m in pairs(moved) do
+        if #m.members > 0 then
+            local scores = redis.call('ZMSCORE', KEYS[KEYS_REST + 2 * q - 2], unpack(m.members))
+            for k, job_id in ipairs(m.ids) do
+                if not scores[k] then gone[job_id] = true end
+            end
+        end
+    end
+end
+local lost, wakes, inline = {}, {}, {}
+local i = first
+for _ = 1, n_streams do
+    local job_id, wake, n = ARGV[i], ARGV[i + 2], tonumber(ARGV[i + 4])
+    if gone[job_id] then
+        lost[#lost + 1] = job_id
+    else
+        local skey = K.stream .. job_id
+        redis.call('XADD', skey, 'MAXLEN', '~', a_maxlen, '*', unpack(ARGV, i + 5, i + 4 + n))
+        if ARGV[i + 3] == '1' then redis.call('EXPIRE', skey, a_stream_ttl) end
+        if wake ~= '' then push(wakes, wake, job_id) end
+    end
+    i = i + 5 + n
+end
+while i <= #ARGV do
+    local wake, data, ids = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+    i = i + 4
+    if moved then
+        local kept, dropped = {}, {}
+        for job_id in string.gmatch(ids, '%S+') do
+            if gone[job_id] then dropped[#dropped + 1] = job_id else kept[#kept + 1] = job_id end
+        end
+        if #dropped > 0 then
+            data = cjson.decode(data)
+            for _, job_id in ipairs(dropped) do
+                data[job_id] = nil
+                lost[#lost + 1] = job_id
+            end
+            ids = kept
+        end
+    end
+    if type(ids) == 'string' or #ids > 0 then
+        wakes[wake] = ids
+        inline[wake] = data
     end
 end
 tell_wakes(wakes, inline, {})
-return lost
+return {lost, fences}
 """,
 )
 
@@ -799,6 +850,7 @@ for k = KEYS_REST, #KEYS do
         if sep and mine then
             local s = job_state(jkey)
             if held_by(s, execution) then
+                bump_fence(queue, execution)
                 local crashes = redis.call('HINCRBY', jkey, F.crashes, 1)
                 if crashes >= max_crashes then
                     local result = cjson.encode({job_id = job_id, status = 'failed',

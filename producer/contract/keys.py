@@ -30,6 +30,10 @@ WAKE_RETAIN_MS = 30_000
 BELL_JOBS = 8
 BELL_MAX = 64
 BELL_TTL_S = 3600
+# A worker's execution ids (the fencing token of each job it starts) begin with a prefix of
+# its own, this many characters long; the reaper finds the worker's lease fence by it.
+EXECUTION_PREFIX_CHARS = 12
+FENCE_TTL_S = 24 * 3600
 
 GENERATE_FUNC = "pagedq.generate"
 """The only function name a pagedq job may carry; the worker refuses any other."""
@@ -54,6 +58,10 @@ PAGEDQ = {
     # + base queue: a list of rings (a producer pushes one per BELL_JOBS jobs it enqueued
     # there); workers with room BLPOP it instead of polling the queue (worker/doorbell.py)
     "bell": "pagedq:bell:",
+    # + queue + ":" + a worker's execution prefix: a counter the reaper bumps when it takes a
+    # lease of that worker's jobs in that queue; the worker's STREAM calls compare it with the
+    # value they last saw instead of checking each job's lease every window
+    "fence": "pagedq:fence:",
     # The gateway's files and batches (gateway/):
     "file": "pagedq:file:",  # + file id: hash of a file's fields
     "file_data": "pagedq:file-data:",  # + file id: list of an uploaded file's chunks
@@ -126,6 +134,12 @@ def wake_key(wake: str) -> str:
     """Key of a stream hub's wake stream: entries of space-separated job ids whose token
     streams got entries."""
     return PAGEDQ["wake"] + wake
+
+
+def fence_key(queue: str, prefix: str) -> str:
+    """Key of the lease fence of one worker (its execution prefix) in one queue: bumped by the
+    reaper whenever it takes a lease of that worker's jobs there."""
+    return PAGEDQ["fence"] + queue + ":" + prefix
 
 
 def cancel_key(job_id: str) -> str:

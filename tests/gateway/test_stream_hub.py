@@ -74,7 +74,10 @@ def test_the_hub_reads_only_its_wake_stream_and_the_streams_listed_there(
             claims = {cl.job_id: cl for cl in adapter.claims(scripts.call(call), started_at)}
             await asyncio.sleep(0.5)  # the new follows' first reads, and the first check
             reads = XReads(redis_client)
-            assert scripts.call(adapter.stream_call([(claims[a], DELTA, True)])) == []
+            assert (
+                adapter.stream_lost(scripts.call(adapter.stream_call([(claims[a], DELTA, True)])))
+                == []
+            )
             assert await _next(follows[a]) == DELTA
             end = adapter.end_call(claims[b], "finished", '{"status": "finished"}', (1, 1), DONE)
             assert scripts.call(end) == [1]
@@ -110,7 +113,7 @@ def test_inline_entries_written_before_the_follow_wait_for_it(redis_client, redi
             call, started_at = adapter.dequeue_call(3)
             claims = {cl.job_id: cl for cl in adapter.claims(scripts.call(call), started_at)}
             step = [(claims[j], DELTA, True) for j in (early, orphan)]
-            assert scripts.call(adapter.stream_call(step)) == []
+            assert adapter.stream_lost(scripts.call(adapter.stream_call(step))) == []
             await asyncio.sleep(0.4)
             follow = hub.follow(early)
             assert await _next(follow) == DELTA
@@ -138,7 +141,9 @@ def test_an_end_the_check_finds_comes_after_the_entries_written_before_it(
             adapter, scripts = _worker(redis_client)
             call, started_at = adapter.dequeue_call(1)
             [claim] = adapter.claims(scripts.call(call), started_at)
-            assert scripts.call(adapter.stream_call([(claim, DELTA, True)])) == []
+            assert (
+                adapter.stream_lost(scripts.call(adapter.stream_call([(claim, DELTA, True)]))) == []
+            )
             end = adapter.end_call(claim, "finished", '{"status": "finished"}', (1, 1), DONE)
             assert scripts.call(end) == [1]
             await hub._check_ended()
@@ -161,7 +166,9 @@ def test_a_stream_whose_worker_tells_no_hub_is_read_by_the_check(redis_client, r
             call, started_at = adapter.dequeue_call(1)
             [claim] = adapter.claims(scripts.call(call), started_at)
             await asyncio.sleep(0.3)
-            assert scripts.call(adapter.stream_call([(claim, DELTA, True)])) == []
+            assert (
+                adapter.stream_lost(scripts.call(adapter.stream_call([(claim, DELTA, True)]))) == []
+            )
             assert await _next(follow) == DELTA
         finally:
             await hub.close()
@@ -183,12 +190,22 @@ def test_the_check_looks_up_only_followed_jobs_whose_entries_stopped(redis_clien
             adapter, scripts = _worker(redis_client)
             call, started_at = adapter.dequeue_call(2)
             claims = {c.job_id: c for c in adapter.claims(scripts.call(call), started_at)}
-            assert scripts.call(adapter.stream_call([(claims[busy], DELTA, True)])) == []
+            assert (
+                adapter.stream_lost(
+                    scripts.call(adapter.stream_call([(claims[busy], DELTA, True)]))
+                )
+                == []
+            )
             assert await _next(follows[busy]) == DELTA
             reads = XReads(redis_client)
             for _ in range(20):  # 2 s of windows, four checks' worth
                 await asyncio.sleep(0.1)
-                assert scripts.call(adapter.stream_call([(claims[busy], DELTA, False)])) == []
+                assert (
+                    adapter.stream_lost(
+                        scripts.call(adapter.stream_call([(claims[busy], DELTA, False)]))
+                    )
+                    == []
+                )
             await asyncio.sleep(0.2)
             assert reads.exists.count(result_key(quiet)) >= 3, reads.exists
             assert result_key(busy) not in reads.exists, reads.exists

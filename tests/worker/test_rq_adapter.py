@@ -66,6 +66,10 @@ class Driver:
         call, started_at = self.adapter.dequeue_call(max_jobs, ahead)
         return self.adapter.claims(self.scripts.call(call), started_at)
 
+    def stream(self, step) -> list[str]:
+        """Run a STREAM call; the job ids whose entries were refused."""
+        return self.adapter.stream_lost(self.scripts.call(self.adapter.stream_call(step)))
+
     def reap(self) -> tuple[list[str], list[str]]:
         requeued, failed = self.scripts.call(self.adapter.reap_call())
         return [j.decode() for j in requeued], [j.decode() for j in failed]
@@ -516,7 +520,7 @@ def test_token_entries_and_final_entries_tell_their_hubs_wake_stream(redis_clien
     claims = {claim.job_id: claim for claim in adapter.dequeue_many(4)}
     assert not any(claim.bulk for claim in claims.values())
     step = [(claims[j], {"event": "delta", "delta": "x"}, True) for j in (a, b, c, d)]
-    assert adapter.scripts.call(adapter.stream_call(step)) == []
+    assert adapter.stream(step) == []
 
     def wakes(hub: str) -> list[list[str]]:
         entries = redis_client.xrange(f"pagedq:wake:{hub}")
@@ -531,14 +535,53 @@ def test_token_entries_and_final_entries_tell_their_hubs_wake_stream(redis_clien
     assert wakes("hub1") == [sorted([a, b]), [b]] and wakes("hub2") == [[c], [c]]
     assert sorted(redis_client.keys("pagedq:wake:*")) == [b"pagedq:wake:hub1", b"pagedq:wake:hub2"]
 
-    # The fence: an execution that no longer holds its job (ended, or put back) writes nothing.
-    requeue = adapter.requeue_call(claims[a], count_crash=False, result={}, reason="x")
-    assert adapter.scripts.call(requeue) == 1
+    # The fence: once another worker's reaper took its leases (it was taken for dead), an
+    # execution that no longer holds its job (taken, ended or put back) writes nothing.
+    other = _adapter(redis_client, name="w2")
+    assert other.scripts.call(other.adapter.reap_call(dead_holder="w1")) == [[a.encode()], []]
     lengths = {j: redis_client.xlen(f"pagedq:stream:{j}") for j in (a, b, c, d)}
-    lost = adapter.scripts.call(adapter.stream_call(step))
-    assert sorted(j.decode() for j in lost) == sorted([a, b, c, d])
+    assert sorted(adapter.stream(step)) == sorted([a, b, c, d])
     assert {j: redis_client.xlen(f"pagedq:stream:{j}") for j in (a, b, c, d)} == lengths
     assert wakes("hub1") == [sorted([a, b]), [b]]
+
+
+def test_stream_checks_each_lease_only_after_a_reaper_moved_the_workers_fence(redis_client):
+    """While no reaper took a lease of the worker's jobs in a queue, a STREAM call reads no
+    lease there (one GET of the worker's fence, whatever the number of jobs); once one did,
+    the next call checks every lease, refuses the lost job's entries, writes the others', and
+    the calls after it read no lease again. Another worker's fence is not this one's."""
+    client = Client(connection=redis_client, queue=QUEUE)
+    *ids, theirs = client.enqueue([_as_request({"prompt": f"p{i}"}) for i in range(4)])
+    adapter, bystander = _adapter(redis_client), _adapter(redis_client, name="w3")
+    claims = {claim.job_id: claim for claim in adapter.dequeue_many(3)}
+    [their_claim] = bystander.dequeue_many(1)
+    assert sorted(claims) == sorted(ids) and their_claim.job_id == theirs
+    delta = {"event": "token", "delta": "x", "token_ids": "[7]"}
+
+    def zmscores() -> int:
+        return redis_client.info("commandstats").get("cmdstat_zmscore", {}).get("calls", 0)
+
+    def lengths() -> dict[str, int]:
+        return {j: redis_client.xlen(f"pagedq:stream:{j}") for j in ids}
+
+    step = [(claims[j], delta, False) for j in ids]
+    before = zmscores()
+    assert adapter.stream(step) == [] and adapter.stream(step) == []
+    assert zmscores() == before and lengths() == dict.fromkeys(ids, 2)
+
+    # A reaper takes the first job's expired lease: the worker's fence in its queue moves.
+    lost = claims[ids[0]]
+    redis_client.zadd(f"rq:wip:{lost.queue}", {lost.member: 0}, xx=True)
+    other = _adapter(redis_client, name="w2")
+    assert other.reap() == ([ids[0]], [])
+    assert redis_client.get(f"pagedq:fence:{lost.queue}:{lost.execution[:12]}") == b"1"
+    assert bystander.stream([(their_claim, delta, True)]) == [] and zmscores() == before
+    assert adapter.stream(step) == [ids[0]]
+    assert zmscores() == before + 1
+    assert lengths() == {ids[0]: 2, ids[1]: 3, ids[2]: 3}
+    rest = step[1:]
+    assert adapter.stream(rest) == [] and zmscores() == before + 1
+    assert lengths() == {ids[0]: 2, ids[1]: 4, ids[2]: 4}
 
 
 def test_an_inline_hubs_jobs_get_their_entries_in_its_wake_stream_only(redis_client):
@@ -552,7 +595,7 @@ def test_an_inline_hubs_jobs_get_their_entries_in_its_wake_stream_only(redis_cli
     claims = {claim.job_id: claim for claim in adapter.dequeue_many(2)}
     restart, delta = {"event": "restart"}, {"event": "token", "delta": "x", "token_ids": "[7]"}
     step = [(claims[a], restart, True), (claims[a], delta, False), (claims[b], delta, True)]
-    assert adapter.scripts.call(adapter.stream_call(step)) == []
+    assert adapter.stream(step) == []
 
     def wake_entries() -> list[tuple[list[str], dict]]:
         out = []
@@ -568,18 +611,15 @@ def test_an_inline_hubs_jobs_get_their_entries_in_its_wake_stream_only(redis_cli
     assert redis_client.keys("pagedq:stream:*") == []
     assert 0 < redis_client.ttl(f"pagedq:wake:{hub}") <= 3600
 
-    # A job whose lease was lost is left out of the hub's entry; the others' entries go in.
+    # A job whose lease a reaper took is left out of the hub's entry (so is one that ended); the
+    # others' entries go in.
     [c] = client.enqueue([_as_request({"prompt": "c"})], wake=hub)
     [claims[c]] = adapter.dequeue_many(1)
+    redis_client.zadd(f"rq:wip:{claims[a].queue}", {claims[a].member: 0}, xx=True)
+    assert _adapter(redis_client, name="w2").reap() == ([a], [])
     step2 = [(claims[a], delta, False), (claims[b], delta, False), (claims[c], delta, True)]
-    assert [j.decode() for j in adapter.scripts.call(adapter.stream_call(step2))] == [b]
-    assert wake_entries()[2] == (sorted([a, c]), {a: [delta], c: [delta]})
-
-    requeue = adapter.requeue_call(claims[a], count_crash=False, result={}, reason="x")
-    assert adapter.scripts.call(requeue) == 1
-    lost = adapter.scripts.call(adapter.stream_call(step))
-    assert sorted(j.decode() for j in lost) == sorted([a, b])
-    assert len(wake_entries()) == 3
+    assert sorted(adapter.stream(step2)) == sorted([a, b])
+    assert wake_entries()[2] == ([c], {c: [delta]})
 
 
 def test_a_job_whose_end_goes_to_an_events_stream_or_a_batch_is_claimed_as_bulk(redis_client):
