@@ -11,7 +11,6 @@ send a webhook; from RQ it takes only its date format.
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import sys
@@ -483,8 +482,7 @@ class RQAdapter:
             "execution": claim.execution,
             "status": status,
             "ended_at": rq_date(t),
-            # Whole seconds, as RQ writes them: Redis parses them far faster than 17 digits.
-            "score": math.ceil(t + self.result_ttl),
+            "score": t + self.result_ttl,
             "ttl": self.result_ttl,
             "result": result_json,
             "prompt_tokens": usage[0],

@@ -543,9 +543,9 @@ for i = KEYS_REST, #KEYS do bases[#bases + 1] = string.sub(KEYS[i], string.len(R
 local max_jobs, ahead = tonumber(a_max_jobs), tonumber(a_ahead)
 -- Reading 2 x `ahead` ids more tells whether `ahead` would stay queued after the extra ones.
 local P = pq_picker(bases, max_jobs + 2 * ahead, tonumber(a_max_pops))
--- Leases are on the workers' clock, as the heartbeat and the reaper keep them; in whole
--- seconds, which Redis parses far faster than a float of 17 digits, once per job.
-local deadline = string.format('%d', math.ceil(tonumber(a_now) + tonumber(a_lease_ttl)))
+-- Leases are on the workers' clock, as the heartbeat and the reaper keep them; the deadline is
+-- printed once here, not by Lua for each job's ZADD argument (a float of 17 digits each).
+local deadline = string.format('%.3f', tonumber(a_now) + tonumber(a_lease_ttl))
 local taken, wip, cancels = {}, {}, {}
 for n = 1, max_jobs + ahead do
     local extra = n > max_jobs

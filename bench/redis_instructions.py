@@ -1,0 +1,251 @@
+"""Instructions Redis executes per job in each step of a job's life: a measure that no noisy
+neighbour moves.
+
+Redis CPU time (bench/redis_capacity.py, bench/redis_scripts.py) moves by 2x between runs of one
+code on a shared VM; the instructions a redis-server executes for the same calls do not (a
+rerun differs by well under 1 %). This bench runs redis-server under valgrind's callgrind,
+drives it with the real calls (`Client.enqueue`; the worker's DEQUEUE, STREAM and END through
+`RQAdapter`; the producer's MGET of the results) and reads the instructions executed (callgrind's
+`Ir`, the server's own threads, kernel time not included) in each phase. With `--baseline
+PATH` (a checkout of another commit, e.g. a `git worktree`), the same phases run against that
+code's scripts too, in the same process, and the table gives both and their ratio.
+
+    .venv/bin/python bench/redis_instructions.py                      # about 10 s; needs valgrind
+    git worktree add /tmp/base HEAD~1
+    .venv/bin/python bench/redis_instructions.py --baseline /tmp/base --jobs 512 --batch 64
+
+The jobs are the bench's usual ones (a prompt of 208 characters, 200 random tokens each); with
+`--stream`, they are enqueued for an inline stream hub (the gateway's) and each gets
+`--windows` token entries of three tokens before its end. Started and finished registries are
+filled with `--registry` other members first, so that they are skip lists, as in a busy fleet
+(a small one is a listpack, whose every insert parses the scores it passes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PHASES = ("enqueue", "dequeue", "stream", "end", "read results")
+PROMPT = "Write a short story about a cat who learns to sail. " * 4
+TOKENS = 200
+
+
+def measure(repo: Path, argv: list[str]) -> dict:
+    """Instructions per job of each phase, with the code of `repo` (run in a child process, so
+    that each checkout imports its own modules); `argv`: this bench's own options."""
+    args = [sys.executable, __file__, "--child", str(repo), *argv]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise SystemExit(f"the run with {repo} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+class Callgrind:
+    """A redis-server of its own under callgrind; `take()` dumps (and so zeroes) its counters
+    and gives the instructions executed since the last take."""
+
+    def __init__(self, workdir: str, server_args: list[str]) -> None:
+        import redis
+
+        self.workdir = workdir
+        server = os.environ.get("PAGEDQ_REDIS_SERVER") or "redis-server"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process = subprocess.Popen(
+            ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+             f"--callgrind-out-file={workdir}/callgrind.out.%p", shutil.which(server) or server,
+             "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", workdir, *server_args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise RuntimeError("redis-server under valgrind did not start") from None
+                time.sleep(0.1)
+        subprocess.run(
+            ["callgrind_control", "-i", "on", str(self.process.pid)], capture_output=True
+        )
+
+    def take(self) -> int:
+        before = set(os.listdir(self.workdir))
+        subprocess.run(["callgrind_control", "-d", str(self.process.pid)], capture_output=True)
+        for _ in range(100):
+            new = [f for f in set(os.listdir(self.workdir)) - before if ".out." in f]
+            if new:
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError("callgrind wrote no dump")
+        time.sleep(0.2)  # let the dump be written whole
+        total = 0
+        for name in new:
+            for line in Path(self.workdir, name).read_text().splitlines():
+                if line.startswith("totals:"):
+                    total += int(line.split()[1])
+                    break
+        return total
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+def _end_call(adapter, claim, final: dict, rng: random.Random):
+    """The END of a finished job of TOKENS random tokens."""
+    from producer.contract.schema import Timings
+    from worker.endings import build_result
+
+    result = build_result(
+        claim.job_id, None, None, status="finished", model="bench", worker="bench-w",
+        timings=Timings(),
+    )  # fmt: skip
+    result.token_ids = [rng.randrange(49152) for _ in range(TOKENS)]
+    result.text = "".join(f" w{rng.randrange(10**5)}" for _ in range(TOKENS))
+    summary = {"job_id": claim.job_id}
+    return adapter.end_call(
+        claim, "finished", result.model_dump_json(), (60, TOKENS), final, summary
+    )
+
+
+def child(
+    repo: Path,
+    jobs: int,
+    batch: int,
+    stream: bool,
+    windows: int,
+    registry: int,
+    server_args: list[str],
+) -> None:
+    """Run the phases with the code of `repo`; print their instructions per job as JSON."""
+    sys.path.insert(0, str(repo))
+    from producer.client import Client
+    from producer.contract.keys import result_key
+    from producer.contract.schema import GenerationRequest
+    from producer.contract.stream import token_entry
+    from worker.redis_link import ScriptRunner
+    from worker.rq_adapter import RQAdapter
+
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory(prefix="pagedq-callgrind-") as workdir:
+        cg = Callgrind(workdir, server_args)
+        try:
+            import redis
+
+            conn = redis.Redis.from_url(cg.url)
+            client = Client(cg.url, queue="bench")
+            adapter = RQAdapter(redis.Redis.from_url(cg.url), "bench-w", ["bench"], lease_ttl=60,
+                                result_ttl=3600, stream_ttl=3600, max_crashes=2)  # fmt: skip
+            runner = ScriptRunner(adapter.connection)
+            runner.call(adapter.register_call())
+            for registry_key in ("rq:wip:bench", "rq:finished:bench"):
+                if registry:
+                    conn.zadd(registry_key, {f"other{i}:x": 4e9 + i for i in range(registry)})
+            wake = "bench-hub:inline" if stream else None
+            requests = [GenerationRequest(prompt=PROMPT, max_tokens=TOKENS) for _ in range(jobs)]
+            chunks = [slice(i, i + batch) for i in range(0, jobs, batch)]
+            # One job through every step first: each script is loaded before the counting.
+            client.enqueue(requests[:1], wake=wake)
+            warm = adapter.claims(runner.call(adapter.dequeue_call(1)[0]), time.time())
+            runner.run([adapter.stream_call([(c, token_entry("x", [1]), True) for c in warm])])
+            marks = [cg.take()]
+            for c in chunks:
+                client.enqueue(requests[c], wake=wake)
+            marks.append(cg.take())
+            claims = []
+            while len(claims) < jobs:
+                call, t = adapter.dequeue_call(batch)
+                claims += adapter.claims(runner.call(call), t)
+            marks.append(cg.take())
+            for w in range(windows if stream else 0):
+                for c in chunks:
+                    entry = [rng.randrange(49152) for _ in range(3)]
+                    step = [(claim, token_entry(" a b", entry), w == 0) for claim in claims[c]]
+                    runner.run([adapter.stream_call(step)])
+            marks.append(cg.take())
+            final = {"event": "done", "finish_reason": "length"} if stream else {}
+            for c in chunks:
+                ends = [_end_call(adapter, claim, final, rng) for claim in claims[c]]
+                runner.run(adapter.merge_ends(ends))
+            marks.append(cg.take())
+            keys = [result_key(claim.job_id) for claim in claims]
+            for c in chunks:
+                conn.mget(keys[c])
+            marks.append(cg.take())
+            client.close()
+        finally:
+            cg.close()
+    # Each take is what its phase executed (the first: the warm-up, left out).
+    per_job = {p: n / jobs for p, n in zip(PHASES, marks[1:], strict=True)}
+    print(json.dumps(per_job))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=64, help="jobs per call")
+    ap.add_argument("--stream", action="store_true", help="jobs stream to an inline hub")
+    ap.add_argument("--windows", type=int, default=10, help="token entries per streamed job")
+    ap.add_argument("--registry", type=int, default=1000, help="other members per registry")
+    ap.add_argument("--baseline", type=Path, help="a checkout of the code to compare with")
+    ap.add_argument(
+        "--server-args",
+        default="",
+        help="redis-server options, e.g. '--hash-max-listpack-value 4096' (both runs)",
+    )
+    ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.jobs, args.batch, args.stream, args.windows, args.registry,
+              args.server_args.split())  # fmt: skip
+        return
+    if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
+        print("valgrind (callgrind) is not installed: nothing measured")
+        return
+    runs = [("this checkout", REPO)]
+    if args.baseline:
+        runs.insert(0, ("baseline", args.baseline.resolve()))
+    argv = ["--jobs", str(args.jobs), "--batch", str(args.batch), "--windows",
+            str(args.windows), "--registry", str(args.registry),
+            f"--server-args={args.server_args}"]  # fmt: skip
+    if args.stream:
+        argv.append("--stream")
+    results = [measure(repo, argv) for _, repo in runs]
+    kind = f"streamed to an inline hub, {args.windows} entries each" if args.stream else "bulk"
+    server = f", redis-server {args.server_args}" if args.server_args else ""
+    print(f"Instructions redis-server executes per job (callgrind Ir), {args.jobs} jobs, {kind}, "
+          f"{args.batch} jobs per call{server}")  # fmt: skip
+    phases = [p for p in PHASES if args.stream or p != "stream"]
+    print(
+        "| step | "
+        + " | ".join(name for name, _ in runs)
+        + (" | ratio |" if args.baseline else " |")
+    )
+    print("|---|" + "---:|" * (len(runs) + (1 if args.baseline else 0)))
+    for phase in [*phases, "all"]:
+        values = [sum(r[p] for p in phases) if phase == "all" else r[phase] for r in results]
+        cells = " | ".join(f"{v:,.0f}" for v in values)
+        ratio = f" | {values[-1] / values[0]:.2f} |" if args.baseline and values[0] else " |"
+        print(f"| {phase} | {cells}{ratio}")
+
+
+if __name__ == "__main__":
+    main()
