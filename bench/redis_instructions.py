@@ -138,7 +138,7 @@ def child(
     """Run the phases with the code of `repo`; print their instructions per job as JSON."""
     sys.path.insert(0, str(repo))
     from producer.client import Client
-    from producer.contract.keys import result_key
+    from producer.contract.keys import result_key, rq_registry_key, rq_wip_key
     from producer.contract.schema import GenerationRequest
     from producer.contract.stream import token_entry
     from worker.redis_link import ScriptRunner
@@ -156,7 +156,7 @@ def child(
                                 result_ttl=3600, stream_ttl=3600, max_crashes=2)  # fmt: skip
             runner = ScriptRunner(adapter.connection)
             runner.call(adapter.register_call())
-            for registry_key in ("rq:wip:bench", "rq:finished:bench"):
+            for registry_key in (rq_wip_key("bench"), rq_registry_key("finished", "bench")):
                 if registry:
                     conn.zadd(registry_key, {f"other{i}:x": 4e9 + i for i in range(registry)})
             wake = "bench-hub:inline" if stream else None

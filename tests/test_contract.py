@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from producer.contract import keys
-from producer.contract.lua import PRELUDE, LuaScript
+from producer.contract.lua import TABLES, LuaScript
 from producer.contract.schema import SAMPLING_FIELDS, GenerationRequest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,10 +49,21 @@ def test_scripts_take_every_key_prefix_from_the_contract():
     from worker.rq_scripts import SCRIPTS
 
     for script in (*SCRIPTS, ENQUEUE_IF_ABSENT):
-        own = script.source.removeprefix(PRELUDE)
-        assert "pagedq:" not in own and "rq:" not in own, script.name
-    for prefix in (*keys.PAGEDQ.values(), *keys.RQ.values(), *keys.JOB_FIELDS.values()):
-        assert f"'{prefix}'" in PRELUDE
+        assert "pagedq:" not in script.written and "rq:" not in script.written, script.name
+    assert TABLES["K"] is keys.PAGEDQ and TABLES["F"] is keys.JOB_FIELDS
+    assert {**TABLES["RQ"]} == {**keys.RQ, "queues": keys.RQ_QUEUES, "workers": keys.RQ_WORKERS}
+
+
+def test_a_scripts_prefixes_are_literals_of_its_source_and_an_unknown_one_is_refused():
+    script = LuaScript("t", body="return {K.result .. a_id, F.base, RQ[a_status], fair.F[x]}")
+    source = script.source
+    assert f"'{keys.PAGEDQ['result']}' .. a_id" in source
+    assert f"'{keys.JOB_FIELDS['base']}'" in source and "fair.F[x]" in source
+    # Indexed by a variable, RQ stays a table; K and F are not built at all.
+    assert source.startswith("local RQ = {") and "local K =" not in source
+    assert "local F =" not in source
+    with pytest.raises(ValueError, match=r"K.results"):
+        _ = LuaScript("t", body="return K.results").source
 
 
 def test_scripts_are_called_by_argument_names():

@@ -2,13 +2,15 @@
 
 A script declares the names of its KEYS and ARGV entries; its source opens with a generated
 header that binds them (`local k_job = KEYS[1]`, `local a_job_id = ARGV[1]`) and with the
-tables `K` (pagedq key prefixes), `RQ` (RQ's) and `F` (pagedq's job-hash fields). Callers
+tables `K` (pagedq key prefixes), `RQ` (RQ's) and `F` (pagedq's job-hash fields), whose
+entries the source gets as literals (constants of the compiled script). Callers
 build KEYS and ARGV from the same names (`LuaScript.keys_and_args`), so no one counts
 positions, and no script spells a key.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,19 +27,80 @@ from producer.contract.keys import (
     RQ_WORKERS,
 )
 
+# The tables a script names its keys' prefixes and fields by: `K.result .. job_id` is a job's
+# result key, and so on.
+TABLES: dict[str, Mapping[str, object]] = {
+    "K": PAGEDQ,
+    "RQ": {**RQ, "queues": RQ_QUEUES, "workers": RQ_WORKERS},
+    "F": JOB_FIELDS,
+    "RESULT": {"successful": RQ_RESULT_SUCCESSFUL, "failed": RQ_RESULT_FAILED},
+}
+_FIELD = re.compile(r"(?<![\w.])(" + "|".join(TABLES) + r")\.([A-Za-z_]\w*)")
+_INDEXED = re.compile(r"(?<![\w.])(" + "|".join(TABLES) + r")\[")
+
 
 def _lua_table(name: str, entries: Mapping[str, object]) -> str:
     body = ", ".join(f"{k} = '{v}'" for k, v in entries.items())
     return f"local {name} = {{{body}}}\n"
 
 
-PRELUDE = (
-    _lua_table("K", PAGEDQ)
-    + _lua_table("RQ", {**RQ, "queues": RQ_QUEUES, "workers": RQ_WORKERS})
-    + _lua_table("F", JOB_FIELDS)
-    + _lua_table("RESULT", {"successful": RQ_RESULT_SUCCESSFUL, "failed": RQ_RESULT_FAILED})
-)
-"""The tables every script sees: `K.result .. job_id` is a job's result key, and so on."""
+_DEFINES = re.compile(r"local (?:function (\w+)|([\w, ]+?) =)")
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+def _needed(libraries: str, body: str) -> str:
+    """The top-level definitions of `libraries` (each a `local function` or `local` line at
+    column 0, with the comments above it) that `body` uses, directly or through another, in
+    their order: Lua builds a closure or table for each definition at every call, used or not.
+    """
+    chunks: list[tuple[set[str], str]] = []
+    lines, pending = [], []
+    for line in libraries.splitlines(keepends=True):
+        if line.startswith("local "):
+            if lines:
+                chunks.append(lines)
+            lines, pending = [*pending, line], []
+        elif line.startswith("--") or not line.strip():
+            pending.append(line)
+        else:
+            lines += [*pending, line]
+            pending = []
+    if lines:
+        chunks.append(lines)
+    defined: dict[str, int] = {}
+    for i, chunk in enumerate(chunks):
+        head = next(line for line in chunk if line.startswith("local "))
+        m = _DEFINES.match(head)
+        assert m, f"not a definition: {head!r}"
+        for name in (m.group(1) or m.group(2)).split(","):
+            defined[name.strip()] = i
+    keep: set[int] = set()
+    todo = set(_NAME.findall(body))
+    while todo:
+        i = defined.get(todo.pop())
+        if i is not None and i not in keep:
+            keep.add(i)
+            todo |= set(_NAME.findall("".join(chunks[i])))
+    return "".join("".join(chunks[i]) for i in sorted(keep))
+
+
+def _with_literals(text: str) -> str:
+    """`text` with each `K.name` (and RQ., F., RESULT.) replaced by its quoted value, and the
+    tables it still indexes by a variable (`RQ[status]`) defined before it: a literal is a
+    constant of the compiled script, where a table would be built again at every call (some
+    20,000 instructions of every EVALSHA). A name the table lacks is an error here, not a nil
+    key at run time."""
+
+    def literal(m: re.Match) -> str:
+        table, name = TABLES[m.group(1)], m.group(2)
+        if name not in table:
+            raise ValueError(f"Lua script names {m.group(0)}; {m.group(1)} has {sorted(table)}")
+        return f"'{table[name]}'"
+
+    text = _FIELD.sub(literal, text)
+    used = dict.fromkeys(m.group(1) for m in _INDEXED.finditer(text))
+    return "".join(_lua_table(name, TABLES[name]) for name in used) + text
+
 
 RING_BELL_LUA = f"""
 -- Rings a base queue's doorbell `n` times (worker/doorbell.py): each ring wakes one waiting
@@ -69,11 +132,17 @@ class LuaScript:
 
     @property
     def source(self) -> str:
-        """The full Lua text: prelude, named bindings, libraries, body."""
+        """The full Lua text: named bindings, libraries, body, the contract's prefixes and
+        fields written in as literals (`_with_literals`)."""
+        return _with_literals(self.written)
+
+    @property
+    def written(self) -> str:
+        """The Lua text as written: named bindings, libraries, body (prefixes by table)."""
         bind = [f"local k_{n} = KEYS[{i}]\n" for i, n in enumerate(self.keys, 1)]
         bind += [f"local a_{n} = ARGV[{i}]\n" for i, n in enumerate(self.args, 1)]
         bind.append(f"local KEYS_REST, REST = {len(self.keys) + 1}, {len(self.args) + 1}\n")
-        return PRELUDE + "".join(bind) + "".join(self.libraries) + self.body
+        return "".join(bind) + _needed("".join(self.libraries), self.body) + self.body
 
     def keys_and_args(
         self,
