@@ -104,3 +104,15 @@ def test_defaults_and_aliases_are_declared_once():
 
     client = Client(connection=Redis(host="never-used.invalid"))  # never connected
     assert (client.queue.name, client.result_ttl) == (keys.DEFAULT_QUEUE, keys.DEFAULT_RESULT_TTL)
+
+
+def test_a_scripts_source_keeps_only_the_library_functions_its_body_reaches():
+    library = (
+        "-- Doubles.\nlocal function double(x)\n    return 2 * x\nend\n\n"
+        "local function quad(x)\n    return double(double(x))\nend\n"
+        "local UNUSED = {1, 2}\nlocal function unused()\n    return UNUSED\nend\n"
+    )
+    source = LuaScript("t", body="return quad(1)", libraries=(library,)).source
+    assert "-- Doubles.\nlocal function double(x)" in source and "local function quad" in source
+    assert source.index("function double") < source.index("function quad")
+    assert "unused" not in source and "UNUSED" not in source
