@@ -55,6 +55,11 @@ def stack(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
             # RQ's result stream on every job: one entry per run, the witness of "ran once".
             "--rq-results",
             "all",
+            # Batch lines' ends written within 50 ms, not gathered for up to 1 s: a test that
+            # acts on a batch's counts (cancel once the short lines are done) sees each line end
+            # long before a tiny model on a fast host runs a long line to its end.
+            "--bulk-coalesce-window",
+            "0.05",
             model=tiny_llama_dir,
             kv_cache_memory="16MiB",
             # 2 cores are shared with pytest and the gateways: one OpenMP thread.
