@@ -103,10 +103,12 @@ def test_greedy_jobs_return_exactly_the_offline_tokens(service, client, offline_
 def test_worker_keeps_many_jobs_in_one_batch_and_admits_new_ones_as_others_end(service, client):
     service.wait_ready()
     registry = StartedJobRegistry(QUEUE, connection=client.redis, serializer=JSONSerializer)
-    # Lengths 4..16 (ignore_eos), so jobs end at different steps and free their slots early.
+    # Lengths 4..64 (ignore_eos), so jobs end at different steps and free their slots early,
+    # while the longest run long enough (60 steps more) for the worker to admit others even on
+    # a fast host.
     job_ids = client.submit_many(
         {"prompt": f"Count to {i}", "temperature": 0.0, "ignore_eos": True,
-         "max_tokens": 4 + (i % 4) * 4}
+         "max_tokens": 4 + (i % 4) * 20}
         for i in range(32)
     )  # fmt: skip
     max_started = 0
