@@ -3,10 +3,11 @@
 They write what RQ's tooling reads (job hash, registries, result stream, worker registration)
 and nothing else: no callback, dependency or webhook of RQ is ever looked at. Every script that
 ends or streams a job is fenced: it first checks that the job is still `started` under the
-caller's execution id (the job hash's `F.execution`; STREAM, called every window, checks the
-same lease by the execution's member in the started registry), and writes nothing otherwise.
-Keys come from the contract's prefix tables (`K`, `RQ`, `F`: producer/contract/lua.py),
-arguments by name.
+caller's execution id (the job hash's `F.execution`; STREAM, called every window, checks that
+no reaper took a lease of the worker's there since it last looked, its lease fence, and only
+then each execution's member in the started registry), and writes nothing otherwise. Keys come
+from the contract's prefix tables (`K`, `RQ`, `F`: producer/contract/lua.py, written into each
+source as literals), arguments by name.
 
 Each call is about one queue shard (producer/contract/shards.py): its KEYS are keys of that
 shard (queues, registries, job hashes), and every other key it touches is named after the
