@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
+
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("enqueue", "dequeue", "stream", "end", "read results")
 PROMPT = "Write a short story about a cat who learns to sail. " * 4
@@ -56,8 +58,6 @@ class Callgrind:
     and gives the instructions executed since the last take."""
 
     def __init__(self, workdir: str, server_args: list[str]) -> None:
-        import redis
-
         self.workdir = workdir
         server = os.environ.get("PAGEDQ_REDIS_SERVER") or "redis-server"
         with socket.socket() as s:
@@ -148,8 +148,6 @@ def child(
     with tempfile.TemporaryDirectory(prefix="pagedq-callgrind-") as workdir:
         cg = Callgrind(workdir, server_args)
         try:
-            import redis
-
             conn = redis.Redis.from_url(cg.url)
             client = Client(cg.url, queue="bench")
             adapter = RQAdapter(redis.Redis.from_url(cg.url), "bench-w", ["bench"], lease_ttl=60,

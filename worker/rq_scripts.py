@@ -174,7 +174,11 @@ local function pq_head(P, sub)
         local f = redis.call('HMGET', RQ.job .. id, unpack(HEAD))
         -- A hash without status but with data is started too, so that it fails with a reason.
         if f[3] == 'queued' or (not f[3] and f[4]) then
-            sub.head = {{id = id, f = f, enq = tonumber(f[1]) or P.now}}
+            -- Parsed once: every pick compares every head.
+            local cost = tonumber(f[2])
+            sub.head = {{id = id, f = f, enq = tonumber(f[1]) or P.now,
+                        cost = cost or {DEFAULT_JOB_COST},
+                        cost_text = cost and f[2] or '{DEFAULT_JOB_COST}'}}
         else
             sub.pos = sub.pos + 1
             P.stale = P.stale + 1
@@ -234,7 +238,8 @@ local function pq_left(P)
     return n
 end
 
--- The next job across the picker's sub-queues: {{queue, id, base, tenant, cost, f}}, or nil
+-- The next job across the picker's sub-queues: {{queue, id, base, tenant, cost, cost_text,
+-- f}}, or nil
 -- (also when the best head's aged priority is above `limit`, if given, or when `bulk_only`
 -- and the best head is a job somebody waits on alone: it stays queued).
 local function pq_pick(P, aging_s, max_wait_s, limit, bulk_only)
@@ -243,7 +248,7 @@ local function pq_pick(P, aging_s, max_wait_s, limit, bulk_only)
         local h = pq_head(P, sub)
         if h then
             local enq = h.enq
-            local cost = tonumber(h.f[2]) or {DEFAULT_JOB_COST}
+            local cost = h.cost
             local waited = math.max(0, P.now - enq)
             local prio = pq_aged(P, sub, h, aging_s)
             local v = sub.fair.v
@@ -267,7 +272,7 @@ local function pq_pick(P, aging_s, max_wait_s, limit, bulk_only)
     sub.fair.F[sub.tenant] = best.finish
     sub.fair.dirty[sub.tenant] = true
     return {{queue = sub.name, id = h.id, base = sub.base, tenant = sub.tenant,
-            cost = best.cost, f = h.f}}
+            cost = best.cost, cost_text = h.cost_text, f = h.f}}
 end
 
 -- The bases with queued ids the picker has not consumed (stale ones included).
@@ -559,7 +564,7 @@ for n = 1, max_jobs + ahead do
     redis.call('HSET', RQ.job .. id, 'status', 'started', 'started_at', a_started_at,
         'last_heartbeat', a_started_at, 'worker_name', a_worker_name, F.execution, execution,
         F.attempts, string.format('%d', attempt), F.base, picked.base, F.tenant, picked.tenant,
-        F.cost, (tonumber(f[2]) and f[2]) or tostring(picked.cost))
+        F.cost, picked.cost_text)
     push(wip, RQ.wip .. picked.queue, deadline, id .. ':' .. execution)
     cancels[#cancels + 1] = K.cancel .. id
     taken[#taken + 1] = {picked.queue, id, execution, attempt, f[4] or '', f[5] or '',

@@ -10,6 +10,7 @@ positions, and no script spells a key.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,8 +54,9 @@ def _needed(libraries: str, body: str) -> str:
     column 0, with the comments above it) that `body` uses, directly or through another, in
     their order: Lua builds a closure or table for each definition at every call, used or not.
     """
-    chunks: list[tuple[set[str], str]] = []
-    lines, pending = [], []
+    chunks: list[list[str]] = []
+    lines: list[str] = []
+    pending: list[str] = []
     for line in libraries.splitlines(keepends=True):
         if line.startswith("local "):
             if lines:
@@ -102,6 +104,11 @@ def _with_literals(text: str) -> str:
     return "".join(_lua_table(name, TABLES[name]) for name in used) + text
 
 
+@functools.cache
+def _source(script: LuaScript) -> str:
+    return _with_literals(script.written)
+
+
 RING_BELL_LUA = f"""
 -- Rings a base queue's doorbell `n` times (worker/doorbell.py): each ring wakes one waiting
 -- worker. The bell keeps its last {BELL_MAX} rings, for {BELL_TTL_S} s after the last one.
@@ -133,8 +140,8 @@ class LuaScript:
     @property
     def source(self) -> str:
         """The full Lua text: named bindings, libraries, body, the contract's prefixes and
-        fields written in as literals (`_with_literals`)."""
-        return _with_literals(self.written)
+        fields written in as literals (`_with_literals`); built once per script."""
+        return _source(self)
 
     @property
     def written(self) -> str:

@@ -27,6 +27,7 @@ from rq.serializers import JSONSerializer
 
 from producer.client import Client
 from producer.contract.codec import load_job_data
+from producer.contract.keys import EXECUTION_PREFIX_CHARS, fence_key
 from producer.contract.models import canonical_model
 from producer.contract.routing import model_queue
 from producer.contract.stream import ENTRIES_FIELD, INLINE_WAKE, decode_inline
@@ -574,7 +575,8 @@ def test_stream_checks_each_lease_only_after_a_reaper_moved_the_workers_fence(re
     redis_client.zadd(f"rq:wip:{lost.queue}", {lost.member: 0}, xx=True)
     other = _adapter(redis_client, name="w2")
     assert other.reap() == ([ids[0]], [])
-    assert redis_client.get(f"pagedq:fence:{lost.queue}:{lost.execution[:12]}") == b"1"
+    fence = fence_key(lost.queue, lost.execution[:EXECUTION_PREFIX_CHARS])
+    assert redis_client.get(fence) == b"1"
     assert bystander.stream([(their_claim, delta, True)]) == [] and zmscores() == before
     assert adapter.stream(step) == [ids[0]]
     assert zmscores() == before + 1
