@@ -128,7 +128,11 @@ def test_sigterm_lets_in_flight_jobs_finish_then_exits_cleanly(workers, client, 
     from producer.contract.schema import GenerationRequest
 
     _, b = workers  # the only one left: the previous test killed the other
-    requests = [GenerationRequest.model_validate(j) for j in _jobs(30, "drain", LONG)]
+    # The first 7 (6 run, 1 claimed ahead) long: a job that ended and waits for its batched END
+    # still reads "started" in its hash, so with short jobs "7 started" could be 6 running and
+    # 1 ended, with nothing claimed ahead to hand back.
+    jobs = _jobs(7, "drain", 2 * LONG) + _jobs(23, "drain-rest")
+    requests = [GenerationRequest.model_validate(j) for j in jobs]
     job_ids = client.enqueue(requests, notify="drain-run")
     deadline = time.monotonic() + 120
 
