@@ -15,7 +15,7 @@ code's scripts too, in the same process, and the table gives both and their rati
     .venv/bin/python bench/redis_instructions.py --baseline /tmp/base --jobs 512 --batch 64
 
 The jobs are the bench's usual ones (a prompt of 208 characters, 200 random tokens each); with
-`--stream`, they are enqueued for an inline stream hub (the gateway's) and each gets
+`--stream`, they are enqueued for an inline stream hub (the gateway's, taking deltas) and each gets
 `--windows` token entries of three tokens before its end. Started and finished registries are
 filled with `--registry` other members first, so that they are skip lists, as in a busy fleet
 (a small one is a listpack, whose every insert parses the scores it passes).
@@ -140,6 +140,7 @@ def child(
     from producer.client import Client
     from producer.contract.keys import result_key, rq_registry_key, rq_wip_key
     from producer.contract.schema import GenerationRequest
+    from producer.contract import stream as stream_format
     from producer.contract.stream import token_entry
     from worker.redis_link import ScriptRunner
     from worker.rq_adapter import RQAdapter
@@ -157,7 +158,9 @@ def child(
             for registry_key in (rq_wip_key("bench"), rq_registry_key("finished", "bench")):
                 if registry:
                     conn.zadd(registry_key, {f"other{i}:x": 4e9 + i for i in range(registry)})
-            wake = "bench-hub:inline" if stream else None
+            # The suffix the gateway's hub takes in the code measured (before DELTAS_WAKE: inline).
+            suffix = getattr(stream_format, "DELTAS_WAKE", stream_format.INLINE_WAKE)
+            wake = "bench-hub" + suffix if stream else None
             requests = [GenerationRequest(prompt=PROMPT, max_tokens=TOKENS) for _ in range(jobs)]
             chunks = [slice(i, i + batch) for i in range(0, jobs, batch)]
             # One job through every step first: each script is loaded before the counting.

@@ -37,7 +37,7 @@ from rq.job import Job
 from producer.connection import async_redis_client, async_xread, is_cluster
 from producer.contract.keys import result_key, stream_key, wake_key
 from producer.contract.shards import hash_tag, shard_name
-from producer.contract.stream import INLINE_WAKE, inline_entries, is_inline
+from producer.contract.stream import DELTAS_WAKE, inline_entries, inline_job_ids, is_inline
 from producer.results import decode_entry, is_final
 
 log = logging.getLogger("pagedq.gateway.streams")
@@ -68,9 +68,10 @@ class StreamHub:
     """Reads the streams of all followed jobs and hands each entry to its follower."""
 
     def __init__(self, redis_url: str, wake_id: str | None = None) -> None:
-        self.wake_id = wake_id or uuid.uuid4().hex + INLINE_WAKE
+        self.wake_id = wake_id or uuid.uuid4().hex + DELTAS_WAKE
         """What this hub's jobs are enqueued with (`Client.enqueue(wake=...)`); by default
-        inline: the workers write the jobs' entries into its wake stream."""
+        inline, of deltas: the workers write the jobs' entries into its wake stream, a token
+        entry as its text alone."""
         # Many requests at once wait for a pooled connection rather than fail.
         self.redis = async_redis_client(
             redis_url, blocking=True, max_connections=POOL_SIZE, timeout=POOL_WAIT_S
@@ -199,7 +200,7 @@ class StreamHub:
             self._wakes[key.decode()] = entries[-1][0].decode()
             for _, fields in entries:
                 by_job = inline_entries(fields)
-                for job_id in fields.get(b"jobs", b"").decode().split():
+                for job_id in inline_job_ids(fields, by_job):
                     inline = by_job.get(job_id)
                     if job_id in self._follows:
                         if inline is None:

@@ -45,7 +45,7 @@ from producer.contract.keys import (
 )
 from producer.contract.lua import LuaScript
 from producer.contract.shards import hash_tag
-from producer.contract.stream import encode_inline, is_inline
+from producer.contract.stream import encode_inline, inline_entry, is_inline
 from worker.claim import Claim
 from worker.redis_link import Command, ScriptCall, SplitCall
 from worker.rq_scripts import (
@@ -515,8 +515,8 @@ class RQAdapter:
                 q = queues.setdefault(claim.queue, len(queues) + 1)
                 lease = f"{q}:{claim.execution.removeprefix(self._execution_prefix)}"
                 if is_inline(claim.wake):
-                    jobs = hubs.setdefault(claim.wake, {})
-                    jobs.setdefault(claim.job_id, (lease, []))[1].append(fields)
+                    job = hubs.setdefault(claim.wake, {}).setdefault(claim.job_id, (lease, []))
+                    job[1].append(inline_entry(claim.wake, fields))
                     continue
                 pairs = _pairs(fields)
                 streams += [claim.job_id, lease, claim.wake, int(set_ttl), len(pairs), *pairs]

@@ -54,7 +54,7 @@ from producer.contract.keys import (
 )
 from producer.contract.lua import RING_BELL_LUA, LuaScript
 from producer.contract.routing import DEFAULT_JOB_COST
-from producer.contract.stream import ENTRIES_FIELD, INLINE_WAKE, RESULT_FIELD
+from producer.contract.stream import DELTAS_WAKE, ENTRIES_FIELD, INLINE_WAKE, RESULT_FIELD
 
 # Defaults a worker passes unless configured: a level of priority per minute of waiting, and the
 # seed's full starvation boost after ten minutes.
@@ -331,7 +331,13 @@ end
 
 -- A hub whose jobs' entries go into its wake stream, not into each job's stream.
 local function is_inline(wake)
-    return string.sub(wake, -{len(INLINE_WAKE)}) == '{INLINE_WAKE}'
+    local tail = string.match(wake, ':%a+$')
+    return tail == '{INLINE_WAKE}' or tail == '{DELTAS_WAKE}'
+end
+
+-- An inline hub that takes a token entry as its delta alone, and its jobs from the entries.
+local function takes_deltas(wake)
+    return string.sub(wake, -{len(DELTAS_WAKE)}) == '{DELTAS_WAKE}'
 end
 
 -- Tells each stream hub in `wakes` (wake id -> job ids, or those ids joined by spaces) which of
@@ -344,7 +350,9 @@ local function tell_wakes(wakes, inline, results)
     local oldest
     for wake, ids in pairs(wakes) do
         local key, data = K.wake .. wake, inline[wake]
-        if type(ids) == 'table' then ids = table.concat(ids, ' ') end
+        if type(ids) == 'table' and not (data and takes_deltas(wake)) then
+            ids = table.concat(ids, ' ')
+        end
         if data then
             if not oldest then
                 local t = redis.call('TIME')
@@ -352,9 +360,12 @@ local function tell_wakes(wakes, inline, results)
                     - {WAKE_RETAIN_MS}
             end
             if type(data) == 'table' then data = cjson.encode(data) end
+            local fields = {{'{ENTRIES_FIELD}', data}}
+            -- A reader of deltas takes its jobs from the keys of the entries.
+            if not takes_deltas(wake) then fields[3], fields[4] = 'jobs', ids end
+            for _, v in ipairs(results[wake] or {{}}) do fields[#fields + 1] = v end
             redis.call('XADD', key, 'MINID', '~', string.format('%d', oldest), '*',
-                'jobs', ids, '{ENTRIES_FIELD}', data,
-                unpack(results[wake] or {{}}))
+                unpack(fields))
         else
             redis.call('XADD', key, 'MAXLEN', '~', {WAKE_MAXLEN}, '*', 'jobs', ids)
         end

@@ -21,6 +21,13 @@ When such a job ends, the wake entry also has the field `result:<job id>`, the v
 result key (when at most `MAX_INLINE_RESULT_CHARS` long; a field of its own, so that the JSON is
 not escaped into `entries`): its reader needs no GET at the end (`inline_entries` puts it in the
 job's final entry as `result`).
+
+A wake id ending in `DELTAS_WAKE` is inline too, for a reader that needs only the text (the
+gateway's StreamHub: OpenAI's streams carry no token ids): a token entry goes into `entries` as
+the JSON string of its delta alone, and the wake entry has no `jobs` field (its jobs are the keys
+of `entries`). That halves the bytes a window of tokens costs Redis to take in, keep and hand
+out. A worker of an older release treats such a wake id as a plain one (job streams, listed
+jobs), which every hub reads too.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ FINAL_EVENTS = (DONE, ERROR)
 MAX_TOKEN_IDS_CHARS = 1 << 20
 # What ends an inline wake id, and the field of an inline wake entry that carries the entries.
 INLINE_WAKE = ":inline"
+DELTAS_WAKE = ":deltas"
 ENTRIES_FIELD = "entries"
 # The longest inline value a reader parses (a window of a hub's jobs is far less).
 MAX_INLINE_CHARS = 1 << 22
@@ -90,10 +98,23 @@ def entry_token_ids(entry: dict[str, str]) -> list[int]:
 
 def is_inline(wake: str) -> bool:
     """True for a wake id whose jobs' entries go into the wake stream itself."""
-    return wake.endswith(INLINE_WAKE)
+    return wake.endswith((INLINE_WAKE, DELTAS_WAKE))
 
 
-def encode_inline(by_job: dict[str, list[dict[str, str]]]) -> str:
+def takes_deltas(wake: str) -> bool:
+    """True for an inline wake id whose token entries are their delta text alone."""
+    return wake.endswith(DELTAS_WAKE)
+
+
+def inline_entry(wake: str, entry: dict[str, str]) -> dict[str, str] | str:
+    """What `entries` carries of `entry` for the reader of `wake`: a token entry's delta alone
+    for a reader of deltas, else the entry."""
+    if entry.get(EVENT) == TOKEN and takes_deltas(wake):
+        return entry.get("delta", "")
+    return entry
+
+
+def encode_inline(by_job: dict[str, list[dict[str, str] | str]]) -> str:
     """The entries of one call, job id -> that job's entries in order, as an inline wake entry
     carries them."""
     return json.dumps(by_job, separators=(",", ":"))
@@ -110,14 +131,25 @@ def decode_inline(raw: str) -> dict[str, list[dict[str, str]]]:
     if not isinstance(by_job, dict):
         return {}
     return {
-        str(job_id): [_fields(e) for e in entries if isinstance(e, dict)]
+        str(job_id): [e for e in map(_fields, entries) if e is not None]
         for job_id, entries in by_job.items()
         if isinstance(entries, list)
     }
 
 
-def _fields(entry: dict) -> dict[str, str]:
-    return {str(k): str(v) for k, v in entry.items()}
+def _fields(entry: object) -> dict[str, str] | None:
+    if isinstance(entry, str):  # a token entry of a reader of deltas
+        return {EVENT: TOKEN, "delta": entry}
+    if isinstance(entry, dict):
+        return {str(k): str(v) for k, v in entry.items()}
+    return None
+
+
+def inline_job_ids(fields: dict[bytes, bytes], by_job: dict[str, list]) -> list[str]:
+    """The jobs a wake entry (its raw fields; `by_job` its inline entries) tells of: those
+    listed in `jobs`, or, without that field (a reader of deltas), those it carries."""
+    listed = fields.get(b"jobs")
+    return listed.decode().split() if listed is not None else list(by_job)
 
 
 def inline_entries(fields: dict[bytes, bytes]) -> dict[str, list[dict[str, str]]]:

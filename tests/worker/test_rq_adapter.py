@@ -30,7 +30,14 @@ from producer.contract.codec import load_job_data
 from producer.contract.keys import EXECUTION_PREFIX_CHARS, fence_key
 from producer.contract.models import canonical_model
 from producer.contract.routing import model_queue
-from producer.contract.stream import ENTRIES_FIELD, INLINE_WAKE, decode_inline
+from producer.contract.stream import (
+    DELTAS_WAKE,
+    ENTRIES_FIELD,
+    INLINE_WAKE,
+    decode_inline,
+    inline_entries,
+    inline_job_ids,
+)
 from worker.claim import Claim
 from worker.redis_link import ScriptRunner
 from worker.rq_adapter import RQAdapter
@@ -622,6 +629,43 @@ def test_an_inline_hubs_jobs_get_their_entries_in_its_wake_stream_only(redis_cli
     step2 = [(claims[a], delta, False), (claims[b], delta, False), (claims[c], delta, True)]
     assert sorted(adapter.stream(step2)) == sorted([a, b])
     assert wake_entries()[2] == ([c], {c: [delta]})
+
+
+def test_a_hub_of_deltas_gets_each_token_entry_as_its_text_alone_and_no_job_list(redis_client):
+    """A wake id ending in DELTAS_WAKE (the gateway's): a token entry goes into `entries` as
+    the JSON string of its delta (no event, no token ids), other entries as objects, and the
+    wake entry has no `jobs` field; readers decode the same entries, less the token ids."""
+    client = Client(connection=redis_client, queue=QUEUE)
+    hub = "hub4" + DELTAS_WAKE
+    a, b = client.enqueue([_as_request({"prompt": p}) for p in ("a", "b")], wake=hub)
+    adapter = _adapter(redis_client)
+    claims = {claim.job_id: claim for claim in adapter.dequeue_many(2)}
+    restart, delta = {"event": "restart"}, {"event": "token", "delta": "x y", "token_ids": "[7]"}
+    step = [(claims[a], restart, True), (claims[a], delta, False), (claims[b], delta, True)]
+    assert adapter.stream(step) == []
+    [(_, fields)] = redis_client.xrange(f"pagedq:wake:{hub}")
+    assert set(fields) == {ENTRIES_FIELD.encode()}
+    assert json.loads(fields[ENTRIES_FIELD.encode()]) == {a: [restart, "x y"], b: ["x y"]}
+    text = {"event": "token", "delta": "x y"}
+    assert inline_entries(fields) == {a: [restart, text], b: [text]}
+    assert inline_job_ids(fields, inline_entries(fields)) == [a, b]
+
+    call = adapter.end_call(claims[b], "finished", _result("finished", b), {"event": "done"})
+    assert adapter.scripts.call(call) == [1]
+    [_, (_, fields)] = redis_client.xrange(f"pagedq:wake:{hub}")
+    assert set(fields) == {ENTRIES_FIELD.encode()}
+    assert inline_entries(fields) == {b: [{"event": "done"}]}
+    assert redis_client.keys("pagedq:stream:*") == []
+
+    # A job whose lease a reaper took is left out (re-encoded without it), the other goes in.
+    [c] = client.enqueue([_as_request({"prompt": "c"})], wake=hub)
+    [claims[c]] = adapter.dequeue_many(1)
+    redis_client.zadd(f"rq:wip:{claims[a].queue}", {claims[a].member: 0}, xx=True)
+    assert _adapter(redis_client, name="w2").reap() == ([a], [])
+    assert adapter.stream([(claims[a], delta, False), (claims[c], delta, True)]) == [a]
+    [*_, (_, fields)] = redis_client.xrange(f"pagedq:wake:{hub}")
+    assert set(fields) == {ENTRIES_FIELD.encode()}
+    assert inline_entries(fields) == {c: [text]}
 
 
 def test_a_job_whose_end_goes_to_an_events_stream_or_a_batch_is_claimed_as_bulk(redis_client):
