@@ -108,7 +108,7 @@ from producer.events import EventFollower  # noqa: E402
 from producer.results import final_results, is_final  # noqa: E402
 from worker.coalesce import AdmissionGate, EndCoalescer, StreamWindow  # noqa: E402
 from worker.doorbell import SAFETY_POLL_S, Doorbell  # noqa: E402
-from worker.endings import JobEnder  # noqa: E402
+from worker.endings import JobEnder, step_calls, step_replies  # noqa: E402
 from worker.engine_loop import MAX_PENDING_ADDS  # noqa: E402
 from worker.inflight import InFlight, StreamState, stream_entries, window_entries  # noqa: E402
 from worker.leases import Leases  # noqa: E402
@@ -518,19 +518,17 @@ class SimWorker:
         if not entries and not ends and not self.endings.pending:
             return
         ends = self.endings.take() + ends
-        calls: list = [self.adapter.stream_call(entries)] if entries else []
-        calls += self.adapter.merge_ends([ending.call for ending in ends])
-        n_entries = len(entries)
-        self.link.run(calls, lambda replies: self._written(replies, n_entries, ends))
+        calls = step_calls(self.adapter, entries, ends)
+        self.link.run(calls, lambda replies: self._written(replies, entries, ends))
 
-    def _written(self, replies: list, n_entries: int, ends: list) -> None:
+    def _written(self, replies: list, entries: list, ends: list) -> None:
         lost = 0
-        if n_entries:
-            lost += len(self.adapter.stream_lost(replies[0]))
-            replies = replies[1:]
-            _add(self.shared.entries, n_entries)
+        streamed, end_replies = step_replies(replies, entries, ends)
+        if streamed is not None:
+            lost += len(self.adapter.stream_lost(streamed))
+            _add(self.shared.entries, len(entries))
         ended = tokens = 0
-        for ending, reply in zip(ends, replies[0] if ends else [], strict=True):
+        for ending, reply in zip(ends, end_replies, strict=True):
             if reply:
                 ended += 1
                 tokens += ending.result.usage.completion_tokens

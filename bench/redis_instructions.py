@@ -109,8 +109,10 @@ class Callgrind:
         self.process.wait(timeout=60)
 
 
-def _end_call(adapter, claim, final: dict, rng: random.Random):
-    """The END of a finished job of TOKENS random tokens."""
+def _end_calls(adapter, claim, final: dict, rng: random.Random) -> tuple[list, object]:
+    """The END of a finished job of TOKENS random tokens, and the SET staging its result
+    before it (as the worker's JobEnder does: not when the result goes to a hub with the end;
+    not in code from before staged results)."""
     from producer.contract.schema import Timings
     from worker.endings import build_result
 
@@ -121,9 +123,14 @@ def _end_call(adapter, claim, final: dict, rng: random.Random):
     result.token_ids = [rng.randrange(49152) for _ in range(TOKENS)]
     result.text = "".join(f" w{rng.randrange(10**5)}" for _ in range(TOKENS))
     summary = {"job_id": claim.job_id}
-    return adapter.end_call(
-        claim, "finished", result.model_dump_json(), (60, TOKENS), final, summary
+    result_json = result.model_dump_json()
+    if final or not hasattr(adapter, "stage_result"):
+        return [], adapter.end_call(claim, "finished", result_json, (60, TOKENS), final, summary)
+    stage = adapter.stage_result(claim, result_json)
+    end = adapter.end_call(
+        claim, "finished", result_json, (60, TOKENS), final, summary, staged=True
     )
+    return [stage], end
 
 
 def child(
@@ -138,9 +145,9 @@ def child(
     """Run the phases with the code of `repo`; print their instructions per job as JSON."""
     sys.path.insert(0, str(repo))
     from producer.client import Client
+    from producer.contract import stream as stream_format
     from producer.contract.keys import result_key, rq_registry_key, rq_wip_key
     from producer.contract.schema import GenerationRequest
-    from producer.contract import stream as stream_format
     from producer.contract.stream import token_entry
     from worker.redis_link import ScriptRunner
     from worker.rq_adapter import RQAdapter
@@ -182,10 +189,12 @@ def child(
                     step = [(claim, token_entry(" a b", entry), w == 0) for claim in claims[c]]
                     runner.run([adapter.stream_call(step)])
             marks.append(cg.take())
-            final = {"event": "done", "finish_reason": "length"} if stream else {}
+            # A hub's job: its result goes with its end (the worker's RESULT_FIELD).
+            final = {"event": "done", "finish_reason": "length", "result": "1"} if stream else {}
             for c in chunks:
-                ends = [_end_call(adapter, claim, final, rng) for claim in claims[c]]
-                runner.run(adapter.merge_ends(ends))
+                made = [_end_calls(adapter, claim, final, rng) for claim in claims[c]]
+                stages = [s for stage, _ in made for s in stage]
+                runner.run([*stages, *adapter.merge_ends([end for _, end in made])])
             marks.append(cg.take())
             keys = [result_key(claim.job_id) for claim in claims]
             for c in chunks:

@@ -30,7 +30,7 @@ from worker.claim import Claim, JobRejected, parse_claim
 from worker.coalesce import AdmissionGate, EndCoalescer, StreamWindow
 from worker.config import WorkerConfig
 from worker.doorbell import SAFETY_POLL_S, Doorbell
-from worker.endings import Ending, JobEnder
+from worker.endings import Ending, JobEnder, step_calls, step_replies
 from worker.endpoints import WorkerHealth
 from worker.engine_loop import (
     AddFailed,
@@ -467,19 +467,15 @@ class ControlLoop:
         """Write stream entries and endings, with every ending waiting in the coalescer, in one
         round trip (one STREAM and one END call)."""
         ends = self.endings.take() + ends
-        calls: list = [self.adapter.stream_call(entries)] if entries else []
-        calls += self.adapter.merge_ends([ending.call for ending in ends])
-        if calls:
-            self.link.run(
-                calls, lambda replies: self._on_step_written(replies, bool(entries), ends)
-            )
+        if calls := step_calls(self.adapter, entries or [], ends):
+            self.link.run(calls, lambda replies: self._on_step_written(replies, entries, ends))
 
-    def _on_step_written(self, replies: list[Any], has_entries: bool, ends: list[Ending]) -> None:
-        if has_entries:
-            for job_id in self.adapter.stream_lost(replies[0]):
+    def _on_step_written(self, replies: list, entries: list | None, ends: list[Ending]) -> None:
+        streamed, ended = step_replies(replies, entries or [], ends)
+        if streamed is not None:
+            for job_id in self.adapter.stream_lost(streamed):
                 self._drop(job_id, "lease lost: stream entry refused")
-            replies = replies[1:]
-        for ending, reply in zip(ends, replies[0] if ends else [], strict=True):
+        for ending, reply in zip(ends, ended, strict=True):
             self.ender.ended(ending, reply)
 
     def _observe_tokens(self, item: InFlight, output: Any, t: float) -> None:

@@ -28,7 +28,7 @@ from worker.claim import Claim
 from worker.inflight import InFlight
 from worker.logs import log_job_end
 from worker.metrics import WorkerMetrics
-from worker.redis_link import RedisLink, ScriptCall
+from worker.redis_link import Call, Command, RedisLink, ScriptCall
 from worker.rq_adapter import RQAdapter
 
 log = structlog.get_logger("pagedq.worker")
@@ -45,6 +45,22 @@ class Ending:
     output: Any = None
     enqueued_at: float | None = None
     claim: Claim | None = None
+    staged: Command | None = None
+    """The SET of the result, to run before `call` in the same batch (RQAdapter.stage_result)."""
+
+
+def step_calls(adapter: RQAdapter, entries: list, ends: list[Ending]) -> list[Call]:
+    """A step's writes, for one batch: its stream entries (one STREAM call), the results its
+    endings staged, then the endings (merged into one END call)."""
+    calls: list[Call] = [adapter.stream_call(entries)] if entries else []
+    calls += [ending.staged for ending in ends if ending.staged is not None]
+    return calls + adapter.merge_ends([ending.call for ending in ends])
+
+
+def step_replies(replies: list[Any], entries: list, ends: list) -> tuple[Any, list[Any]]:
+    """The STREAM reply (None without entries) and the END replies, one per ending, of a batch
+    of `step_calls`."""
+    return (replies[0] if entries else None), (replies[-1] if ends else [])
 
 
 def build_result(
@@ -182,21 +198,28 @@ class JobEnder:
 
     def _ending(
         self, claim: Claim, result: GenerationResult, final: dict[str, str], **end: Any
-    ) -> ScriptCall:
+    ) -> tuple[ScriptCall, Command | None]:
+        """The END call of a job and, unless its result goes to a hub with its end, the SET
+        that stages the result for it."""
         result_json = result.model_dump_json()
+        staged = None
         if final and is_inline(claim.wake) and len(result_json) <= MAX_INLINE_RESULT_CHARS:
             # The hub reads the result with the end (END adds it to the wake entry): no GET of
             # the result key per answer.
             final = {**final, RESULT_FIELD: "1"}
-        return self.adapter.end_call(
+        else:
+            staged = self.adapter.stage_result(claim, result_json)
+        call = self.adapter.end_call(
             claim,
             result.status,
             result_json,
             (result.usage.prompt_tokens, result.usage.completion_tokens),
             final,
             error=result.error,
+            staged=staged is not None,
             **end,
         )
+        return call, staged
 
     # --- the endings -----------------------------------------------------------------------------
 
@@ -211,20 +234,32 @@ class JobEnder:
             "result_key": result_key(item.job_id),
         }
         final = _final(item, done_entry(result.finish_reason))
-        call = self._ending(
+        call, staged = self._ending(
             item.claim,
             result,
             final,
             rq_return_value=summary,
             stream_ttl_set=item.stream.ttl_set,
         )
-        return Ending(item.job_id, "finished", call, result, output, item.enqueued_at, item.claim)
+        return Ending(
+            item.job_id, "finished", call, result, output, item.enqueued_at, item.claim, staged
+        )
 
     def fail(self, item: InFlight, message: str) -> None:
         """End a job as failed for good (the error is in the job, not the worker)."""
         result = self._result(item, item.last_output, "failed", error=message)
-        call = self._ending(item.claim, result, _final(item, error_entry(message)))
-        self.run(Ending(item.job_id, "failed", call, result, item.last_output, item.enqueued_at))
+        call, staged = self._ending(item.claim, result, _final(item, error_entry(message)))
+        self.run(
+            Ending(
+                item.job_id,
+                "failed",
+                call,
+                result,
+                item.last_output,
+                item.enqueued_at,
+                staged=staged,
+            )  # fmt: skip
+        )
 
     def fail_claim(self, claim: Claim, message: str) -> None:
         """Fail a job that never reached the engine (malformed hash, bad request)."""
@@ -238,15 +273,25 @@ class JobEnder:
             timings=Timings(),
             error=message,
         )
-        call = self._ending(claim, result, error_entry(message))
-        self.run(Ending(claim.job_id, "failed", call, result))
+        call, staged = self._ending(claim, result, error_entry(message))
+        self.run(Ending(claim.job_id, "failed", call, result, staged=staged))
 
     def cancel(self, item: InFlight) -> None:
         """End a job as canceled (RQ's canceled registry, error=canceled)."""
         result = self._result(item, item.last_output, "canceled", error="canceled")
         final = _final(item, error_entry("canceled"))
-        call = self._ending(item.claim, result, final)
-        self.run(Ending(item.job_id, "canceled", call, result, item.last_output, item.enqueued_at))
+        call, staged = self._ending(item.claim, result, final)
+        self.run(
+            Ending(
+                item.job_id,
+                "canceled",
+                call,
+                result,
+                item.last_output,
+                item.enqueued_at,
+                staged=staged,
+            )  # fmt: skip
+        )
 
     def requeue(self, items: list[InFlight], *, count_crash: bool, reason: str) -> None:
         """Put jobs back at the front of their queues; a crash counts against each job."""
@@ -267,7 +312,8 @@ class JobEnder:
 
     def run(self, ending: Ending) -> None:
         """Run one ending's script now (or when Redis is back), then record it."""
-        self.link.run([ending.call], lambda replies: self.ended(ending, replies[0][0]))
+        calls = [ending.staged, ending.call] if ending.staged else [ending.call]
+        self.link.run(calls, lambda replies: self.ended(ending, replies[-1][0]))
 
     def ended(self, ending: Ending, reply: Any) -> None:
         """The ending script ran: count, observe and log the end unless the lease was lost."""

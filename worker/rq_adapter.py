@@ -41,6 +41,7 @@ from producer.contract.keys import (
     rq_wip_key,
     rq_worker_key,
     rq_workers_of_key,
+    staged_result_key,
     weights_key,
 )
 from producer.contract.lua import LuaScript
@@ -322,8 +323,7 @@ class RQAdapter:
         call = _call(
             DEQUEUE,
             args={
-                "now": t,
-                "lease_ttl": self.lease_ttl,
+                "lease_deadline": f"{t + self.lease_ttl:.3f}",
                 "worker_name": self.name,
                 # Each job's execution id (fencing token) is this, then its number in the call.
                 "execution": f"{self._execution_prefix}{self._execution_seq:x}-",
@@ -378,9 +378,11 @@ class RQAdapter:
         *,
         error: str | None = None,
         stream_ttl_set: bool = False,
+        staged: bool = False,
     ) -> ScriptCall:
         """The fenced script that ends a held job as finished, failed or canceled; calls of
-        one moment merge into one (`merge_ends`).
+        one moment merge into one (`merge_ends`). With `staged`, the result is not passed:
+        `stage_result(claim, result_json)` must run before it in the same batch.
 
         `usage` is the result's (prompt_tokens, completion_tokens). `final_entry` is the
         stream's done/error entry, {} for a job that does not stream. RQ's result entry, for
@@ -390,8 +392,8 @@ class RQAdapter:
         ended, [0] = lease lost.
         """
         rest = self._ending(
-            claim, status, result_json, usage, final_entry, rq_return_value, error,
-            stream_ttl_set,
+            claim, status, "" if staged else result_json, usage, final_entry, rq_return_value,
+            error, stream_ttl_set,
         )  # fmt: skip
         return _call(
             END,
@@ -399,6 +401,14 @@ class RQAdapter:
             rest_keys=[rq_job_key(claim.job_id), *self._worker_keys()],
             rest=rest,
         )
+
+    def stage_result(self, claim: Claim, result_json: str) -> Command:
+        """The SET of a result ahead of its END (`end_call(staged=True)`, in the same batch),
+        which renames it to the result key: the JSON never enters Lua, where every string is
+        hashed byte by byte and copied twice (~25,000 instructions for 3 KB). Its TTL is the
+        result's, which the rename keeps."""
+        key = staged_result_key(claim.job_id, claim.execution)
+        return Command("SET", [key, result_json, "EX", self.result_ttl])
 
     def bell_keys(self) -> list[str]:
         """The doorbells of the base queues this worker serves, every shard's

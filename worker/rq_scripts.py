@@ -434,7 +434,8 @@ local function end_job(acc, s, job_id, queue, member, status, ended_at, score, t
         c.used = c.used + used
     end
     if s.batch then count_in_batch(s.batch, status, prompt_tokens, completion_tokens) end
-    redis.call('SET', K.result .. job_id, result_json, 'EX', ttl)
+    -- '' : the result was staged and END renamed it (take_staged).
+    if result_json ~= '' then redis.call('SET', K.result .. job_id, result_json, 'EX', ttl) end
     if #final_fields > 0 then
         if s.wake and is_inline(s.wake) then
             local entry = {{}}
@@ -519,6 +520,20 @@ local function ending_at(i)
     return e, i + E_LEN + n_rq + n_final
 end
 
+-- An ending whose `result` is '' had its result written ahead by its worker, beside this call
+-- (staged_result_key, with the result's TTL): renamed to the result key, so that the JSON never
+-- enters Lua. False when it is gone (evicted): the job is then not ended.
+local function take_staged(e)
+    local r = redis.pcall('RENAME', K.staged .. e.job_id .. ':' .. e.execution,
+        K.result .. e.job_id)
+    return not (type(r) == 'table' and r.err)
+end
+
+-- A staged result whose job this call does not end (lease lost, or a repeated call).
+local function drop_staged(e)
+    if e.result == '' then redis.call('DEL', K.staged .. e.job_id .. ':' .. e.execution) end
+end
+
 local function end_with(acc, s, e, status, maxlen)
     end_job(acc, s, e.job_id, e.queue, e.job_id .. ':' .. e.execution, status, e.ended_at,
         e.score, e.ttl, e.result, tonumber(e.prompt_tokens), tonumber(e.completion_tokens),
@@ -540,8 +555,7 @@ _ENDING_LIBS = (UTIL_LUA, CHARGE_LUA, END_LUA, ENDING_LUA)
 DEQUEUE = LuaScript(
     "dequeue",
     args=(
-        "now",
-        "lease_ttl",
+        "lease_deadline",
         "worker_name",
         "execution",
         "started_at",
@@ -558,16 +572,17 @@ local limit = tonumber(a_max_priority)
 local bases = {}
 for i = KEYS_REST, #KEYS do bases[#bases + 1] = string.sub(KEYS[i], string.len(RQ.queue) + 1) end
 local max_jobs, ahead = tonumber(a_max_jobs), tonumber(a_ahead)
+local aging_s, max_wait_s = tonumber(a_aging_s), tonumber(a_max_wait_s)
 -- Reading 2 x `ahead` ids more tells whether `ahead` would stay queued after the extra ones.
 local P = pq_picker(bases, max_jobs + 2 * ahead, tonumber(a_max_pops))
--- Leases are on the workers' clock, as the heartbeat and the reaper keep them; the deadline is
--- printed once here, not by Lua for each job's ZADD argument (a float of 17 digits each).
-local deadline = string.format('%.3f', tonumber(a_now) + tonumber(a_lease_ttl))
+-- Leases are on the workers' clock, as the heartbeat and the reaper keep them; the worker
+-- prints the deadline (Lua would parse and print a float of 17 digits: ~8,000 instructions).
+local deadline = a_lease_deadline
 local taken, wip, cancels = {}, {}, {}
 for n = 1, max_jobs + ahead do
     local extra = n > max_jobs
     if extra and pq_left(P) <= ahead then break end
-    local picked = pq_pick(P, tonumber(a_aging_s), tonumber(a_max_wait_s), limit, extra)
+    local picked = pq_pick(P, aging_s, max_wait_s, limit, extra)
     if not picked then break end
     local f, id = picked.f, picked.id
     local execution = a_execution .. string.format('%x', n)
@@ -617,9 +632,11 @@ return {tostring(best)}
 )
 
 # ARGV after the named ones: endings (ENDING_FIELDS and their entries), one per job.
-# Ends each held job as finished, failed or canceled. Returns per job 1 when ended, 2 when
-# this execution had already ended it so (a call repeated after a lost reply: nothing written
-# again), 0 when this execution no longer holds it (nothing written for it).
+# Ends each held job as finished, failed or canceled (an ending whose `result` is '' renames
+# the result its worker staged: take_staged). Returns per job 1 when ended, 2 when this
+# execution had already ended it so (a call repeated after a lost reply: nothing written
+# again), 0 when this execution no longer holds it, or its staged result is gone (nothing
+# written for it).
 END = LuaScript(
     "end",
     args=("maxlen", "counters"),
@@ -631,14 +648,16 @@ local i = REST
 while i <= #ARGV do
     local e, next_i = ending_at(i)
     local s = job_state(RQ.job .. e.job_id)
-    if held_by(s, e.execution) then
+    if held_by(s, e.execution) and (e.result ~= '' or take_staged(e)) then
         end_with(acc, s, e, e.status, a_maxlen)
         replies[#replies + 1] = 1
     elseif s.execution == e.execution and s.status == e.status then
         -- This execution's own ending, sent again after its reply was lost (the first call
         -- ran while the connection was cut): ended once, and by this worker.
+        drop_staged(e)
         replies[#replies + 1] = 2
     else
+        drop_staged(e)
         replies[#replies + 1] = 0
     end
     i = next_i

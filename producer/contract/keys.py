@@ -42,6 +42,9 @@ GENERATE_FUNC = "pagedq.generate"
 # Prefixes by name: Python builds keys with them, and the Lua scripts get the same table (`K`).
 PAGEDQ = {
     "result": "pagedq:result:",  # + job id: the GenerationResult JSON, the one full copy
+    # + job id + ":" + execution: a result its worker wrote beside the END that renames it to
+    # the result key when that execution still holds the job (the JSON never enters Lua)
+    "staged": "pagedq:staged:",
     "stream": "pagedq:stream:",  # + job id: token deltas, then a done/error entry
     "cancel": "pagedq:cancel:",  # + job id: "1" asks workers to cancel the job
     "worker": "pagedq:worker:",  # + worker name: its status JSON (pagedq status/diagnose/top)
@@ -112,6 +115,12 @@ JOB_FIELDS = {
 def result_key(job_id: str) -> str:
     """Key of the plain JSON GenerationResult of a job."""
     return PAGEDQ["result"] + job_id
+
+
+def staged_result_key(job_id: str, execution: str) -> str:
+    """Key of a result written ahead of its END, which renames it to `result_key` (or drops it
+    when `execution` no longer holds the job)."""
+    return f"{PAGEDQ['staged']}{job_id}:{execution}"
 
 
 def stream_key(job_id: str) -> str:

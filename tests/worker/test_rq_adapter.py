@@ -179,6 +179,49 @@ def test_finish_writes_rq_state_the_result_key_and_the_final_entry_in_one_script
     assert _fetch(redis_client, job_id).get_status() == "finished"
 
 
+def test_a_staged_result_becomes_the_result_key_only_through_the_end_that_holds_the_job(
+    redis_client,
+):
+    """`stage_result` SETs the result beside END, which renames it to the result key (TTL
+    kept) when its execution holds the job; a repeated END, a lost lease and a staged result
+    that is gone (evicted) leave no staged key and write no result."""
+    client = Client(connection=redis_client, queue=QUEUE)
+    a, b, c = (client.submit(prompt=p) for p in ("a", "b", "c"))
+    adapter = _adapter(redis_client)
+    claims = {claim.job_id: claim for claim in adapter.dequeue_many(3)}
+
+    def staged(job_id: str) -> list:
+        result = _result("finished", job_id)
+        return [
+            adapter.stage_result(claims[job_id], json.dumps(result)),
+            adapter.end_call(claims[job_id], "finished", result, {}, staged=True),
+        ]
+
+    assert adapter.scripts.run(staged(a)) == [True, [1]]
+    assert json.loads(redis_client.get(f"pagedq:result:{a}"))["job_id"] == a
+    assert 590 <= redis_client.ttl(f"pagedq:result:{a}") <= 600
+    assert _fetch(redis_client, a).get_status() == "finished"
+    assert redis_client.keys("pagedq:staged:*") == []
+    # Sent again (its reply lost): ended once already, its second staged copy dropped.
+    assert adapter.scripts.run(staged(a)) == [True, [2]]
+    assert redis_client.keys("pagedq:staged:*") == []
+
+    # A lease a reaper took: no result, no staged key left.
+    redis_client.zadd(f"rq:wip:{claims[b].queue}", {claims[b].member: 0}, xx=True)
+    assert _adapter(redis_client, name="w2").reap() == ([b], [])
+    assert adapter.scripts.run(staged(b)) == [True, [0]]
+    assert redis_client.exists(f"pagedq:result:{b}") == 0
+    assert redis_client.keys("pagedq:staged:*") == []
+
+    # The staged result gone before its END ran (evicted): the job is not ended (its lease
+    # runs out and it runs again), nothing of its end is written.
+    [stage, end] = staged(c)
+    assert adapter.scripts.call(end) == [0]
+    assert _fetch(redis_client, c).get_status() == "started"
+    assert redis_client.exists(f"pagedq:result:{c}") == 0
+    assert _registries(redis_client)["finished"] == [a]
+
+
 def test_fail_and_cancel_land_in_rqs_failed_and_canceled_registries(redis_client):
     client = Client(connection=redis_client, queue=QUEUE)
     bad, gone = client.submit(prompt="a"), client.submit(prompt="b")
