@@ -258,7 +258,7 @@ class JobEnder:
                 item.last_output,
                 item.enqueued_at,
                 staged=staged,
-            )  # fmt: skip
+            )
         )
 
     def fail_claim(self, claim: Claim, message: str) -> None:
@@ -290,7 +290,7 @@ class JobEnder:
                 item.last_output,
                 item.enqueued_at,
                 staged=staged,
-            )  # fmt: skip
+            )
         )
 
     def requeue(self, items: list[InFlight], *, count_crash: bool, reason: str) -> None:
