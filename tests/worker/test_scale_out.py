@@ -17,8 +17,9 @@ from producer.contract.keys import rq_job_key
 pytestmark = pytest.mark.slow
 
 QUEUE = "q-scale"
-# Few slots per worker, so a burst of jobs has to spread over both.
-SLOTS = ("--max-num-seqs", "6")
+# Few slots per worker, so a burst of jobs has to spread over both; a drain long enough for the
+# SIGTERM test's long jobs on a slow, loaded host (they took over 30 s, the default, there).
+SLOTS = ("--max-num-seqs", "6", "--drain-timeout", "150")
 # Tokens of the jobs whose claims ahead the tests watch: long enough that a worker's slots stay
 # full across several of its status keys (written every 0.5 s), on a fast host too.
 LONG = 48
@@ -148,8 +149,9 @@ def test_sigterm_lets_in_flight_jobs_finish_then_exits_cleanly(workers, client, 
         assert time.monotonic() < deadline, b.log_tail()
         time.sleep(0.02)
 
-    assert b.stop(timeout=60) == 0
+    assert b.stop(timeout=180) == 0
     assert "jobs not begun handed back" in b.log_tail(100_000)
+    assert "requeueing unfinished jobs" not in b.log_tail(100_000)  # the drain ran them all
     assert f"rq:worker:{b.name}".encode() not in client.redis.smembers("rq:workers")
     assert client.redis.get(f"pagedq:worker:{b.name}") is None
     by_b = {j for j in job_ids if client.status(j) == "finished"}
