@@ -636,18 +636,28 @@ def test_stream_checks_each_lease_only_after_a_reaper_moved_the_workers_fence(re
     assert lengths() == {ids[0]: 2, ids[1]: 4, ids[2]: 4}
 
 
+RESTART = {"event": "restart"}
+
+
+def _two_hub_jobs_streamed(redis_client, hub: str, delta: dict):
+    """Two jobs enqueued for `hub` and claimed, then one step streamed: RESTART and `delta` for
+    the first, `delta` for the second. Returns the client, the adapter, the claims by job id
+    and the two job ids."""
+    client = Client(connection=redis_client, queue=QUEUE)
+    a, b = client.enqueue([_as_request({"prompt": p}) for p in ("a", "b")], wake=hub)
+    adapter = _adapter(redis_client)
+    claims = {claim.job_id: claim for claim in adapter.dequeue_many(2)}
+    step = [(claims[a], RESTART, True), (claims[a], delta, False), (claims[b], delta, True)]
+    assert adapter.stream(step) == []
+    return client, adapter, claims, (a, b)
+
+
 def test_an_inline_hubs_jobs_get_their_entries_in_its_wake_stream_only(redis_client):
     """For a hub whose wake id is inline, one wake entry per call carries the entries of all its
     jobs (a JSON object by job, each job's entries in order), and no job stream is written; the
     final entry comes the same way; the fence holds as for job streams."""
-    client = Client(connection=redis_client, queue=QUEUE)
-    hub = "hub3" + INLINE_WAKE
-    a, b = client.enqueue([_as_request({"prompt": p}) for p in ("a", "b")], wake=hub)
-    adapter = _adapter(redis_client)
-    claims = {claim.job_id: claim for claim in adapter.dequeue_many(2)}
-    restart, delta = {"event": "restart"}, {"event": "token", "delta": "x", "token_ids": "[7]"}
-    step = [(claims[a], restart, True), (claims[a], delta, False), (claims[b], delta, True)]
-    assert adapter.stream(step) == []
+    hub, delta = "hub3" + INLINE_WAKE, {"event": "token", "delta": "x", "token_ids": "[7]"}
+    client, adapter, claims, (a, b) = _two_hub_jobs_streamed(redis_client, hub, delta)
 
     def wake_entries() -> list[tuple[list[str], dict]]:
         out = []
@@ -656,7 +666,7 @@ def test_an_inline_hubs_jobs_get_their_entries_in_its_wake_stream_only(redis_cli
             out.append((jobs, decode_inline(fields[ENTRIES_FIELD.encode()].decode())))
         return out
 
-    assert wake_entries() == [(sorted([a, b]), {a: [restart, delta], b: [delta]})]
+    assert wake_entries() == [(sorted([a, b]), {a: [RESTART, delta], b: [delta]})]
     call = adapter.end_call(claims[b], "finished", _result("finished", b), {"event": "done"})
     assert adapter.scripts.call(call) == [1]
     assert wake_entries()[1] == ([b], {b: [{"event": "done"}]})
@@ -678,19 +688,13 @@ def test_a_hub_of_deltas_gets_each_token_entry_as_its_text_alone_and_no_job_list
     """A wake id ending in DELTAS_WAKE (the gateway's): a token entry goes into `entries` as
     the JSON string of its delta (no event, no token ids), other entries as objects, and the
     wake entry has no `jobs` field; readers decode the same entries, less the token ids."""
-    client = Client(connection=redis_client, queue=QUEUE)
-    hub = "hub4" + DELTAS_WAKE
-    a, b = client.enqueue([_as_request({"prompt": p}) for p in ("a", "b")], wake=hub)
-    adapter = _adapter(redis_client)
-    claims = {claim.job_id: claim for claim in adapter.dequeue_many(2)}
-    restart, delta = {"event": "restart"}, {"event": "token", "delta": "x y", "token_ids": "[7]"}
-    step = [(claims[a], restart, True), (claims[a], delta, False), (claims[b], delta, True)]
-    assert adapter.stream(step) == []
+    hub, delta = "hub4" + DELTAS_WAKE, {"event": "token", "delta": "x y", "token_ids": "[7]"}
+    client, adapter, claims, (a, b) = _two_hub_jobs_streamed(redis_client, hub, delta)
     [(_, fields)] = redis_client.xrange(f"pagedq:wake:{hub}")
     assert set(fields) == {ENTRIES_FIELD.encode()}
-    assert json.loads(fields[ENTRIES_FIELD.encode()]) == {a: [restart, "x y"], b: ["x y"]}
+    assert json.loads(fields[ENTRIES_FIELD.encode()]) == {a: [RESTART, "x y"], b: ["x y"]}
     text = {"event": "token", "delta": "x y"}
-    assert inline_entries(fields) == {a: [restart, text], b: [text]}
+    assert inline_entries(fields) == {a: [RESTART, text], b: [text]}
     assert inline_job_ids(fields, inline_entries(fields)) == [a, b]
 
     call = adapter.end_call(claims[b], "finished", _result("finished", b), {"event": "done"})
