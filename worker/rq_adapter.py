@@ -17,7 +17,7 @@ import sys
 import time
 import zlib
 from base64 import b64encode
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -32,6 +32,8 @@ from producer.contract.keys import (
     RQ_RESULT_SUCCESSFUL,
     RQ_WORKERS,
     STREAM_MAXLEN,
+    WAKE_RETAIN_MS,
+    WAKE_TTL_S,
     bell_key,
     cancel_key,
     fence_key,
@@ -76,6 +78,8 @@ RQ_RESULTS_CHOICES = ("plain", "all")
 MAX_PEEKS = 4
 # How many expired leases one reaper call handles per queue (the rest on the next call).
 REAP_LIMIT = 100
+# Hubs whose wake-stream renewal a worker remembers before it forgets the renewed ones.
+MAX_WAKES_TRACKED = 1024
 
 
 def rq_date(t: float) -> str:
@@ -180,6 +184,24 @@ class RQAdapter:
         self._execution_prefix = os.urandom(EXECUTION_PREFIX_CHARS // 2).hex()
         # queue -> the value of this worker's lease fence there that its STREAM calls last saw
         self._fences: dict[str, str] = {}
+        # wake id -> when this worker renews that hub's wake stream TTL next (wake_args)
+        self._wake_renew_at: dict[str, float] = {}
+
+    def wake_args(self, wakes: Iterable[str | None]) -> dict[str, Any]:
+        """The wake-stream arguments of a call writing to the hubs `wakes`: the oldest entry id
+        an inline stream keeps (this clock's ms less WAKE_RETAIN_MS), and the TTL to renew,
+        0 unless one of them was not renewed by this worker within a quarter of the TTL (its
+        first call to a hub renews it). A stream that lost its TTL (evicted and written again)
+        gets it back at this worker's next renewal."""
+        now = time.time()
+        ttl = 0
+        for wake in wakes:
+            if wake and self._wake_renew_at.get(wake, 0.0) <= now:
+                if len(self._wake_renew_at) >= MAX_WAKES_TRACKED:
+                    self._wake_renew_at = {w: t for w, t in self._wake_renew_at.items() if t > now}
+                self._wake_renew_at[wake] = now + WAKE_TTL_S / 4
+                ttl = WAKE_TTL_S
+        return {"wake_minid": str(int(now * 1000) - WAKE_RETAIN_MS), "wake_ttl": ttl}
 
     @property
     def worker_ttl(self) -> int:
@@ -397,7 +419,8 @@ class RQAdapter:
         )  # fmt: skip
         return _call(
             END,
-            args={"maxlen": STREAM_MAXLEN, "counters": int(self.counters)},
+            args={"maxlen": STREAM_MAXLEN, "counters": int(self.counters)}
+            | self.wake_args([claim.wake] if final_entry else []),
             rest_keys=[rq_job_key(claim.job_id), *self._worker_keys()],
             rest=rest,
         )
@@ -425,17 +448,19 @@ class RQAdapter:
             return list(calls)
         groups = _by_shard(calls, lambda c: hash_tag(c.keys[0]))
         named = len(END.args)
+        ttl = END.args.index("wake_ttl")
+
+        def args(indexes: list[int]) -> list[Any]:
+            first = list(calls[indexes[0]].args[:named])
+            # Any of the endings may be the one that renews its hub's TTL.
+            first[ttl] = max(calls[i].args[ttl] for i in indexes)
+            return [*first, *(a for i in indexes for a in calls[i].args[named:])]
+
         merged = [
-            ScriptCall(
-                END,
-                [*(calls[i].keys[0] for i in indexes), *self._worker_keys()],
-                [
-                    *calls[indexes[0]].args[:named],
-                    *(a for i in indexes for a in calls[i].args[named:]),
-                ],
-            )
+            ScriptCall(END, [*(calls[i].keys[0] for i in indexes), *self._worker_keys()],
+                       args(indexes))
             for indexes in groups.values()
-        ]
+        ]  # fmt: skip
         if len(merged) == 1:
             return merged
         return [SplitCall(merged, merge=_in_order(groups, len(calls)))]
@@ -454,7 +479,9 @@ class RQAdapter:
         crash = {"count_crash": int(count_crash), "max_crashes": self.max_crashes}
         return _call(
             REQUEUE,
-            args=crash | {"maxlen": STREAM_MAXLEN, "counters": int(self.counters)},
+            args=crash
+            | {"maxlen": STREAM_MAXLEN, "counters": int(self.counters)}
+            | self.wake_args([claim.wake]),
             rest_keys=[rq_job_key(claim.job_id), *self._worker_keys()],
             rest=rest,
         )
@@ -541,20 +568,29 @@ class RQAdapter:
                 data = encode_inline({job_id: e for job_id, (_, e) in jobs.items()})
                 leases = " ".join(lease for lease, _ in jobs.values())
                 rest += [wake, data, " ".join(jobs), leases]
+            wakes = [*hubs, *(entries[i][0].wake for i in indexes if entries[i][0].wake)]
             calls.append(_call(STREAM, args={"maxlen": STREAM_MAXLEN,
                                              "stream_ttl": self.stream_ttl,
                                              "prefix": self._execution_prefix,
                                              "n_queues": len(queues),
-                                             "n_streams": n_streams},
+                                             "n_streams": n_streams} | self.wake_args(wakes),
                                rest_keys=keys, rest=rest))  # fmt: skip
         if len(calls) == 1:
             return calls[0]
-        return SplitCall(calls, merge=lambda replies: [_concat(r[0] for r in replies),
-                                                       _concat(r[1] for r in replies)])  # fmt: skip
+        # A shard's reply is 0 when it refused nothing and saw no fence move.
+        return SplitCall(
+            calls,
+            merge=lambda replies: [
+                _concat(r[0] for r in replies if r),
+                _concat(r[1] for r in replies if r),
+            ],
+        )
 
     def stream_lost(self, reply: Any) -> list[str]:
         """The job ids a STREAM reply refused (their lease was lost); remembers the lease fences
         it saw move, so that the next calls check leases only when a fence moves again."""
+        if not reply:  # 0: nothing refused, no fence moved
+            return []
         lost, fences = reply
         for i in range(0, len(fences), 2):
             self._fences[fences[i].decode()] = fences[i + 1].decode()
@@ -621,6 +657,9 @@ class RQAdapter:
             "stream_ttl": self.stream_ttl,
             "maxlen": STREAM_MAXLEN,
             "limit": REAP_LIMIT,
+            # The hubs of the jobs it ends are not known here: a rare call renews every TTL.
+            "wake_minid": str(int(t * 1000) - WAKE_RETAIN_MS),
+            "wake_ttl": WAKE_TTL_S,
         }
         by_tag = _by_shard(self.all_queues(), hash_tag)
         queues = self.all_queues()

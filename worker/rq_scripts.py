@@ -50,7 +50,6 @@ from producer.contract.keys import (
     FENCE_TTL_S,
     WAKE_MAXLEN,
     WAKE_RETAIN_MS,
-    WAKE_TTL_S,
 )
 from producer.contract.lua import RING_BELL_LUA, LuaScript
 from producer.contract.routing import DEFAULT_JOB_COST
@@ -345,31 +344,28 @@ end
 -- JSON object of job id -> entries, encoded or as a table) and the results of its jobs that
 -- ended (`results`: wake id -> field/value pairs `{RESULT_FIELD}:<job id>`, the result JSON; not
 -- inside the JSON object, which would escape them): one entry per hub and call, not one per
--- job. An inline stream keeps {WAKE_RETAIN_MS} ms of entries, whatever the fleet writes.
-local function tell_wakes(wakes, inline, results)
-    local oldest
+-- job. An inline stream keeps the entries from `minid` on (ms: the caller's clock less
+-- {WAKE_RETAIN_MS} ms, as a lease's deadline is the worker's clock; Redis's TIME and the
+-- arithmetic on its two strings cost a call some 15,000 instructions), whatever the fleet
+-- writes. `ttl` '0' leaves each stream's TTL alone: a worker renews it on its first call to a
+-- hub and then every quarter of the TTL (RQAdapter.wake_args), not at every call.
+local function tell_wakes(wakes, inline, results, minid, ttl)
     for wake, ids in pairs(wakes) do
         local key, data = K.wake .. wake, inline[wake]
         if type(ids) == 'table' and not (data and takes_deltas(wake)) then
             ids = table.concat(ids, ' ')
         end
         if data then
-            if not oldest then
-                local t = redis.call('TIME')
-                oldest = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-                    - {WAKE_RETAIN_MS}
-            end
             if type(data) == 'table' then data = cjson.encode(data) end
             local fields = {{'{ENTRIES_FIELD}', data}}
             -- A reader of deltas takes its jobs from the keys of the entries.
             if not takes_deltas(wake) then fields[3], fields[4] = 'jobs', ids end
             for _, v in ipairs(results[wake] or {{}}) do fields[#fields + 1] = v end
-            redis.call('XADD', key, 'MINID', '~', string.format('%d', oldest), '*',
-                unpack(fields))
+            redis.call('XADD', key, 'MINID', '~', minid, '*', unpack(fields))
         else
             redis.call('XADD', key, 'MAXLEN', '~', {WAKE_MAXLEN}, '*', 'jobs', ids)
         end
-        redis.call('EXPIRE', key, {WAKE_TTL_S})
+        if ttl ~= '0' then redis.call('EXPIRE', key, ttl) end
     end
 end
 
@@ -472,15 +468,15 @@ local function tell_events(ids, statuses)
     end
 end
 
--- worker_key '' for the reaper: the worker is dead, no counters.
-local function flush(acc, worker_key)
+-- worker_key '' for the reaper: the worker is dead, no counters. `minid`, `ttl`: tell_wakes'.
+local function flush(acc, worker_key, minid, ttl)
     for key, members in pairs(acc.zrem) do redis.call('ZREM', key, unpack(members)) end
     for key, args in pairs(acc.zadd) do redis.call('ZADD', key, unpack(args)) end
     if worker_key ~= '' then
         for field, n in pairs(acc.counters) do redis.call('HINCRBY', worker_key, field, n) end
     end
     for _, c in pairs(acc.charges) do pq_charge(c.root, c.tenant, c.delta, c.used) end
-    tell_wakes(acc.wakes, acc.inline, acc.results)
+    tell_wakes(acc.wakes, acc.inline, acc.results, minid, ttl)
     tell_events(acc.ended_ids, acc.ended_statuses)
 end
 """
@@ -639,7 +635,7 @@ return {tostring(best)}
 # written for it).
 END = LuaScript(
     "end",
-    args=("maxlen", "counters"),
+    args=("maxlen", "counters", "wake_minid", "wake_ttl"),
     libraries=_ENDING_LIBS,
     body="""
 local k_worker = a_counters == '1' and KEYS[#KEYS] or ''
@@ -662,7 +658,7 @@ while i <= #ARGV do
     end
     i = next_i
 end
-flush(acc, k_worker)
+flush(acc, k_worker, a_wake_minid, a_wake_ttl)
 return replies
 """,
 )
@@ -674,7 +670,7 @@ return replies
 # held.
 REQUEUE = LuaScript(
     "requeue",
-    args=("count_crash", "max_crashes", "maxlen", "counters"),
+    args=("count_crash", "max_crashes", "maxlen", "counters", "wake_minid", "wake_ttl"),
     libraries=_ENDING_LIBS,
     body="""
 local k_worker = a_counters == '1' and KEYS[#KEYS] or ''
@@ -687,7 +683,7 @@ if a_count_crash == '1' then
     if crashes >= tonumber(a_max_crashes) then
         local acc = new_acc()
         end_with(acc, s, e, 'failed', a_maxlen)
-        flush(acc, k_worker)
+        flush(acc, k_worker, a_wake_minid, a_wake_ttl)
         return 2
     end
 end
@@ -716,10 +712,10 @@ return 1
 # whose lease was lost): the script's work does not grow with the jobs, only with their bytes.
 # The wake id comes from the caller, which read it with the job (DEQUEUE).
 # Returns {the job ids whose entries were refused (the lease was lost), (queue, fence) pairs of
-# the fences that moved}.
+# the fences that moved}, or 0 for neither.
 STREAM = LuaScript(
     "stream",
-    args=("maxlen", "stream_ttl", "prefix", "n_queues", "n_streams"),
+    args=("maxlen", "stream_ttl", "prefix", "n_queues", "n_streams", "wake_minid", "wake_ttl"),
     libraries=(UTIL_LUA, CHARGE_LUA, END_LUA),
     body="""
 local n_queues, n_streams = tonumber(a_n_queues), tonumber(a_n_streams)
@@ -800,7 +796,9 @@ while i <= #ARGV do
         inline[wake] = data
     end
 end
-tell_wakes(wakes, inline, {})
+tell_wakes(wakes, inline, {}, a_wake_minid, a_wake_ttl)
+-- The common reply, an integer: a table costs the conversion of each of its levels.
+if #lost == 0 and #fences == 0 then return 0 end
 return {lost, fences}
 """,
 )
@@ -861,6 +859,8 @@ REAP = LuaScript(
         "stream_ttl",
         "maxlen",
         "limit",
+        "wake_minid",
+        "wake_ttl",
     ),
     libraries=(UTIL_LUA, CHARGE_LUA, END_LUA),
     body="""
@@ -913,7 +913,7 @@ for k = KEYS_REST, #KEYS do
         redis.call('ZREMRANGEBYSCORE', RQ[registry] .. queue, '-inf', now)
     end
 end
-flush(acc, '')
+flush(acc, '', a_wake_minid, a_wake_ttl)
 return {requeued, failed}
 """,
 )

@@ -27,7 +27,7 @@ from rq.serializers import JSONSerializer
 
 from producer.client import Client
 from producer.contract.codec import load_job_data
-from producer.contract.keys import EXECUTION_PREFIX_CHARS, fence_key
+from producer.contract.keys import EXECUTION_PREFIX_CHARS, WAKE_RETAIN_MS, WAKE_TTL_S, fence_key
 from producer.contract.models import canonical_model
 from producer.contract.routing import model_queue
 from producer.contract.stream import (
@@ -682,6 +682,34 @@ def test_an_inline_hubs_jobs_get_their_entries_in_its_wake_stream_only(redis_cli
     step2 = [(claims[a], delta, False), (claims[b], delta, False), (claims[c], delta, True)]
     assert sorted(adapter.stream(step2)) == sorted([a, b])
     assert wake_entries()[2] == ([c], {c: [delta]})
+
+
+def test_a_worker_renews_a_hubs_wake_stream_ttl_on_its_first_call_then_each_quarter_ttl(
+    redis_client, monkeypatch
+):
+    """The first STREAM or END call of a worker to a hub gives the hub's wake stream its TTL;
+    later calls leave it alone until a quarter of the TTL has passed on the worker's clock,
+    whose milliseconds less WAKE_RETAIN_MS are the oldest entry id an inline stream keeps."""
+    hub, delta = "hub5" + DELTAS_WAKE, {"event": "token", "delta": "x", "token_ids": "[7]"}
+    client, adapter, claims, (a, b) = _two_hub_jobs_streamed(redis_client, hub, delta)
+    key = f"pagedq:wake:{hub}"
+    assert WAKE_TTL_S - 5 <= redis_client.ttl(key) <= WAKE_TTL_S
+    redis_client.persist(key)  # as if the stream had lost its TTL (evicted, written again)
+    assert adapter.stream([(claims[a], delta, False)]) == []
+    call = adapter.end_call(claims[b], "finished", _result("finished", b), {"event": "done"})
+    assert adapter.scripts.call(call) == [1]
+    assert redis_client.ttl(key) == -1
+    assert len(redis_client.xrange(key)) == 3
+
+    later = time.time() + WAKE_TTL_S / 4 + 1
+    monkeypatch.setattr("worker.rq_adapter.time.time", lambda: later)
+    call = adapter.end_call(claims[a], "finished", _result("finished", a), {"event": "done"})
+    assert adapter.scripts.call(call) == [1]
+    assert WAKE_TTL_S - 5 <= redis_client.ttl(key) <= WAKE_TTL_S
+    assert adapter.wake_args([hub]) == {
+        "wake_minid": str(int(later * 1000) - WAKE_RETAIN_MS),
+        "wake_ttl": 0,  # renewed by the call just made
+    }
 
 
 def test_a_hub_of_deltas_gets_each_token_entry_as_its_text_alone_and_no_job_list(redis_client):
