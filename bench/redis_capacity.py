@@ -494,11 +494,11 @@ class SimWorker:
                 del self.in_flight[job_id]
                 del self.gen[job_id]
                 self.window.discard(job_id)
-                entries += stream_entries(item)
                 output = SimpleNamespace(
                     outputs=[completion], prompt_token_ids=prompt_ids, finished=True
                 )
                 ending = self.ender.finish(item, output)
+                entries += ending.entries
                 self.num_tokens += 1
                 window = self.sim.bulk_coalesce_window if item.claim.bulk else None
                 if item.stream.enabled or not self.endings.hold(ending, t, window):

@@ -448,8 +448,8 @@ class ControlLoop:
             if output.finished:
                 del self.in_flight[item.job_id]
                 self.window.discard(item.job_id)
-                entries += stream_entries(item)  # its last tokens go with its end
                 ending = self.ender.finish(item, output)
+                entries += ending.entries  # its last tokens go with its end
                 # A streamed job's reader waits on its final entry: written with this step.
                 window = self.config.bulk_coalesce_window if item.claim.bulk else None
                 if item.stream.enabled or not self.endings.hold(ending, now, window):

@@ -10,7 +10,7 @@ makes the one metrics observation and the one log line of that end.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -25,7 +25,7 @@ from producer.contract.stream import (
     is_inline,
 )
 from worker.claim import Claim
-from worker.inflight import InFlight
+from worker.inflight import InFlight, stream_entries
 from worker.logs import log_job_end
 from worker.metrics import WorkerMetrics
 from worker.redis_link import Call, Command, RedisLink, ScriptCall
@@ -47,6 +47,9 @@ class Ending:
     claim: Claim | None = None
     staged: Command | None = None
     """The SET of the result, to run before `call` in the same batch (RQAdapter.stage_result)."""
+    entries: list = field(default_factory=list)
+    """The job's entries not written yet that the caller writes with a STREAM call before `call`
+    (its last tokens; a job of an inline hub has them in `call` itself)."""
 
 
 def step_calls(adapter: RQAdapter, entries: list, ends: list[Ending]) -> list[Call]:
@@ -224,7 +227,11 @@ class JobEnder:
     # --- the endings -----------------------------------------------------------------------------
 
     def finish(self, item: InFlight, output: Any) -> Ending:
-        """The ending of a job whose request finished in the engine (run by the caller)."""
+        """The ending of a job whose request finished in the engine (run by the caller), with
+        its tokens not written yet: in its END call for a job of an inline hub, else in
+        `Ending.entries`."""
+        last = stream_entries(item)
+        inline = is_inline(item.claim.wake)
         result = self._result(item, output, "finished")
         summary = {
             "job_id": item.job_id,
@@ -240,10 +247,12 @@ class JobEnder:
             final,
             rq_return_value=summary,
             stream_ttl_set=item.stream.ttl_set,
+            entries=[fields for _, fields, _ in last] if inline else (),
         )
         return Ending(
-            item.job_id, "finished", call, result, output, item.enqueued_at, item.claim, staged
-        )
+            item.job_id, "finished", call, result, output, item.enqueued_at, item.claim, staged,
+            [] if inline else last,
+        )  # fmt: skip
 
     def fail(self, item: InFlight, message: str) -> None:
         """End a job as failed for good (the error is in the job, not the worker)."""

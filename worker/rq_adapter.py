@@ -48,7 +48,7 @@ from producer.contract.keys import (
 )
 from producer.contract.lua import LuaScript
 from producer.contract.shards import hash_tag
-from producer.contract.stream import encode_inline, inline_entry, is_inline
+from producer.contract.stream import RESULT_FIELD, encode_inline, inline_entry, is_inline
 from worker.claim import Claim
 from worker.redis_link import Command, ScriptCall, SplitCall
 from worker.rq_scripts import (
@@ -401,6 +401,7 @@ class RQAdapter:
         error: str | None = None,
         stream_ttl_set: bool = False,
         staged: bool = False,
+        entries: list[dict[str, str]] | tuple = (),
     ) -> ScriptCall:
         """The fenced script that ends a held job as finished, failed or canceled; calls of
         one moment merge into one (`merge_ends`). With `staged`, the result is not passed:
@@ -410,12 +411,14 @@ class RQAdapter:
         stream's done/error entry, {} for a job that does not stream. RQ's result entry, for
         the jobs that get one (`rq_results`), holds `rq_return_value` (a small summary;
         finished) or `error` (failed); the full result JSON goes to the result key only.
-        `stream_ttl_set`: this run's entries already gave the stream its TTL. Reply: [1] =
-        ended, [0] = lease lost.
+        `stream_ttl_set`: this run's entries already gave the stream its TTL. `entries`: the
+        job's entries not written yet, for a job of an inline hub only: they go into the hub's
+        wake entry with the final one (fenced by this call), not through a STREAM call.
+        Reply: [1] = ended, [0] = lease lost.
         """
         rest = self._ending(
             claim, status, "" if staged else result_json, usage, final_entry, rq_return_value,
-            error, stream_ttl_set,
+            error, stream_ttl_set, entries,
         )  # fmt: skip
         return _call(
             END,
@@ -475,7 +478,7 @@ class RQAdapter:
         0 = lease lost.
         """
         final = {"event": "error", "error": reason}
-        rest = self._ending(claim, "failed", result_json, (0, 0), final, None, reason, False)
+        rest = self._ending(claim, "failed", result_json, (0, 0), final, None, reason, False, ())
         crash = {"count_crash": int(count_crash), "max_crashes": self.max_crashes}
         return _call(
             REQUEUE,
@@ -496,8 +499,19 @@ class RQAdapter:
         rq_return_value: dict[str, Any] | None,
         error: str | None,
         stream_ttl_set: bool,
+        entries: list[dict[str, str]] | tuple,
     ) -> list[Any]:
         t = time.time()
+        inline = ""
+        if final_entry and is_inline(claim.wake):
+            # The hub's JSON member of this job, its final entry last; the flag that asks for
+            # the result stays a final field (END puts the result beside the JSON).
+            final = {k: v for k, v in final_entry.items() if k != RESULT_FIELD}
+            by_job = {claim.job_id: [*(inline_entry(claim.wake, e) for e in entries), final]}
+            inline = encode_inline(by_job)[1:-1]
+            final_entry = {k: v for k, v in final_entry.items() if k == RESULT_FIELD}
+        elif entries:
+            raise ValueError("entries go with an end only for a job of an inline hub")
         rq_fields: dict[str, Any] = {}
         if claim.plain or self.rq_results == "all":
             if status == "finished":
@@ -525,6 +539,7 @@ class RQAdapter:
             "prompt_tokens": usage[0],
             "completion_tokens": usage[1],
             "stream_ttl": 0 if stream_ttl_set else self.stream_ttl,
+            "inline": inline,
             "n_rq": len(rq_fields) * 2,
             "n_final": len(final_entry) * 2,
         }

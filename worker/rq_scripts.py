@@ -341,14 +341,14 @@ end
 
 -- Tells each stream hub in `wakes` (wake id -> job ids, or those ids joined by spaces) which of
 -- its jobs got entries, and gives an inline hub the entries themselves (`inline`: wake id ->
--- JSON object of job id -> entries, encoded or as a table) and the results of its jobs that
--- ended (`results`: wake id -> field/value pairs `{RESULT_FIELD}:<job id>`, the result JSON; not
--- inside the JSON object, which would escape them): one entry per hub and call, not one per
--- job. An inline stream keeps the entries from `minid` on (ms: the caller's clock less
--- {WAKE_RETAIN_MS} ms, as a lease's deadline is the worker's clock; Redis's TIME and the
--- arithmetic on its two strings cost a call some 15,000 instructions), whatever the fleet
--- writes. `ttl` '0' leaves each stream's TTL alone: a worker renews it on its first call to a
--- hub and then every quarter of the TTL (RQAdapter.wake_args), not at every call.
+-- JSON object of job id -> entries, or a list of its `"<job id>":[...]` members) and the
+-- results of its jobs that ended (`results`: wake id -> field/value pairs
+-- `{RESULT_FIELD}:<job id>`, the result JSON; not inside the JSON object, which would escape
+-- them): one entry per hub and call, not one per job. An inline stream keeps the entries from
+-- `minid` on (ms: the caller's clock less {WAKE_RETAIN_MS} ms, as a lease's deadline is the
+-- worker's clock; Redis's TIME and the arithmetic on its two strings cost a call some 15,000
+-- instructions), whatever the fleet writes. `ttl` '0' leaves each stream's TTL alone: a worker
+-- renews it on its first call to a hub, then every quarter of the TTL (RQAdapter.wake_args).
 local function tell_wakes(wakes, inline, results, minid, ttl)
     for wake, ids in pairs(wakes) do
         local key, data = K.wake .. wake, inline[wake]
@@ -356,7 +356,8 @@ local function tell_wakes(wakes, inline, results, minid, ttl)
             ids = table.concat(ids, ' ')
         end
         if data then
-            if type(data) == 'table' then data = cjson.encode(data) end
+            -- END's jobs: `"<job id>":[...]` each (end_job); STREAM's: their JSON object.
+            if type(data) == 'table' then data = '{{' .. table.concat(data, ',') .. '}}' end
             local fields = {{'{ENTRIES_FIELD}', data}}
             -- A reader of deltas takes its jobs from the keys of the entries.
             if not takes_deltas(wake) then fields[3], fields[4] = 'jobs', ids end
@@ -404,7 +405,7 @@ end
 -- `flush` (one events entry per producer and call).
 local function end_job(acc, s, job_id, queue, member, status, ended_at, score, ttl,
                        result_json, prompt_tokens, completion_tokens, rq_fields,
-                       final_fields, stream_ttl, maxlen)
+                       final_fields, stream_ttl, maxlen, inline)
     local used = prompt_tokens + completion_tokens
     local jkey = RQ.job .. job_id
     local counter = COUNTERS[status]
@@ -432,7 +433,7 @@ local function end_job(acc, s, job_id, queue, member, status, ended_at, score, t
     if s.batch then count_in_batch(s.batch, status, prompt_tokens, completion_tokens) end
     -- '' : the result was staged and END renamed it (take_staged).
     if result_json ~= '' then redis.call('SET', K.result .. job_id, result_json, 'EX', ttl) end
-    if #final_fields > 0 then
+    if #final_fields > 0 or inline ~= '' then
         if s.wake and is_inline(s.wake) then
             local entry = {{}}
             for j = 1, #final_fields, 2 do
@@ -443,9 +444,11 @@ local function end_job(acc, s, job_id, queue, member, status, ended_at, score, t
                     entry[final_fields[j]] = final_fields[j + 1]
                 end
             end
-            acc.inline[s.wake] = acc.inline[s.wake] or {{}}
-            acc.inline[s.wake][job_id] = {{entry}}
-        else
+            -- `inline`: the worker's JSON of the job's last entries, its final entry last, as
+            -- `"<job id>":[...]`, written as it came; else (the reaper's) the final entry here.
+            if inline == '' then inline = cjson.encode(job_id) .. ':' .. cjson.encode({{entry}}) end
+            push(acc.inline, s.wake, inline)
+        elseif #final_fields > 0 then
             local skey = K.stream .. job_id
             redis.call('XADD', skey, 'MAXLEN', '~', maxlen, '*', unpack(final_fields))
             -- stream_ttl '0': the stream's TTL was set with its first entry of this run.
@@ -484,7 +487,10 @@ end
 # One job's ending in END's and REQUEUE's ARGV: these fields, then `n_rq` field/values of RQ's
 # result entry, then `n_final` of the final stream entry. `result` is the GenerationResult
 # JSON, `prompt_tokens`, `completion_tokens` its usage (what the tenant is charged and the batch
-# counts), so the script never parses the result.
+# counts), so the script never parses the result. `inline`, for a job of an inline hub: its
+# entries not written yet and its final entry, as `"<job id>":[...]` of the hub's JSON object
+# (producer/contract/stream.py), so that its last tokens need no STREAM call of their own; its
+# final fields are then only the result's flag, if any.
 ENDING_FIELDS = (
     "job_id",
     "queue",
@@ -497,6 +503,7 @@ ENDING_FIELDS = (
     "prompt_tokens",
     "completion_tokens",
     "stream_ttl",
+    "inline",
     "n_rq",
     "n_final",
 )
@@ -533,7 +540,7 @@ end
 local function end_with(acc, s, e, status, maxlen)
     end_job(acc, s, e.job_id, e.queue, e.job_id .. ':' .. e.execution, status, e.ended_at,
         e.score, e.ttl, e.result, tonumber(e.prompt_tokens), tonumber(e.completion_tokens),
-        e.rq_fields, e.final_fields, e.stream_ttl, maxlen)
+        e.rq_fields, e.final_fields, e.stream_ttl, maxlen, e.inline)
 end
 """
 _ENDING_LIBS = (UTIL_LUA, CHARGE_LUA, END_LUA, ENDING_LUA)
@@ -783,12 +790,12 @@ while i <= #ARGV do
             if gone[job_id] then dropped[#dropped + 1] = job_id else kept[#kept + 1] = job_id end
         end
         if #dropped > 0 then
-            data = cjson.decode(data)
+            local by_job = cjson.decode(data)
             for _, job_id in ipairs(dropped) do
-                data[job_id] = nil
+                by_job[job_id] = nil
                 lost[#lost + 1] = job_id
             end
-            ids = kept
+            data, ids = cjson.encode(by_job), kept
         end
     end
     if type(ids) == 'string' or #ids > 0 then
@@ -894,7 +901,7 @@ for k = KEYS_REST, #KEYS do
                     end_job(acc, s, job_id, queue, member, 'failed', a_ended_at,
                         now + tonumber(a_failure_ttl), a_failure_ttl, result, 0, 0,
                         {'type', RESULT.failed, 'worker_name', '', 'exc_string', a_exc_string},
-                        {'event', 'error', 'error', a_reason}, a_stream_ttl, a_maxlen)
+                        {'event', 'error', 'error', a_reason}, a_stream_ttl, a_maxlen, '')
                     failed[#failed + 1] = job_id
                     ended = true
                 else

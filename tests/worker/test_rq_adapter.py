@@ -684,6 +684,37 @@ def test_an_inline_hubs_jobs_get_their_entries_in_its_wake_stream_only(redis_cli
     assert wake_entries()[2] == ([c], {c: [delta]})
 
 
+def test_an_inline_hub_jobs_last_tokens_go_with_its_end_and_only_if_it_ends(redis_client):
+    """An END given the job's entries not written yet (an inline hub's job: no STREAM call for
+    its last tokens) puts them, then its final entry, in the hub's wake entry; an END refused
+    (the lease was lost) writes none of them; a job without an inline hub cannot take them."""
+    hub, delta = "hub6" + DELTAS_WAKE, {"event": "token", "delta": "x", "token_ids": "[7]"}
+    client, adapter, claims, (a, b) = _two_hub_jobs_streamed(redis_client, hub, delta)
+    last = {"event": "token", "delta": " end", "token_ids": "[8, 9]"}
+    result = _result("finished", b)
+    call = adapter.end_call(
+        claims[b], "finished", result, {"event": "done", "finish_reason": "stop"}, entries=[last]
+    )
+    assert adapter.scripts.call(call) == [1]
+    [_, (_, fields)] = redis_client.xrange(f"pagedq:wake:{hub}")
+    assert json.loads(fields[ENTRIES_FIELD.encode()]) == {
+        b: [" end", {"event": "done", "finish_reason": "stop"}]
+    }
+
+    redis_client.zadd(f"rq:wip:{claims[a].queue}", {claims[a].member: 0}, xx=True)
+    assert _adapter(redis_client, name="w2").reap() == ([a], [])
+    refused = adapter.end_call(claims[a], "finished", _result("finished", a), {"event": "done"},
+                               entries=[last])  # fmt: skip
+    assert adapter.scripts.call(refused) == [0]
+    assert len(redis_client.xrange(f"pagedq:wake:{hub}")) == 2
+
+    [c] = client.enqueue([_as_request({"prompt": "c"})])  # no hub; `a` is queued again too
+    claim = {claim.job_id: claim for claim in adapter.dequeue_many(2)}[c]
+    with pytest.raises(ValueError, match="inline hub"):
+        adapter.end_call(claim, "finished", _result("finished", c), {"event": "done"},
+                         entries=[last])  # fmt: skip
+
+
 def test_a_worker_renews_a_hubs_wake_stream_ttl_on_its_first_call_then_each_quarter_ttl(
     redis_client, monkeypatch
 ):
