@@ -170,10 +170,14 @@ def child(
             wake = "bench-hub" + suffix if stream else None
             requests = [GenerationRequest(prompt=PROMPT, max_tokens=TOKENS) for _ in range(jobs)]
             chunks = [slice(i, i + batch) for i in range(0, jobs, batch)]
+            # A hub's job: its result goes with its end (the worker's RESULT_FIELD).
+            final = {"event": "done", "finish_reason": "length", "result": "1"} if stream else {}
             # One job through every step first: each script is loaded before the counting.
             client.enqueue(requests[:1], wake=wake)
             warm = adapter.claims(runner.call(adapter.dequeue_call(1)[0]), time.time())
             runner.run([adapter.stream_call([(c, token_entry("x", [1]), True) for c in warm])])
+            stage, end = _end_calls(adapter, warm[0], final, rng)
+            runner.run([*stage, end])
             marks = [cg.take()]
             for c in chunks:
                 client.enqueue(requests[c], wake=wake)
@@ -189,8 +193,6 @@ def child(
                     step = [(claim, token_entry(" a b", entry), w == 0) for claim in claims[c]]
                     runner.run([adapter.stream_call(step)])
             marks.append(cg.take())
-            # A hub's job: its result goes with its end (the worker's RESULT_FIELD).
-            final = {"event": "done", "finish_reason": "length", "result": "1"} if stream else {}
             for c in chunks:
                 made = [_end_calls(adapter, claim, final, rng) for claim in claims[c]]
                 stages = [s for stage, _ in made for s in stage]

@@ -301,14 +301,14 @@ end
 
 CHARGE_LUA = """
 -- pq_charge(root, tenant, delta, used): replace the estimated cost of a tenant's jobs by the
--- tokens they used (`delta` = used - estimated, summed over the jobs of one call).
+-- tokens they used (`delta` = used - estimated, summed over the jobs of one call). The finish
+-- tag moves in Redis (HINCRBYFLOAT: no read, no float printed in Lua); the pick that started
+-- the jobs wrote it.
 local function pq_charge(root, tenant, delta, used)
-    local fair = K.fair .. root
-    local w = tonumber(redis.call('HGET', K.fair_weights .. root, tenant)) or 1
-    if w <= 0 then w = 1 end
-    local finish = tonumber(redis.call('HGET', fair, 'F:' .. tenant))
-    if finish and delta ~= 0 then
-        redis.call('HSET', fair, 'F:' .. tenant, tostring(finish + delta / w))
+    if delta ~= 0 then
+        local w = tonumber(redis.call('HGET', K.fair_weights .. root, tenant)) or 1
+        if w <= 0 then w = 1 end
+        redis.call('HINCRBYFLOAT', K.fair .. root, 'F:' .. tenant, delta / w)
     end
     if used > 0 then redis.call('HINCRBY', K.tenant_tokens .. root, tenant, used) end
 end
