@@ -497,7 +497,7 @@ class SimWorker:
                 output = SimpleNamespace(
                     outputs=[completion], prompt_token_ids=prompt_ids, finished=True
                 )
-                ending = self.ender.finish(item, output)
+                ending = self.ender.finish(item, output, stream_entries(item))
                 entries += ending.entries
                 self.num_tokens += 1
                 window = self.sim.bulk_coalesce_window if item.claim.bulk else None

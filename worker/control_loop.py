@@ -448,7 +448,7 @@ class ControlLoop:
             if output.finished:
                 del self.in_flight[item.job_id]
                 self.window.discard(item.job_id)
-                ending = self.ender.finish(item, output)
+                ending = self.ender.finish(item, output, stream_entries(item))
                 entries += ending.entries  # its last tokens go with its end
                 # A streamed job's reader waits on its final entry: written with this step.
                 window = self.config.bulk_coalesce_window if item.claim.bulk else None

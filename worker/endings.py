@@ -25,7 +25,7 @@ from producer.contract.stream import (
     is_inline,
 )
 from worker.claim import Claim
-from worker.inflight import InFlight, stream_entries
+from worker.inflight import InFlight
 from worker.logs import log_job_end
 from worker.metrics import WorkerMetrics
 from worker.redis_link import Call, Command, RedisLink, ScriptCall
@@ -226,11 +226,10 @@ class JobEnder:
 
     # --- the endings -----------------------------------------------------------------------------
 
-    def finish(self, item: InFlight, output: Any) -> Ending:
-        """The ending of a job whose request finished in the engine (run by the caller), with
-        its tokens not written yet: in its END call for a job of an inline hub, else in
-        `Ending.entries`."""
-        last = stream_entries(item)
+    def finish(self, item: InFlight, output: Any, last: list = ()) -> Ending:
+        """The ending of a job whose request finished in the engine (run by the caller).
+        `last`: its entries not written yet (`stream_entries`), which go in its END call for
+        a job of an inline hub, else back in `Ending.entries` for the caller's STREAM call."""
         inline = is_inline(item.claim.wake)
         result = self._result(item, output, "finished")
         summary = {
@@ -251,7 +250,7 @@ class JobEnder:
         )
         return Ending(
             item.job_id, "finished", call, result, output, item.enqueued_at, item.claim, staged,
-            [] if inline else last,
+            [] if inline else list(last),
         )  # fmt: skip
 
     def fail(self, item: InFlight, message: str) -> None:
