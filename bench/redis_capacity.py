@@ -19,8 +19,9 @@ up to `--slots` in flight, and claims bulk jobs ahead to wait for a slot (`--pre
 EngineLoop.admission and ControlLoop._admit do); steps `--steps-per-s` times a second while it
 holds jobs; writes the token entries of the jobs that stream in one STREAM call per
 `--stream-interval` window (one entry per job, its first token at once: the worker's own
-StreamWindow) and ends every job that reached its tokens in one merged END call (both in one
-MULTI/EXEC when there are both, as RedisLink does); checks the cancel keys of its jobs every 5 s
+StreamWindow) and ends every job that reached its tokens in one merged END call (a gateway
+job's last tokens inside it; STREAM and END in one MULTI/EXEC when there are both, as RedisLink
+does); checks the cancel keys of its jobs every 5 s
 (MGET, the fallback for lost cancel messages); heartbeats every
 lease_ttl/3 and reaps every lease_ttl/2 (Leases); publishes its status key at most every 2 s
 (StatusPublisher); with room and its queue found empty, waits for its doorbell (BLPOP of the
