@@ -563,7 +563,10 @@ class RQAdapter:
             streams: list[Any] = []  # n_streams jobs' arguments
             n_streams = 0
             hubs: dict[str, dict[str, tuple[str, list[dict[str, str]]]]] = {}
+            wakes: set[str] = set()  # every hub told of this call, inline or not
             for claim, fields, set_ttl in (entries[i] for i in indexes):
+                if claim.wake:
+                    wakes.add(claim.wake)
                 q = queues.setdefault(claim.queue, len(queues) + 1)
                 lease = f"{q}:{claim.execution.removeprefix(self._execution_prefix)}"
                 if is_inline(claim.wake):
@@ -583,7 +586,6 @@ class RQAdapter:
                 data = encode_inline({job_id: e for job_id, (_, e) in jobs.items()})
                 leases = " ".join(lease for lease, _ in jobs.values())
                 rest += [wake, data, " ".join(jobs), leases]
-            wakes = [*hubs, *(entries[i][0].wake for i in indexes if entries[i][0].wake)]
             calls.append(_call(STREAM, args={"maxlen": STREAM_MAXLEN,
                                              "stream_ttl": self.stream_ttl,
                                              "prefix": self._execution_prefix,
