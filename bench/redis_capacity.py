@@ -20,8 +20,8 @@ EngineLoop.admission and ControlLoop._admit do); steps `--steps-per-s` times a s
 holds jobs; writes the token entries of the jobs that stream in one STREAM call per
 `--stream-interval` window (one entry per job, its first token at once: the worker's own
 StreamWindow) and ends every job that reached its tokens in one merged END call (a gateway
-job's last tokens inside it; STREAM and END in one MULTI/EXEC when there are both, as RedisLink
-does); checks the cancel keys of its jobs every 5 s
+job's last tokens inside it; STREAM and END as one STEP call when there are both, as the
+worker's `step_write` does); checks the cancel keys of its jobs every 5 s
 (MGET, the fallback for lost cancel messages); heartbeats every
 lease_ttl/3 and reaps every lease_ttl/2 (Leases); publishes its status key at most every 2 s
 (StatusPublisher); with room and its queue found empty, waits for its doorbell (BLPOP of the
@@ -109,7 +109,7 @@ from producer.events import EventFollower  # noqa: E402
 from producer.results import final_results, is_final  # noqa: E402
 from worker.coalesce import AdmissionGate, EndCoalescer, StreamWindow  # noqa: E402
 from worker.doorbell import SAFETY_POLL_S, Doorbell  # noqa: E402
-from worker.endings import JobEnder, step_calls, step_replies  # noqa: E402
+from worker.endings import JobEnder, StepWrite, step_write  # noqa: E402
 from worker.engine_loop import MAX_PENDING_ADDS  # noqa: E402
 from worker.inflight import InFlight, StreamState, stream_entries, window_entries  # noqa: E402
 from worker.leases import Leases  # noqa: E402
@@ -515,16 +515,17 @@ class SimWorker:
             self._write(entries, ends)
         _add(self.shared.steps, 1)
 
+    # ControlLoop._write_ends
     def _write(self, entries: list, ends: list) -> None:
-        if not entries and not ends and not self.endings.pending:
-            return
         ends = self.endings.take() + ends
-        calls = step_calls(self.adapter, entries, ends)
-        self.link.run(calls, lambda replies: self._written(replies, entries, ends))
+        if not entries and not ends:
+            return
+        write = step_write(self.adapter, entries, ends)
+        self.link.run(write.calls, lambda replies: self._written(write, replies, entries, ends))
 
-    def _written(self, replies: list, entries: list, ends: list) -> None:
+    def _written(self, write: StepWrite, replies: list, entries: list, ends: list) -> None:
         lost = 0
-        streamed, end_replies = step_replies(replies, entries, ends)
+        streamed, end_replies = write.read(replies)
         if streamed is not None:
             lost += len(self.adapter.stream_lost(streamed))
             _add(self.shared.entries, len(entries))

@@ -52,18 +52,33 @@ class Ending:
     (its last tokens; a job of an inline hub has them in `call` itself)."""
 
 
-def step_calls(adapter: RQAdapter, entries: list, ends: list[Ending]) -> list[Call]:
-    """A step's writes, for one batch: its stream entries (one STREAM call), the results its
-    endings staged, then the endings (merged into one END call)."""
-    calls: list[Call] = [adapter.stream_call(entries)] if entries else []
-    calls += [ending.staged for ending in ends if ending.staged is not None]
-    return calls + adapter.merge_ends([ending.call for ending in ends])
+@dataclass(slots=True)
+class StepWrite:
+    """A step's writes, for one batch (`calls`), and how to read their replies (`read`)."""
+
+    calls: list[Call]
+    entries: bool
+    ends: bool
+    fused: bool
+
+    def read(self, replies: list[Any]) -> tuple[Any, list[Any]]:
+        """The STREAM reply (None without entries) and the END replies, one per ending."""
+        if self.fused:
+            streamed, ended = replies[-1]
+            return streamed, ended
+        return (replies[0] if self.entries else None), (replies[-1] if self.ends else [])
 
 
-def step_replies(replies: list[Any], entries: list, ends: list) -> tuple[Any, list[Any]]:
-    """The STREAM reply (None without entries) and the END replies, one per ending, of a batch
-    of `step_calls`."""
-    return (replies[0] if entries else None), (replies[-1] if ends else [])
+def step_write(adapter: RQAdapter, entries: list, ends: list[Ending]) -> StepWrite:
+    """A step's writes: the results its endings staged, then its stream entries and endings in
+    one STEP call (one shard), or one STREAM call and one END call (merged)."""
+    staged: list[Call] = [ending.staged for ending in ends if ending.staged is not None]
+    stream = adapter.stream_call(entries) if entries else None
+    end = adapter.merge_ends([ending.call for ending in ends])
+    if stream is not None and (step := adapter.step_call(stream, end)) is not None:
+        return StepWrite([*staged, step], True, True, True)
+    calls = [stream] if stream is not None else []
+    return StepWrite([*calls, *staged, *end], bool(entries), bool(ends), False)
 
 
 def build_result(

@@ -50,7 +50,7 @@ from producer.contract.lua import LuaScript
 from producer.contract.shards import hash_tag
 from producer.contract.stream import RESULT_FIELD, encode_inline, inline_entry, is_inline
 from worker.claim import Claim
-from worker.redis_link import Command, ScriptCall, SplitCall
+from worker.redis_link import Call, Command, ScriptCall, SplitCall
 from worker.rq_scripts import (
     DEFAULT_AGING_SECONDS,
     DEFAULT_MAX_WAIT_SECONDS,
@@ -62,6 +62,7 @@ from worker.rq_scripts import (
     REAP,
     REGISTER,
     REQUEUE,
+    STEP,
     STREAM,
 )
 
@@ -602,6 +603,25 @@ class RQAdapter:
                 _concat(r[1] for r in replies if r),
             ],
         )
+
+    @staticmethod
+    def step_call(stream: Call, ends: list[Call]) -> ScriptCall | None:
+        """A `stream_call` and the `merge_ends` of one moment as one STEP call (one EVALSHA,
+        its reply [the STREAM reply, the END replies]), when both are about the same one shard;
+        else None (they run as two calls)."""
+        if not (isinstance(stream, ScriptCall) and len(ends) == 1):
+            return None
+        end = ends[0]
+        if not isinstance(end, ScriptCall) or hash_tag(stream.keys[0]) != hash_tag(end.keys[0]):
+            return None
+        n_stream, n_end = len(STREAM.args), len(END.args)
+        named = dict(zip(STREAM.args, stream.args[:n_stream], strict=True))
+        ending = dict(zip(END.args, end.args[:n_end], strict=True))
+        # Either part may be the one that renews a hub's TTL.
+        named["wake_ttl"] = max(named["wake_ttl"], ending["wake_ttl"])
+        named |= {"counters": ending["counters"], "stream_args": len(stream.args) - n_stream}
+        return _call(STEP, args=named, rest_keys=[*stream.keys, *end.keys],
+                     rest=[*stream.args[n_stream:], *end.args[n_end:]])  # fmt: skip
 
     def stream_lost(self, reply: Any) -> list[str]:
         """The job ids a STREAM reply refused (their lease was lost); remembers the lease fences

@@ -542,6 +542,32 @@ local function end_with(acc, s, e, status, maxlen)
         e.score, e.ttl, e.result, tonumber(e.prompt_tokens), tonumber(e.completion_tokens),
         e.rq_fields, e.final_fields, e.stream_ttl, maxlen, e.inline)
 end
+
+-- Ends each held job of the endings from ARGV[i] to the last as its ending says (END's work,
+-- written by the caller's `flush`). Per job 1 when ended, 2 when this execution had already
+-- ended it so (a call repeated after a lost reply: nothing written again), 0 when this
+-- execution no longer holds it, or its staged result is gone (nothing written for it).
+local function end_all(acc, i, maxlen)
+    local replies = {{}}
+    while i <= #ARGV do
+        local e, next_i = ending_at(i)
+        local s = job_state(RQ.job .. e.job_id)
+        if held_by(s, e.execution) and (e.result ~= '' or take_staged(e)) then
+            end_with(acc, s, e, e.status, maxlen)
+            replies[#replies + 1] = 1
+        elseif s.execution == e.execution and s.status == e.status then
+            -- This execution's own ending, sent again after its reply was lost (the first
+            -- call ran while the connection was cut): ended once, and by this worker.
+            drop_staged(e)
+            replies[#replies + 1] = 2
+        else
+            drop_staged(e)
+            replies[#replies + 1] = 0
+        end
+        i = next_i
+    end
+    return replies
+end
 """
 _ENDING_LIBS = (UTIL_LUA, CHARGE_LUA, END_LUA, ENDING_LUA)
 
@@ -646,25 +672,8 @@ END = LuaScript(
     libraries=_ENDING_LIBS,
     body="""
 local k_worker = a_counters == '1' and KEYS[#KEYS] or ''
-local acc, replies = new_acc(), {}
-local i = REST
-while i <= #ARGV do
-    local e, next_i = ending_at(i)
-    local s = job_state(RQ.job .. e.job_id)
-    if held_by(s, e.execution) and (e.result ~= '' or take_staged(e)) then
-        end_with(acc, s, e, e.status, a_maxlen)
-        replies[#replies + 1] = 1
-    elseif s.execution == e.execution and s.status == e.status then
-        -- This execution's own ending, sent again after its reply was lost (the first call
-        -- ran while the connection was cut): ended once, and by this worker.
-        drop_staged(e)
-        replies[#replies + 1] = 2
-    else
-        drop_staged(e)
-        replies[#replies + 1] = 0
-    end
-    i = next_i
-end
+local acc = new_acc()
+local replies = end_all(acc, REST, a_maxlen)
 flush(acc, k_worker, a_wake_minid, a_wake_ttl)
 return replies
 """,
@@ -703,9 +712,10 @@ return 1
 """,
 )
 
-# KEYS: per queue of the entries (one shard), its started registry and this worker's lease
-# fence there (`fence_key`). ARGV after the named ones: per queue, its name and the fence's value
-# the worker last saw; then `n_streams` jobs with streams of their own, each job_id, lease, wake
+# The entries of a STREAM call, also the first part of a STEP call's. KEYS after the named ones:
+# per queue of the entries (one shard), its started registry and this worker's lease fence there
+# (`fence_key`). ARGV from `first` to `last`: per queue, its name and the fence's value the
+# worker last saw; then `n_streams` jobs with streams of their own, each job_id, lease, wake
 # ('' for none), set_ttl (0/1), n, n field/values; then per inline hub its wake id, the JSON
 # object of its jobs' entries (producer/contract/stream.py), their ids joined by spaces, and
 # their leases joined the same way. A job's lease is `<q>:<rest>`: the number of its queue
@@ -718,95 +728,146 @@ return 1
 # built them, in one wake entry, untouched while every lease holds (re-encoded without a job
 # whose lease was lost): the script's work does not grow with the jobs, only with their bytes.
 # The wake id comes from the caller, which read it with the job (DEQUEUE).
+STREAM_LUA = """
+-- Writes the entries of ARGV[first .. last] (see above); the hubs' go to `wakes` and `inline`
+-- for tell_wakes. Returns the job ids whose entries were refused (the lease was lost) and the
+-- (queue, fence) pairs of the fences that moved.
+local function write_entries(wakes, inline, first, last, n_queues, n_streams, maxlen,
+                             stream_ttl, prefix)
+    local moved, fences = nil, {}
+    for q = 1, n_queues do
+        local fence = redis.call('GET', KEYS[KEYS_REST + 2 * q - 1]) or ''
+        if fence ~= ARGV[first + 2 * q - 1] then
+            moved = moved or {}
+            moved[q] = {members = {}, ids = {}}
+            fences[#fences + 1] = ARGV[first + 2 * q - 2]
+            fences[#fences + 1] = fence
+        end
+    end
+    first = first + 2 * n_queues
+    local gone = {}
+    if moved then
+        -- A fence moved: look up the lease of each of the call's jobs in that queue.
+        local function note(job_id, lease)
+            local q, rest = string.match(lease, '^(%d+):(.*)$')
+            local m = moved[tonumber(q)]
+            if m then
+                m.members[#m.members + 1] = job_id .. ':' .. prefix .. rest
+                m.ids[#m.ids + 1] = job_id
+            end
+        end
+        local i = first
+        for _ = 1, n_streams do
+            note(ARGV[i], ARGV[i + 1])
+            i = i + 5 + tonumber(ARGV[i + 4])
+        end
+        while i <= last do
+            local leases = string.gmatch(ARGV[i + 3], '%S+')
+            for job_id in string.gmatch(ARGV[i + 2], '%S+') do note(job_id, leases()) end
+            i = i + 4
+        end
+        for q, m in pairs(moved) do
+            if #m.members > 0 then
+                local scores = redis.call('ZMSCORE', KEYS[KEYS_REST + 2 * q - 2],
+                    unpack(m.members))
+                for k, job_id in ipairs(m.ids) do
+                    if not scores[k] then gone[job_id] = true end
+                end
+            end
+        end
+    end
+    local lost = {}
+    local i = first
+    for _ = 1, n_streams do
+        local job_id, wake, n = ARGV[i], ARGV[i + 2], tonumber(ARGV[i + 4])
+        if gone[job_id] then
+            lost[#lost + 1] = job_id
+        else
+            local skey = K.stream .. job_id
+            redis.call('XADD', skey, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, i + 5, i + 4 + n))
+            if ARGV[i + 3] == '1' then redis.call('EXPIRE', skey, stream_ttl) end
+            if wake ~= '' then push(wakes, wake, job_id) end
+        end
+        i = i + 5 + n
+    end
+    while i <= last do
+        local wake, data, ids = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+        i = i + 4
+        if moved then
+            local kept, dropped = {}, {}
+            for job_id in string.gmatch(ids, '%S+') do
+                local into = gone[job_id] and dropped or kept
+                into[#into + 1] = job_id
+            end
+            if #dropped > 0 then
+                local by_job = cjson.decode(data)
+                for _, job_id in ipairs(dropped) do
+                    by_job[job_id] = nil
+                    lost[#lost + 1] = job_id
+                end
+                data, ids = cjson.encode(by_job), kept
+            end
+        end
+        if type(ids) == 'string' or #ids > 0 then
+            wakes[wake] = ids
+            inline[wake] = data
+        end
+    end
+    return lost, fences
+end
+"""
+
+# Appends one window's token entries (STREAM_LUA): KEYS and ARGV after the named ones as there.
 # Returns {the job ids whose entries were refused (the lease was lost), (queue, fence) pairs of
 # the fences that moved}, or 0 for neither.
 STREAM = LuaScript(
     "stream",
     args=("maxlen", "stream_ttl", "prefix", "n_queues", "n_streams", "wake_minid", "wake_ttl"),
-    libraries=(UTIL_LUA, CHARGE_LUA, END_LUA),
+    libraries=(UTIL_LUA, CHARGE_LUA, END_LUA, STREAM_LUA),
     body="""
-local n_queues, n_streams = tonumber(a_n_queues), tonumber(a_n_streams)
-local moved, fences = nil, {}
-for q = 1, n_queues do
-    local fence = redis.call('GET', KEYS[KEYS_REST + 2 * q - 1]) or ''
-    if fence ~= ARGV[REST + 2 * q - 1] then
-        moved = moved or {}
-        moved[q] = {members = {}, ids = {}}
-        fences[#fences + 1] = ARGV[REST + 2 * q - 2]
-        fences[#fences + 1] = fence
-    end
-end
-local first = REST + 2 * n_queues
-local gone = {}
-if moved then
-    -- A fence moved: look up the lease of each of the call's jobs in that queue.
-    local function note(job_id, lease)
-        local q, rest = string.match(lease, '^(%d+):(.*)$')
-        local m = moved[tonumber(q)]
-        if m then
-            m.members[#m.members + 1] = job_id .. ':' .. a_prefix .. rest
-            m.ids[#m.ids + 1] = job_id
-        end
-    end
-    local i = first
-    for _ = 1, n_streams do
-        note(ARGV[i], ARGV[i + 1])
-        i = i + 5 + tonumber(ARGV[i + 4])
-    end
-    while i <= #ARGV do
-        local leases = string.gmatch(ARGV[i + 3], '%S+')
-        for job_id in string.gmatch(ARGV[i + 2], '%S+') do note(job_id, leases()) end
-        i = i + 4
-    end
-    for q, m in pairs(moved) do
-        if #m.members > 0 then
-            local scores = redis.call('ZMSCORE', KEYS[KEYS_REST + 2 * q - 2], unpack(m.members))
-            for k, job_id in ipairs(m.ids) do
-                if not scores[k] then gone[job_id] = true end
-            end
-        end
-    end
-end
-local lost, wakes, inline = {}, {}, {}
-local i = first
-for _ = 1, n_streams do
-    local job_id, wake, n = ARGV[i], ARGV[i + 2], tonumber(ARGV[i + 4])
-    if gone[job_id] then
-        lost[#lost + 1] = job_id
-    else
-        local skey = K.stream .. job_id
-        redis.call('XADD', skey, 'MAXLEN', '~', a_maxlen, '*', unpack(ARGV, i + 5, i + 4 + n))
-        if ARGV[i + 3] == '1' then redis.call('EXPIRE', skey, a_stream_ttl) end
-        if wake ~= '' then push(wakes, wake, job_id) end
-    end
-    i = i + 5 + n
-end
-while i <= #ARGV do
-    local wake, data, ids = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-    i = i + 4
-    if moved then
-        local kept, dropped = {}, {}
-        for job_id in string.gmatch(ids, '%S+') do
-            if gone[job_id] then dropped[#dropped + 1] = job_id else kept[#kept + 1] = job_id end
-        end
-        if #dropped > 0 then
-            local by_job = cjson.decode(data)
-            for _, job_id in ipairs(dropped) do
-                by_job[job_id] = nil
-                lost[#lost + 1] = job_id
-            end
-            data, ids = cjson.encode(by_job), kept
-        end
-    end
-    if type(ids) == 'string' or #ids > 0 then
-        wakes[wake] = ids
-        inline[wake] = data
-    end
-end
+local wakes, inline = {}, {}
+local lost, fences = write_entries(wakes, inline, REST, #ARGV, tonumber(a_n_queues),
+    tonumber(a_n_streams), a_maxlen, a_stream_ttl, a_prefix)
 tell_wakes(wakes, inline, {}, a_wake_minid, a_wake_ttl)
 -- The common reply, an integer: a table costs the conversion of each of its levels.
 if #lost == 0 and #fences == 0 then return 0 end
 return {lost, fences}
+""",
+)
+
+# A step's STREAM and END calls of one shard in one: KEYS, STREAM's then END's (the job hashes,
+# then the worker's key when `counters` is 1); ARGV after the named ones, STREAM's
+# (`stream_args` values) then END's endings. The entries are written first, so that a job's
+# final entry follows its last tokens; a hub gets a wake entry for each part. Returns
+# {STREAM's reply, END's}.
+STEP = LuaScript(
+    "step",
+    args=(
+        "maxlen",
+        "stream_ttl",
+        "prefix",
+        "n_queues",
+        "n_streams",
+        "wake_minid",
+        "wake_ttl",
+        "counters",
+        "stream_args",
+    ),
+    libraries=(*_ENDING_LIBS, STREAM_LUA),
+    body="""
+local k_worker = a_counters == '1' and KEYS[#KEYS] or ''
+local wakes, inline = {}, {}
+local last = REST + tonumber(a_stream_args) - 1
+local lost, fences = write_entries(wakes, inline, REST, last, tonumber(a_n_queues),
+    tonumber(a_n_streams), a_maxlen, a_stream_ttl, a_prefix)
+-- The window's entries as STREAM writes them (a hub's JSON object untouched: joining the
+-- endings' members to it would copy and hash it again), then the endings'.
+tell_wakes(wakes, inline, {}, a_wake_minid, a_wake_ttl)
+local acc = new_acc()
+local replies = end_all(acc, last + 1, a_maxlen)
+flush(acc, k_worker, a_wake_minid, a_wake_ttl)
+if #lost == 0 and #fences == 0 then return {0, replies} end
+return {{lost, fences}, replies}
 """,
 )
 
@@ -948,4 +1009,4 @@ return 1
 """,
 )
 
-SCRIPTS = (DEQUEUE, PEEK, END, REQUEUE, STREAM, HEARTBEAT, REAP, REGISTER)
+SCRIPTS = (DEQUEUE, PEEK, END, REQUEUE, STREAM, STEP, HEARTBEAT, REAP, REGISTER)

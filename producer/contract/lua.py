@@ -47,6 +47,12 @@ def _lua_table(name: str, entries: Mapping[str, object]) -> str:
 
 _DEFINES = re.compile(r"local (?:function (\w+)|([\w, ]+?) =)")
 _NAME = re.compile(r"[A-Za-z_]\w*")
+_COMMENT = re.compile(r"--[^\n]*")
+
+
+def _names(lua: str) -> set[str]:
+    """The names `lua` uses outside its comments (a comment naming a function needs none)."""
+    return set(_NAME.findall(_COMMENT.sub("", lua)))
 
 
 def _needed(libraries: str, body: str) -> str:
@@ -77,12 +83,12 @@ def _needed(libraries: str, body: str) -> str:
         for name in (m.group(1) or m.group(2)).split(","):
             defined[name.strip()] = i
     keep: set[int] = set()
-    todo = set(_NAME.findall(body))
+    todo = _names(body)
     while todo:
         i = defined.get(todo.pop())
         if i is not None and i not in keep:
             keep.add(i)
-            todo |= set(_NAME.findall("".join(chunks[i])))
+            todo |= _names("".join(chunks[i]))
     return "".join("".join(chunks[i]) for i in sorted(keep))
 
 

@@ -34,6 +34,7 @@ from producer.contract.stream import (
     DELTAS_WAKE,
     ENTRIES_FIELD,
     INLINE_WAKE,
+    RESULT_FIELD,
     decode_inline,
     inline_entries,
     inline_job_ids,
@@ -41,6 +42,7 @@ from producer.contract.stream import (
 from worker.claim import Claim
 from worker.redis_link import ScriptRunner
 from worker.rq_adapter import RQAdapter
+from worker.rq_scripts import STEP
 
 QUEUE = "q-adapter"
 MARKER_DIR_ENV = "PAGEDQ_TEST_MARKER_DIR"
@@ -772,6 +774,59 @@ def test_a_hub_of_deltas_gets_each_token_entry_as_its_text_alone_and_no_job_list
     [*_, (_, fields)] = redis_client.xrange(f"pagedq:wake:{hub}")
     assert set(fields) == {ENTRIES_FIELD.encode()}
     assert inline_entries(fields) == {c: [text]}
+
+
+def test_a_steps_entries_and_endings_go_in_one_step_call(
+    redis_client,
+):
+    """A step with token entries and endings of one shard is one STEP call (one EVALSHA): a hub
+    gets the window's deltas of one job, then the last tokens, final entry and result of
+    another; a job with a stream of its own gets its tokens before its final entry; a job whose
+    lease was lost is refused alone, in either part."""
+    hub, delta = "hub7" + DELTAS_WAKE, {"event": "token", "delta": "x", "token_ids": "[7]"}
+    client, adapter, claims, (a, b) = _two_hub_jobs_streamed(redis_client, hub, delta)
+    [c, d] = client.enqueue([_as_request({"prompt": p}) for p in ("c", "d")])  # own streams
+    claims |= {claim.job_id: claim for claim in adapter.dequeue_many(2)}
+    last, done = {"event": "token", "delta": " end", "token_ids": "[8]"}, {"event": "done"}
+    tokens = {"event": "token", "delta": " y", "token_ids": "[9]"}
+
+    def step(entries, ends):
+        call = adapter.step_call(adapter.stream_call(entries), adapter.merge_ends(ends))
+        assert call is not None and call.script is STEP
+        return adapter.scripts.call(call)
+
+    ends = [
+        adapter.end_call(claims[b], "finished", _result("finished", b),
+                         {**done, RESULT_FIELD: "1"}, entries=[last]),
+        adapter.end_call(claims[d], "finished", _result("finished", d), done),
+    ]  # fmt: skip
+    assert step([(claims[a], delta, False), (claims[d], tokens, True)], ends) == [0, [1, 1]]
+    [_, (_, window), (_, ended)] = redis_client.xrange(f"pagedq:wake:{hub}")
+    assert inline_entries(window) == {a: [{"event": "token", "delta": "x"}]}
+    assert inline_entries(ended) == {
+        b: [
+            {"event": "token", "delta": " end"},
+            {**done, RESULT_FIELD: json.dumps(_result("finished", b))},
+        ],
+    }
+    assert [f for _, f in redis_client.xrange(f"pagedq:stream:{d}")] == [
+        {k.encode(): v.encode() for k, v in entry.items()} for entry in (tokens, done)
+    ]
+    assert {_fetch(redis_client, j).get_status() for j in (b, d)} == {"finished"}
+
+    # A reaper took a's and c's leases: their entry and ending are refused, the others written.
+    for j in (a, c):
+        redis_client.zadd(f"rq:wip:{claims[j].queue}", {claims[j].member: 0}, xx=True)
+    assert sorted(_adapter(redis_client, name="w2").reap()[0]) == sorted([a, c])
+    e, f = client.enqueue([_as_request({"prompt": p}) for p in ("e", "f")], wake=hub)
+    claims |= {claim.job_id: claim for claim in adapter.dequeue_many(4) if claim.job_id in (e, f)}
+    ends = [adapter.end_call(claims[j], "finished", _result("finished", j), done) for j in (c, f)]
+    streamed, ended = step([(claims[a], delta, False), (claims[e], delta, True)], ends)
+    assert adapter.stream_lost(streamed) == [a] and ended == [0, 1]
+    [*_, (_, window), (_, ended)] = redis_client.xrange(f"pagedq:wake:{hub}")
+    assert inline_entries(window) == {e: [{"event": "token", "delta": "x"}]}
+    assert inline_entries(ended) == {f: [done]}
+    assert c not in _registries(redis_client)["finished"]
 
 
 def test_a_job_whose_end_goes_to_an_events_stream_or_a_batch_is_claimed_as_bulk(redis_client):
