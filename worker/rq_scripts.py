@@ -842,17 +842,8 @@ return {lost, fences}
 # {STREAM's reply, END's}.
 STEP = LuaScript(
     "step",
-    args=(
-        "maxlen",
-        "stream_ttl",
-        "prefix",
-        "n_queues",
-        "n_streams",
-        "wake_minid",
-        "wake_ttl",
-        "counters",
-        "stream_args",
-    ),
+    # STREAM's named arguments first: RQAdapter.step_call takes them from a STREAM call.
+    args=(*STREAM.args, "counters", "stream_args"),
     libraries=(*_ENDING_LIBS, STREAM_LUA),
     body="""
 local k_worker = a_counters == '1' and KEYS[#KEYS] or ''

@@ -776,9 +776,7 @@ def test_a_hub_of_deltas_gets_each_token_entry_as_its_text_alone_and_no_job_list
     assert inline_entries(fields) == {c: [text]}
 
 
-def test_a_steps_entries_and_endings_go_in_one_step_call(
-    redis_client,
-):
+def test_a_steps_entries_and_endings_go_in_one_step_call(redis_client):
     """A step with token entries and endings of one shard is one STEP call (one EVALSHA): a hub
     gets the window's deltas of one job, then the last tokens, final entry and result of
     another; a job with a stream of its own gets its tokens before its final entry; a job whose
