@@ -109,10 +109,12 @@ class Callgrind:
         self.process.wait(timeout=60)
 
 
-def _end_calls(adapter, claim, final: dict, rng: random.Random) -> tuple[list, object]:
+def _end_calls(
+    adapter, claim, final: dict, rng: random.Random, inline_result: bool = False
+) -> tuple[list, object]:
     """The END of a finished job of TOKENS random tokens, and the SET staging its result
-    before it (as the worker's JobEnder does: not when the result goes to a hub with the end;
-    not in code from before staged results)."""
+    before it (as the worker's JobEnder does: not in code where a hub's result went with the
+    end, `inline_result`, nor in code from before staged results)."""
     from producer.contract.schema import Timings
     from worker.endings import build_result
 
@@ -124,7 +126,7 @@ def _end_calls(adapter, claim, final: dict, rng: random.Random) -> tuple[list, o
     result.text = "".join(f" w{rng.randrange(10**5)}" for _ in range(TOKENS))
     summary = {"job_id": claim.job_id}
     result_json = result.model_dump_json()
-    if final or not hasattr(adapter, "stage_result"):
+    if inline_result or not hasattr(adapter, "stage_result"):
         return [], adapter.end_call(claim, "finished", result_json, (60, TOKENS), final, summary)
     stage = adapter.stage_result(claim, result_json)
     end = adapter.end_call(
@@ -141,6 +143,7 @@ def child(
     windows: int,
     registry: int,
     server_args: list[str],
+    ahead: int = 0,
 ) -> None:
     """Run the phases with the code of `repo`; print their instructions per job as JSON."""
     sys.path.insert(0, str(repo))
@@ -170,13 +173,19 @@ def child(
             wake = "bench-hub" + suffix if stream else None
             requests = [GenerationRequest(prompt=PROMPT, max_tokens=TOKENS) for _ in range(jobs)]
             chunks = [slice(i, i + batch) for i in range(0, jobs, batch)]
-            # A hub's job: its result goes with its end (the worker's RESULT_FIELD).
-            final = {"event": "done", "finish_reason": "length", "result": "1"} if stream else {}
+            # A hub's job: in code from before staged hub results, its result went with its
+            # end (the worker's RESULT_FIELD flag, which END answered in the wake entry).
+            from worker.rq_scripts import END
+
+            inline_result = stream and "acc.results" in END.source
+            final = {"event": "done", "finish_reason": "length"} if stream else {}
+            if inline_result:
+                final["result"] = "1"
             # One job through every step first: each script is loaded before the counting.
             client.enqueue(requests[:1], wake=wake)
             warm = adapter.claims(runner.call(adapter.dequeue_call(1)[0]), time.time())
             runner.run([adapter.stream_call([(c, token_entry("x", [1]), True) for c in warm])])
-            stage, end = _end_calls(adapter, warm[0], final, rng)
+            stage, end = _end_calls(adapter, warm[0], final, rng, inline_result)
             runner.run([*stage, end])
             marks = [cg.take()]
             for c in chunks:
@@ -184,7 +193,7 @@ def child(
             marks.append(cg.take())
             claims = []
             while len(claims) < jobs:
-                call, t = adapter.dequeue_call(batch)
+                call, t = adapter.dequeue_call(batch, ahead)
                 claims += adapter.claims(runner.call(call), t)
             marks.append(cg.take())
             for w in range(windows if stream else 0):
@@ -194,13 +203,14 @@ def child(
                     runner.run([adapter.stream_call(step)])
             marks.append(cg.take())
             for c in chunks:
-                made = [_end_calls(adapter, claim, final, rng) for claim in claims[c]]
+                made = [_end_calls(adapter, cl, final, rng, inline_result) for cl in claims[c]]
                 stages = [s for stage, _ in made for s in stage]
                 runner.run([*stages, *adapter.merge_ends([end for _, end in made])])
             marks.append(cg.take())
             keys = [result_key(claim.job_id) for claim in claims]
             for c in chunks:
-                conn.mget(keys[c])
+                if not inline_result:  # else the hub had them with the ends
+                    conn.mget(keys[c])
             marks.append(cg.take())
             client.close()
         finally:
@@ -214,6 +224,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=256)
     ap.add_argument("--batch", type=int, default=64, help="jobs per call")
+    ap.add_argument(
+        "--ahead", type=int, default=0, help="DEQUEUE's `ahead` (a worker's --prefetch)"
+    )
     ap.add_argument("--stream", action="store_true", help="jobs stream to an inline hub")
     ap.add_argument("--windows", type=int, default=10, help="token entries per streamed job")
     ap.add_argument("--registry", type=int, default=1000, help="other members per registry")
@@ -227,7 +240,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         child(args.child, args.jobs, args.batch, args.stream, args.windows, args.registry,
-              args.server_args.split())  # fmt: skip
+              args.server_args.split(), args.ahead)  # fmt: skip
         return
     if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
         print("valgrind (callgrind) is not installed: nothing measured")
@@ -236,7 +249,7 @@ def main() -> None:
     if args.baseline:
         runs.insert(0, ("baseline", args.baseline.resolve()))
     argv = ["--jobs", str(args.jobs), "--batch", str(args.batch), "--windows",
-            str(args.windows), "--registry", str(args.registry),
+            str(args.windows), "--registry", str(args.registry), "--ahead", str(args.ahead),
             f"--server-args={args.server_args}"]  # fmt: skip
     if args.stream:
         argv.append("--stream")
@@ -244,7 +257,7 @@ def main() -> None:
     kind = f"streamed to an inline hub, {args.windows} entries each" if args.stream else "bulk"
     server = f", redis-server {args.server_args}" if args.server_args else ""
     print(f"Instructions redis-server executes per job (callgrind Ir), {args.jobs} jobs, {kind}, "
-          f"{args.batch} jobs per call{server}")  # fmt: skip
+          f"{args.batch} jobs per call, ahead {args.ahead}{server}")  # fmt: skip
     phases = [p for p in PHASES if args.stream or p != "stream"]
     print(
         "| step | "

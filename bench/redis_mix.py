@@ -39,7 +39,7 @@ exec valgrind --tool=callgrind --callgrind-out-file={out}/callgrind.out.%p {serv
 """
 
 
-def child(repo: Path, profile: str, jobs: int, workers: int) -> None:
+def child(repo: Path, profile: str, jobs: int, workers: int, keep: Path | None = None) -> None:
     """One profile's run with the code of `repo`; prints its instructions per job as JSON."""
     sys.path[:0] = [str(repo), str(repo / "bench")]
     import redis_capacity as rc
@@ -73,14 +73,20 @@ def child(repo: Path, profile: str, jobs: int, workers: int) -> None:
                         total = max(total, int(line.split()[1]))
         if not total:
             raise SystemExit("callgrind wrote no totals")
+        if keep:
+            keep.mkdir(parents=True, exist_ok=True)
+            for path in Path(out).glob("callgrind.out.*"):
+                shutil.copy(path, keep / f"{profile}.{path.name}")
     print(json.dumps({"per_job": total / jobs}))
 
 
-def measure(repo: Path, profile: str, jobs: int, workers: int) -> float:
+def measure(repo: Path, profile: str, jobs: int, workers: int, keep: Path | None = None) -> float:
     """Instructions per job of `profile` with the code of `repo` (a child process each, so
     that each checkout imports its own modules)."""
     args = [sys.executable, __file__, "--child", str(repo), "--profiles", profile,
             "--jobs", str(jobs), "--workers", str(workers)]  # fmt: skip
+    if keep:
+        args += ["--keep", str(keep)]
     out = subprocess.run(args, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         raise SystemExit(f"the {profile} run with {repo} failed:\n{out.stderr[-3000:]}")
@@ -93,10 +99,13 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=400, help="jobs per run")
     ap.add_argument("--workers", type=int, default=2, help="simulated workers of 50 slots")
     ap.add_argument("--baseline", type=Path, help="a checkout of the code to compare with")
+    ap.add_argument(
+        "--keep", type=Path, help="copy the server's callgrind files here (callgrind_annotate)"
+    )
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.profiles, args.jobs, args.workers)
+        child(args.child, args.profiles, args.jobs, args.workers, args.keep)
         return
     if not shutil.which("valgrind"):
         print("valgrind (callgrind) is not installed: nothing measured")
@@ -111,7 +120,7 @@ def main() -> None:
     )
     print("|---|" + "---:|" * (len(runs) + (1 if args.baseline else 0)))
     for profile in args.profiles.split(","):
-        values = [measure(repo, profile, args.jobs, args.workers) for _, repo in runs]
+        values = [measure(repo, profile, args.jobs, args.workers, args.keep) for _, repo in runs]
         ratio = f" | {values[-1] / values[0]:.2f} |" if args.baseline else " |"
         print(f"| {profile} | " + " | ".join(f"{v:,.0f}" for v in values) + ratio, flush=True)
 

@@ -19,7 +19,8 @@ some ends write no stream entry (a queued job canceled through RQ), streams expi
 results do, and a worker of an older release tells no wake stream. A job whose entries keep
 coming is not looked up: the check costs Redis per quiet job, not per followed job. A job the
 check finds ended gets the wake entries written before the look-up first, so no delta is lost to
-the end.
+the end. The final entries a read delivers carry their jobs' results, read from the result keys
+with one MGET per read (a worker stages a result beside its end, outside Lua).
 """
 
 from __future__ import annotations
@@ -34,10 +35,17 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 from rq.job import Job
 
-from producer.connection import async_redis_client, async_xread, is_cluster
+from producer.connection import async_redis_client, async_xread, is_cluster, mget
 from producer.contract.keys import result_key, stream_key, wake_key
 from producer.contract.shards import hash_tag, shard_name
-from producer.contract.stream import DELTAS_WAKE, inline_entries, inline_job_ids, is_inline
+from producer.contract.stream import (
+    DELTAS_WAKE,
+    MAX_INLINE_RESULT_CHARS,
+    RESULT_FIELD,
+    inline_entries,
+    inline_job_ids,
+    is_inline,
+)
 from producer.results import decode_entry, is_final
 
 log = logging.getLogger("pagedq.gateway.streams")
@@ -196,6 +204,7 @@ class StreamHub:
         finally:
             self._blocked = False
         now = time.monotonic()
+        followed: list[tuple[str, list[dict[str, str]]]] = []
         for key, entries in woken:
             self._wakes[key.decode()] = entries[-1][0].decode()
             for _, fields in entries:
@@ -206,11 +215,30 @@ class StreamHub:
                         if inline is None:
                             self._due.add(job_id)
                         else:
-                            self._deliver_inline(job_id, inline)
+                            followed.append((job_id, inline))
                     else:
                         self._unclaimed.setdefault(job_id, (now, []))[1].extend(inline or [None])
+        await self._add_results(followed)
+        for job_id, inline in followed:
+            self._deliver_inline(job_id, inline)
         for job_id in [j for j, (t, _) in self._unclaimed.items() if t < now - UNCLAIMED_S]:
             del self._unclaimed[job_id]
+
+    async def _add_results(self, followed: list[tuple[str, list[dict[str, str]]]]) -> None:
+        """Put each ended job's result in its final entry (as `result`), read from the result
+        keys with one MGET: the worker staged it beside the end, so it exists by the time the
+        final entry can be read, and it never passed through a Lua script."""
+        finals = {
+            job_id: entries[-1]
+            for job_id, entries in followed
+            if entries and is_final(entries[-1]) and RESULT_FIELD not in entries[-1]
+        }
+        if not finals:
+            return
+        values = await mget(self.redis, [result_key(job_id) for job_id in finals])
+        for entry, value in zip(finals.values(), values, strict=True):
+            if value is not None and len(value) <= MAX_INLINE_RESULT_CHARS:
+                entry[RESULT_FIELD] = value.decode()
 
     def _deliver_inline(self, job_id: str, entries: list[dict[str, str]]) -> None:
         """Hand `entries` (read from a wake stream, in order, once) to the job's followers."""

@@ -301,7 +301,8 @@ def async_redis_client(url: str, *, blocking: bool = False, **kwargs: Any) -> ai
 
 
 def mget(connection: Any, keys: list[str]) -> list[Any]:
-    """MGET of `keys`; on a cluster, one MGET per slot (redis-py's mget_nonatomic), in order."""
+    """MGET of `keys`; on a cluster, one MGET per slot (redis-py's mget_nonatomic), in order
+    (awaitable, for an asyncio client)."""
     if not keys:
         return []
     if is_cluster(connection):

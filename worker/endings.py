@@ -18,8 +18,6 @@ import structlog
 from producer.contract.keys import result_key
 from producer.contract.schema import Choice, GenerationRequest, GenerationResult, Timings, Usage
 from producer.contract.stream import (
-    MAX_INLINE_RESULT_CHARS,
-    RESULT_FIELD,
     done_entry,
     error_entry,
     is_inline,
@@ -216,17 +214,12 @@ class JobEnder:
 
     def _ending(
         self, claim: Claim, result: GenerationResult, final: dict[str, str], **end: Any
-    ) -> tuple[ScriptCall, Command | None]:
-        """The END call of a job and, unless its result goes to a hub with its end, the SET
-        that stages the result for it."""
+    ) -> tuple[ScriptCall, Command]:
+        """The END call of a job and the SET that stages its result for it: the result never
+        passes through Lua (whose strings cost Redis some 15 instructions a byte); a hub
+        reads it from the result key, one MGET per read (gateway/stream_hub.py)."""
         result_json = result.model_dump_json()
-        staged = None
-        if final and is_inline(claim.wake) and len(result_json) <= MAX_INLINE_RESULT_CHARS:
-            # The hub reads the result with the end (END adds it to the wake entry): no GET of
-            # the result key per answer.
-            final = {**final, RESULT_FIELD: "1"}
-        else:
-            staged = self.adapter.stage_result(claim, result_json)
+        staged = self.adapter.stage_result(claim, result_json)
         call = self.adapter.end_call(
             claim,
             result.status,
@@ -234,7 +227,7 @@ class JobEnder:
             (result.usage.prompt_tokens, result.usage.completion_tokens),
             final,
             error=result.error,
-            staged=staged is not None,
+            staged=True,
             **end,
         )
         return call, staged

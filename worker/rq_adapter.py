@@ -48,7 +48,7 @@ from producer.contract.keys import (
 )
 from producer.contract.lua import LuaScript
 from producer.contract.shards import hash_tag
-from producer.contract.stream import RESULT_FIELD, encode_inline, inline_entry, is_inline
+from producer.contract.stream import encode_inline, inline_entry, is_inline, takes_deltas
 from worker.claim import Claim
 from worker.redis_link import Call, Command, ScriptCall, SplitCall
 from worker.rq_scripts import (
@@ -99,6 +99,17 @@ def crash_reason(max_crashes: int) -> str:
         f"job was in flight during {max_crashes} worker crashes (--max-crashes {max_crashes}); "
         "not retried"
     )
+
+
+def _hub_ids(wake: str, job_ids: Iterable[str]) -> str:
+    """A hub's job ids as STREAM takes them beside its entries: joined by spaces, or '' for a
+    hub of deltas (its wake entry lists no jobs), whose ids STREAM reads from the entries' keys
+    only when a fence moved: some 33 bytes less per entry for Lua to hash."""
+    if not takes_deltas(wake):
+        return " ".join(job_ids)
+    ids = list(job_ids)
+    # An id that JSON escapes would not read back from the keys as it is.
+    return "" if all(json.dumps(j)[1:-1] == j for j in ids) else " ".join(ids)
 
 
 def _pairs(fields: Mapping[str, Any]) -> list[Any]:
@@ -505,12 +516,10 @@ class RQAdapter:
         t = time.time()
         inline = ""
         if final_entry and is_inline(claim.wake):
-            # The hub's JSON member of this job, its final entry last; the flag that asks for
-            # the result stays a final field (END puts the result beside the JSON).
-            final = {k: v for k, v in final_entry.items() if k != RESULT_FIELD}
-            by_job = {claim.job_id: [*(inline_entry(claim.wake, e) for e in entries), final]}
+            # The hub's JSON member of this job, its final entry last.
+            by_job = {claim.job_id: [*(inline_entry(claim.wake, e) for e in entries), final_entry]}
             inline = encode_inline(by_job)[1:-1]
-            final_entry = {k: v for k, v in final_entry.items() if k == RESULT_FIELD}
+            final_entry = {}
         elif entries:
             raise ValueError("entries go with an end only for a job of an inline hub")
         rq_fields: dict[str, Any] = {}
@@ -586,7 +595,7 @@ class RQAdapter:
             for wake, jobs in hubs.items():
                 data = encode_inline({job_id: e for job_id, (_, e) in jobs.items()})
                 leases = " ".join(lease for lease, _ in jobs.values())
-                rest += [wake, data, " ".join(jobs), leases]
+                rest += [wake, data, _hub_ids(wake, jobs), leases]
             calls.append(_call(STREAM, args={"maxlen": STREAM_MAXLEN,
                                              "stream_ttl": self.stream_ttl,
                                              "prefix": self._execution_prefix,

@@ -53,7 +53,7 @@ from producer.contract.keys import (
 )
 from producer.contract.lua import RING_BELL_LUA, LuaScript
 from producer.contract.routing import DEFAULT_JOB_COST
-from producer.contract.stream import DELTAS_WAKE, ENTRIES_FIELD, INLINE_WAKE, RESULT_FIELD
+from producer.contract.stream import DELTAS_WAKE, ENTRIES_FIELD, INLINE_WAKE
 
 # Defaults a worker passes unless configured: a level of priority per minute of waiting, and the
 # seed's full starvation boost after ten minutes.
@@ -341,15 +341,15 @@ end
 
 -- Tells each stream hub in `wakes` (wake id -> job ids, or those ids joined by spaces) which of
 -- its jobs got entries, and gives an inline hub the entries themselves (`inline`: wake id ->
--- JSON object of job id -> entries, or a list of its `"<job id>":[...]` members) and the
--- results of its jobs that ended (`results`: wake id -> field/value pairs
--- `{RESULT_FIELD}:<job id>`, the result JSON; not inside the JSON object, which would escape
--- them): one entry per hub and call, not one per job. An inline stream keeps the entries from
--- `minid` on (ms: the caller's clock less {WAKE_RETAIN_MS} ms, as a lease's deadline is the
--- worker's clock; Redis's TIME and the arithmetic on its two strings cost a call some 15,000
--- instructions), whatever the fleet writes. `ttl` '0' leaves each stream's TTL alone: a worker
--- renews it on its first call to a hub, then every quarter of the TTL (RQAdapter.wake_args).
-local function tell_wakes(wakes, inline, results, minid, ttl)
+-- JSON object of job id -> entries, or a list of its `"<job id>":[...]` members): one entry
+-- per hub and call, not one per job (the hub reads an ended job's result from its result
+-- key, which the worker staged: a result never passes through Lua). An inline stream keeps
+-- the entries from `minid` on (ms: the caller's clock less {WAKE_RETAIN_MS} ms, as a lease's
+-- deadline is the worker's clock; Redis's TIME and the arithmetic on its two strings cost a
+-- call some 15,000 instructions), whatever the fleet writes. `ttl` '0' leaves each stream's
+-- TTL alone: a worker renews it on its first call to a hub, then every quarter of the TTL
+-- (RQAdapter.wake_args).
+local function tell_wakes(wakes, inline, minid, ttl)
     for wake, ids in pairs(wakes) do
         local key, data = K.wake .. wake, inline[wake]
         if type(ids) == 'table' and not (data and takes_deltas(wake)) then
@@ -361,7 +361,6 @@ local function tell_wakes(wakes, inline, results, minid, ttl)
             local fields = {{'{ENTRIES_FIELD}', data}}
             -- A reader of deltas takes its jobs from the keys of the entries.
             if not takes_deltas(wake) then fields[3], fields[4] = 'jobs', ids end
-            for _, v in ipairs(results[wake] or {{}}) do fields[#fields + 1] = v end
             redis.call('XADD', key, 'MINID', '~', minid, '*', unpack(fields))
         else
             redis.call('XADD', key, 'MAXLEN', '~', {WAKE_MAXLEN}, '*', 'jobs', ids)
@@ -395,7 +394,7 @@ local COUNTERS = {{finished = 'successful_job_count', failed = 'failed_job_count
 
 local function new_acc()
     return {{zrem = {{}}, zadd = {{}}, counters = {{}}, charges = {{}}, wakes = {{}},
-             inline = {{}}, results = {{}}, ended_ids = {{}}, ended_statuses = {{}}}}
+             inline = {{}}, ended_ids = {{}}, ended_statuses = {{}}}}
 end
 
 -- Ends a started job whose hash fields `s` were read: RQ status and TTL, RQ's result entry
@@ -435,18 +434,13 @@ local function end_job(acc, s, job_id, queue, member, status, ended_at, score, t
     if result_json ~= '' then redis.call('SET', K.result .. job_id, result_json, 'EX', ttl) end
     if #final_fields > 0 or inline ~= '' then
         if s.wake and is_inline(s.wake) then
-            local entry = {{}}
-            for j = 1, #final_fields, 2 do
-                if final_fields[j] == '{RESULT_FIELD}' then  -- the worker asks for the result
-                    push(acc.results, s.wake, '{RESULT_FIELD}:' .. job_id)
-                    push(acc.results, s.wake, result_json)
-                else
-                    entry[final_fields[j]] = final_fields[j + 1]
-                end
-            end
             -- `inline`: the worker's JSON of the job's last entries, its final entry last, as
             -- `"<job id>":[...]`, written as it came; else (the reaper's) the final entry here.
-            if inline == '' then inline = cjson.encode(job_id) .. ':' .. cjson.encode({{entry}}) end
+            if inline == '' then
+                local entry = {{}}
+                for j = 1, #final_fields, 2 do entry[final_fields[j]] = final_fields[j + 1] end
+                inline = cjson.encode(job_id) .. ':' .. cjson.encode({{entry}})
+            end
             push(acc.inline, s.wake, inline)
         elseif #final_fields > 0 then
             local skey = K.stream .. job_id
@@ -479,18 +473,18 @@ local function flush(acc, worker_key, minid, ttl)
         for field, n in pairs(acc.counters) do redis.call('HINCRBY', worker_key, field, n) end
     end
     for _, c in pairs(acc.charges) do pq_charge(c.root, c.tenant, c.delta, c.used) end
-    tell_wakes(acc.wakes, acc.inline, acc.results, minid, ttl)
+    tell_wakes(acc.wakes, acc.inline, minid, ttl)
     tell_events(acc.ended_ids, acc.ended_statuses)
 end
 """
 
 # One job's ending in END's and REQUEUE's ARGV: these fields, then `n_rq` field/values of RQ's
 # result entry, then `n_final` of the final stream entry. `result` is the GenerationResult
-# JSON, `prompt_tokens`, `completion_tokens` its usage (what the tenant is charged and the batch
-# counts), so the script never parses the result. `inline`, for a job of an inline hub: its
-# entries not written yet and its final entry, as `"<job id>":[...]` of the hub's JSON object
-# (producer/contract/stream.py), so that its last tokens need no STREAM call of their own; its
-# final fields are then only the result's flag, if any.
+# JSON ('' when the worker staged it: take_staged), `prompt_tokens`, `completion_tokens` its
+# usage (what the tenant is charged and the batch counts), so the script never parses the
+# result. `inline`, for a job of an inline hub: its entries not written yet and its final
+# entry, as `"<job id>":[...]` of the hub's JSON object (producer/contract/stream.py), so that
+# its last tokens need no STREAM call of their own; it then has no final fields.
 ENDING_FIELDS = (
     "job_id",
     "queue",
@@ -717,9 +711,10 @@ return 1
 # (`fence_key`). ARGV from `first` to `last`: per queue, its name and the fence's value the
 # worker last saw; then `n_streams` jobs with streams of their own, each job_id, lease, wake
 # ('' for none), set_ttl (0/1), n, n field/values; then per inline hub its wake id, the JSON
-# object of its jobs' entries (producer/contract/stream.py), their ids joined by spaces, and
-# their leases joined the same way. A job's lease is `<q>:<rest>`: the number of its queue
-# among the call's, and the rest of its execution id after the worker's `prefix`.
+# object of its jobs' entries (producer/contract/stream.py), their ids joined by spaces (or '',
+# for a hub of deltas: then the keys of that object, read only when a fence moved), and their
+# leases joined the same way, in the same order. A job's lease is `<q>:<rest>`: the number of
+# its queue among the call's, and the rest of its execution id after the worker's `prefix`.
 # Appends one window's token entries, each only if its execution still holds the job. A lease
 # is taken from a live worker only by another worker's reaper (REAP), which bumps the worker's
 # fence in that queue: while the fence is what the worker last saw, every lease there holds and
@@ -729,6 +724,38 @@ return 1
 # whose lease was lost): the script's work does not grow with the jobs, only with their bytes.
 # The wake id comes from the caller, which read it with the job (DEQUEUE).
 STREAM_LUA = """
+-- The keys of the JSON object `text` in order: the job ids of a hub's entries as the worker
+-- encoded them (encode_inline; it sends them apart, `ids`, when one would need unescaping).
+local function json_keys(text)
+    local keys, depth, i = {}, 0, 1
+    while true do
+        i = string.find(text, '[%[%]{}"]', i)
+        if not i then return keys end
+        local c = string.byte(text, i)
+        if c == 34 then  -- a string, up to its first quote that no backslash escapes
+            local j, escaped = i, false
+            repeat
+                j = string.find(text, '["' .. string.char(92) .. ']', j + 1)
+                escaped = string.byte(text, j) == 92
+                if escaped then j = j + 1 end
+            until not escaped
+            if depth == 1 then keys[#keys + 1] = string.sub(text, i + 1, j - 1) end
+            i = j + 1
+        else
+            depth = depth + ((c == 123 or c == 91) and 1 or -1)
+            i = i + 1
+        end
+    end
+end
+
+-- A hub's job ids in a call: `ids` (joined by spaces), or, when '', the keys of its entries.
+local function hub_job_ids(data, ids)
+    if ids == '' then return json_keys(data) end
+    local out = {}
+    for job_id in string.gmatch(ids, '%S+') do out[#out + 1] = job_id end
+    return out
+end
+
 -- Writes the entries of ARGV[first .. last] (see above); the hubs' go to `wakes` and `inline`
 -- for tell_wakes. Returns the job ids whose entries were refused (the lease was lost) and the
 -- (queue, fence) pairs of the fences that moved.
@@ -763,7 +790,9 @@ local function write_entries(wakes, inline, first, last, n_queues, n_streams, ma
         end
         while i <= last do
             local leases = string.gmatch(ARGV[i + 3], '%S+')
-            for job_id in string.gmatch(ARGV[i + 2], '%S+') do note(job_id, leases()) end
+            for _, job_id in ipairs(hub_job_ids(ARGV[i + 1], ARGV[i + 2])) do
+                note(job_id, leases())
+            end
             i = i + 4
         end
         for q, m in pairs(moved) do
@@ -795,7 +824,7 @@ local function write_entries(wakes, inline, first, last, n_queues, n_streams, ma
         i = i + 4
         if moved then
             local kept, dropped = {}, {}
-            for job_id in string.gmatch(ids, '%S+') do
+            for _, job_id in ipairs(hub_job_ids(data, ids)) do
                 local into = gone[job_id] and dropped or kept
                 into[#into + 1] = job_id
             end
@@ -828,7 +857,7 @@ STREAM = LuaScript(
 local wakes, inline = {}, {}
 local lost, fences = write_entries(wakes, inline, REST, #ARGV, tonumber(a_n_queues),
     tonumber(a_n_streams), a_maxlen, a_stream_ttl, a_prefix)
-tell_wakes(wakes, inline, {}, a_wake_minid, a_wake_ttl)
+tell_wakes(wakes, inline, a_wake_minid, a_wake_ttl)
 -- The common reply, an integer: a table costs the conversion of each of its levels.
 if #lost == 0 and #fences == 0 then return 0 end
 return {lost, fences}
@@ -853,7 +882,7 @@ local lost, fences = write_entries(wakes, inline, REST, last, tonumber(a_n_queue
     tonumber(a_n_streams), a_maxlen, a_stream_ttl, a_prefix)
 -- The window's entries as STREAM writes them (a hub's JSON object untouched: joining the
 -- endings' members to it would copy and hash it again), then the endings'.
-tell_wakes(wakes, inline, {}, a_wake_minid, a_wake_ttl)
+tell_wakes(wakes, inline, a_wake_minid, a_wake_ttl)
 local acc = new_acc()
 local replies = end_all(acc, last + 1, a_maxlen)
 flush(acc, k_worker, a_wake_minid, a_wake_ttl)

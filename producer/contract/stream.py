@@ -17,10 +17,12 @@ StreamHub enqueues) gets no entries in its own stream: the worker writes them in
 wake stream, in the entry of the call that wrote them, whose field `entries` is a JSON object
 of job id -> the list of that job's entries in the call (`encode_inline`). One XADD per hub and
 call then carries the tokens of all its jobs, built by the worker, instead of one per job.
-When such a job ends, the wake entry also has the field `result:<job id>`, the value of its
-result key (when at most `MAX_INLINE_RESULT_CHARS` long; a field of its own, so that the JSON is
-not escaped into `entries`): its reader needs no GET at the end (`inline_entries` puts it in the
-job's final entry as `result`).
+When such a job ends, its result key is written in the same script call as its final entry,
+so a reader of that entry finds the result there (the gateway's StreamHub reads those of one
+read with one MGET, and puts each in its job's final entry as `result`, when at most
+`MAX_INLINE_RESULT_CHARS` long). A worker of an older release gave the result in the wake
+entry itself, as the field `result:<job id>` (`inline_entries` still puts it in the job's final
+entry).
 
 A wake id ending in `DELTAS_WAKE` is inline too, for a reader that needs only the text (the
 gateway's StreamHub: OpenAI's streams carry no token ids): a token entry goes into `entries` as
@@ -48,8 +50,8 @@ DELTAS_WAKE = ":deltas"
 ENTRIES_FIELD = "entries"
 # The longest inline value a reader parses (a window of a hub's jobs is far less).
 MAX_INLINE_CHARS = 1 << 22
-# The field (`result:<job id>` in a wake entry, `result` in the final entry a reader gets) that
-# carries an ended job's result to an inline reader, and the longest result carried.
+# The field of the final entry a hub's reader gets that carries the job's result (`result:<job
+# id>` in a wake entry of an older worker), and the longest result carried.
 RESULT_FIELD = "result"
 MAX_INLINE_RESULT_CHARS = 1 << 15
 

@@ -16,6 +16,7 @@ from gateway.stream_hub import StreamHub
 from producer.client import Client
 from producer.contract.keys import result_key, stream_key
 from producer.contract.schema import GenerationRequest
+from producer.contract.stream import RESULT_FIELD
 from producer.results import is_final
 from worker.redis_link import ScriptRunner
 from worker.rq_adapter import RQAdapter
@@ -131,7 +132,8 @@ def test_an_end_the_check_finds_comes_after_the_entries_written_before_it(
     redis_client, redis_server
 ):
     """The check looks up a quiet job and finds it ended: the inline entries its worker wrote
-    with the end (not read yet) reach the follower first, then the real final entry."""
+    with the end (not read yet) reach the follower first, then the real final entry, with the
+    job's result read from its result key."""
 
     async def run() -> None:
         hub = StreamHub(redis_server.url)  # not started: the test runs its check by hand
@@ -144,10 +146,12 @@ def test_an_end_the_check_finds_comes_after_the_entries_written_before_it(
             assert (
                 adapter.stream_lost(scripts.call(adapter.stream_call([(claim, DELTA, True)]))) == []
             )
-            end = adapter.end_call(claim, "finished", '{"status": "finished"}', (1, 1), DONE)
+            result = '{"status": "finished"}'
+            end = adapter.end_call(claim, "finished", result, (1, 1), DONE)
             assert scripts.call(end) == [1]
             await hub._check_ended()
-            assert [follow.entries.get_nowait() for _ in range(2)] == [DELTA, DONE]
+            ended = {**DONE, RESULT_FIELD: result}
+            assert [follow.entries.get_nowait() for _ in range(2)] == [DELTA, ended]
             assert follow.entries.empty() and len(hub) == 0
         finally:
             await hub.close()
@@ -228,7 +232,7 @@ def test_a_final_entry_that_carries_its_result_is_answered_without_the_result_ke
 
     from gateway.completions import _result
     from producer.contract.schema import GenerationResult
-    from producer.contract.stream import MAX_INLINE_RESULT_CHARS, RESULT_FIELD
+    from producer.contract.stream import MAX_INLINE_RESULT_CHARS
 
     inline = GenerationResult(job_id="j1", status="finished", text="from the entry")
     stored = GenerationResult(job_id="j1", status="finished", text="from the key")

@@ -34,7 +34,6 @@ from producer.contract.stream import (
     DELTAS_WAKE,
     ENTRIES_FIELD,
     INLINE_WAKE,
-    RESULT_FIELD,
     decode_inline,
     inline_entries,
     inline_job_ids,
@@ -638,6 +637,33 @@ def test_stream_checks_each_lease_only_after_a_reaper_moved_the_workers_fence(re
     assert lengths() == {ids[0]: 2, ids[1]: 4, ids[2]: 4}
 
 
+def test_a_hub_of_deltas_gets_no_job_ids_and_a_moved_fence_reads_them_from_its_entries(
+    redis_client,
+):
+    """A STREAM call gives a hub of deltas its entries' JSON and leases, not the job ids again;
+    once a reaper moved the fence, the script reads the ids from the JSON's keys, in order,
+    whatever the text of the deltas (quotes, brackets, backslashes), and refuses exactly the
+    job whose lease was lost."""
+    hub = "hub9" + DELTAS_WAKE
+    client = Client(connection=redis_client, queue=QUEUE)
+    ids = client.enqueue([_as_request({"prompt": f"p{i}"}) for i in range(3)], wake=hub)
+    adapter = _adapter(redis_client)
+    claims = {claim.job_id: claim for claim in adapter.dequeue_many(3)}
+    texts = ['"]},{"x":[', "a\\", "[{}]"]
+    step = [(claims[j], {"event": "token", "delta": t}, False) for j, t in zip(ids, texts)]
+    call = adapter.adapter.stream_call(step)
+    assert not any(j in str(arg) for j in ids for arg in call.args[-2:])  # ids '', leases
+    lost = claims[ids[1]]
+    redis_client.zadd(f"rq:wip:{lost.queue}", {lost.member: 0}, xx=True)
+    assert _adapter(redis_client, name="w2").reap() == ([ids[1]], [])
+    assert adapter.stream(step) == [ids[1]]
+    [(_, written)] = redis_client.xrange(f"pagedq:wake:{hub}")
+    assert inline_entries(written) == {
+        ids[0]: [{"event": "token", "delta": texts[0]}],
+        ids[2]: [{"event": "token", "delta": texts[2]}],
+    }
+
+
 RESTART = {"event": "restart"}
 
 
@@ -778,9 +804,10 @@ def test_a_hub_of_deltas_gets_each_token_entry_as_its_text_alone_and_no_job_list
 
 def test_a_steps_entries_and_endings_go_in_one_step_call(redis_client):
     """A step with token entries and endings of one shard is one STEP call (one EVALSHA): a hub
-    gets the window's deltas of one job, then the last tokens, final entry and result of
-    another; a job with a stream of its own gets its tokens before its final entry; a job whose
-    lease was lost is refused alone, in either part."""
+    gets the window's deltas of one job, then the last tokens and final entry of another,
+    whose staged result becomes its result key; a job with a stream of its own gets its
+    tokens before its final entry; a job whose lease was lost is refused alone, in either
+    part."""
     hub, delta = "hub7" + DELTAS_WAKE, {"event": "token", "delta": "x", "token_ids": "[7]"}
     client, adapter, claims, (a, b) = _two_hub_jobs_streamed(redis_client, hub, delta)
     [c, d] = client.enqueue([_as_request({"prompt": p}) for p in ("c", "d")])  # own streams
@@ -793,20 +820,17 @@ def test_a_steps_entries_and_endings_go_in_one_step_call(redis_client):
         assert call is not None and call.script is STEP
         return adapter.scripts.call(call)
 
+    result_b = _result("finished", b)
     ends = [
-        adapter.end_call(claims[b], "finished", _result("finished", b),
-                         {**done, RESULT_FIELD: "1"}, entries=[last]),
+        adapter.end_call(claims[b], "finished", result_b, done, entries=[last], staged=True),
         adapter.end_call(claims[d], "finished", _result("finished", d), done),
     ]  # fmt: skip
+    adapter.scripts.run([adapter.stage_result(claims[b], json.dumps(result_b))])
     assert step([(claims[a], delta, False), (claims[d], tokens, True)], ends) == [0, [1, 1]]
     [_, (_, window), (_, ended)] = redis_client.xrange(f"pagedq:wake:{hub}")
     assert inline_entries(window) == {a: [{"event": "token", "delta": "x"}]}
-    assert inline_entries(ended) == {
-        b: [
-            {"event": "token", "delta": " end"},
-            {**done, RESULT_FIELD: json.dumps(_result("finished", b))},
-        ],
-    }
+    assert inline_entries(ended) == {b: [{"event": "token", "delta": " end"}, done]}
+    assert json.loads(redis_client.get(f"pagedq:result:{b}")) == result_b
     assert [f for _, f in redis_client.xrange(f"pagedq:stream:{d}")] == [
         {k.encode(): v.encode() for k, v in entry.items()} for entry in (tokens, done)
     ]
