@@ -94,7 +94,8 @@ class ScriptCall:
 
 @dataclass(slots=True)
 class Command:
-    """One plain Redis command to run in a batch (e.g. a cancel-key check)."""
+    """One plain Redis command to run in a batch (e.g. a cancel-key check); idempotent, as a
+    batch cut short by a lost connection runs again."""
 
     name: str
     args: list[Any]
@@ -132,6 +133,7 @@ class ScriptRunner:
 
     def run(self, calls: list[Call]) -> list[Any]:
         """Run a batch in one MULTI/EXEC (all or nothing on a lost connection); the replies.
+        Commands followed by one script call go as a plain pipeline (see below).
 
         A script refused with NOSCRIPT did not run, so it is loaded and run again alone.
         Other errors are raised. Connection errors propagate (the caller retries the batch).
@@ -146,7 +148,11 @@ class ScriptRunner:
         for c in calls:
             assert not (isinstance(c, SplitCall) and c.then), "a SplitCall with `then` runs alone"
             flat += c.parts if isinstance(c, SplitCall) else [c]
-        with self.connection.pipeline(transaction=self.transaction) as pipe:
+        # Commands (idempotent writes and reads) then one script need no MULTI: a batch cut
+        # short by a lost connection ran some commands and not the script, and running it all
+        # again is what MULTI would have made of it (and MULTI/EXEC costs Redis a call).
+        transaction = self.transaction and not all(isinstance(c, Command) for c in flat[:-1])
+        with self.connection.pipeline(transaction=transaction) as pipe:
             for c in flat:
                 self._queue(pipe, c)
             replies = pipe.execute(raise_on_error=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from producer.client import Client
@@ -47,6 +49,34 @@ def test_fenced_scripts_run_again_after_a_restart_emptied_the_script_cache(serve
     result = f'{{"job_id": "{claim.job_id}", "status": "finished"}}'
     link.run([adapter.end_call(claim, "finished", result, (0, 0), {"event": "done"})])
     assert server.client().hget(f"rq:job:{claim.job_id}", "status") == b"finished"
+
+
+def test_a_batch_of_commands_then_one_script_needs_no_multi_and_two_scripts_do(server):
+    """Idempotent commands then one script go as a plain pipeline (run again whole after a
+    cut, it is what MULTI would have made of it); a batch with two scripts, or a command after
+    its script, runs in one MULTI/EXEC."""
+    from redis_monitor import CommandLog
+
+    from producer.contract.lua import LuaScript
+    from worker.redis_link import ScriptCall
+
+    push = LuaScript("push", keys=("list",), args=("value",), body=(
+        "return redis.call('RPUSH', k_list, a_value)"))  # fmt: skip
+    runner = RedisLink(connect(server.url)).scripts
+    log = CommandLog(server.client())
+
+    def script(value: str) -> ScriptCall:
+        return ScriptCall(push, *push.keys_and_args({"list": "l"}, {"value": value}))
+
+    assert runner.run([Command("SET", ["k", "v"]), script("a")]) == [True, 1]
+    assert log.words("multi") == []
+    assert runner.run([script("b"), script("c")]) == [2, 3]
+    assert runner.run([script("d"), Command("GET", ["k"])]) == [4, b"v"]
+    deadline = time.monotonic() + 5
+    while len(log.words("exec")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(log.words("multi")) == len(log.words("exec")) == 2
+    assert server.client().lrange("l", 0, -1) == [b"a", b"b", b"c", b"d"]
 
 
 @pytest.mark.parametrize(
