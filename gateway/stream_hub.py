@@ -227,7 +227,9 @@ class StreamHub:
     async def _add_results(self, followed: list[tuple[str, list[dict[str, str]]]]) -> None:
         """Put each ended job's result in its final entry (as `result`), read from the result
         keys with one MGET: the worker staged it beside the end, so it exists by the time the
-        final entry can be read, and it never passed through a Lua script."""
+        final entry can be read, and it never passed through a Lua script. When the MGET fails
+        the entries go without (the wake stream was read already: they must not be lost), and
+        their readers GET the result key."""
         finals = {
             job_id: entries[-1]
             for job_id, entries in followed
@@ -235,7 +237,11 @@ class StreamHub:
         }
         if not finals:
             return
-        values = await mget(self.redis, [result_key(job_id) for job_id in finals])
+        try:
+            values = await mget(self.redis, [result_key(job_id) for job_id in finals])
+        except (RedisError, OSError) as exc:
+            log.warning("stream hub: reading %d results failed (%s)", len(finals), exc)
+            return
         for entry, value in zip(finals.values(), values, strict=True):
             if value is not None and len(value) <= MAX_INLINE_RESULT_CHARS:
                 entry[RESULT_FIELD] = value.decode()

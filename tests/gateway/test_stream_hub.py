@@ -128,6 +128,46 @@ def test_inline_entries_written_before_the_follow_wait_for_it(redis_client, redi
         asyncio.run(run())
 
 
+def test_a_read_whose_results_cannot_be_read_still_delivers_its_entries(redis_client, redis_server):
+    """The hub reads an ended job's result with one MGET after its wake entries: when that
+    fails, the entries it read still reach the follower (without the result, which the
+    gateway then GETs), and the next ended job gets its result again."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    async def run() -> None:
+        hub = StreamHub(redis_server.url)  # not started: the test reads by hand
+        try:
+            first, second = _enqueue(redis_client, ["one", "two"], wake=hub.wake_id)
+            follows = {j: hub.follow(j) for j in (first, second)}
+            adapter, scripts = _worker(redis_client)
+            call, started_at = adapter.dequeue_call(2)
+            claims = {cl.job_id: cl for cl in adapter.claims(scripts.call(call), started_at)}
+            result = '{"status": "finished"}'
+
+            def end(job_id: str) -> None:
+                stage = adapter.stage_result(claims[job_id], result)
+                ending = adapter.end_call(claims[job_id], "finished", result, (1, 1), DONE,
+                                          entries=[DELTA], staged=True)  # fmt: skip
+                assert scripts.run([stage, ending]) == [True, [1]]
+
+            async def failing_mget(*_):
+                raise RedisConnectionError("connection lost")
+
+            end(first)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(stream_hub, "mget", failing_mget)
+                await hub._read_wakes(None)
+            assert [follows[first].entries.get_nowait() for _ in range(2)] == [DELTA, DONE]
+            end(second)
+            await hub._read_wakes(None)
+            ended = {**DONE, RESULT_FIELD: result}
+            assert [follows[second].entries.get_nowait() for _ in range(2)] == [DELTA, ended]
+        finally:
+            await hub.close()
+
+    asyncio.run(run())
+
+
 def test_an_end_the_check_finds_comes_after_the_entries_written_before_it(
     redis_client, redis_server
 ):
