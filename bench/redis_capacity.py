@@ -443,6 +443,7 @@ class SimWorker:
                 return
             self._queue_empty = False
             self._idle_poll_s = IDLE_POLL_S[0]
+            self._next_dequeue_at = 0.0
             self.bell.want(False)
             for claim in claims[:room]:
                 self._start(claim)

@@ -310,6 +310,9 @@ class ControlLoop:
                         return
                     self._queue_empty = False
                     self._idle_poll_s = IDLE_POLL_S[0]
+                    # The queue has jobs: the next admission (a claim ahead once the engine is
+                    # full) need not wait out the safety poll of the empty queue's wait.
+                    self._next_dequeue_at = 0.0
                     self.bell.want(False)
                     if self._test_sleep:
                         time.sleep(self._test_sleep)
