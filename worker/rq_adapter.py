@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -101,15 +102,18 @@ def crash_reason(max_crashes: int) -> str:
     )
 
 
+# What json.dumps escapes in a string, beside non-ASCII characters.
+_JSON_ESCAPED = re.compile(r'["\\\x00-\x1f\x7f]')
+
+
 def _hub_ids(wake: str, job_ids: Iterable[str]) -> str:
     """A hub's job ids as STREAM takes them beside its entries: joined by spaces, or '' for a
     hub of deltas (its wake entry lists no jobs), whose ids STREAM reads from the entries' keys
     only when a fence moved: some 33 bytes less per entry for Lua to hash."""
-    if not takes_deltas(wake):
-        return " ".join(job_ids)
-    ids = list(job_ids)
+    joined = " ".join(job_ids)
     # An id that JSON escapes would not read back from the keys as it is.
-    return "" if all(json.dumps(j)[1:-1] == j for j in ids) else " ".join(ids)
+    plain = joined.isascii() and not _JSON_ESCAPED.search(joined)
+    return "" if takes_deltas(wake) and plain else joined
 
 
 def _pairs(fields: Mapping[str, Any]) -> list[Any]:

@@ -42,10 +42,14 @@ class XReads(CommandLog):
         return [key for words in self.words("exists") for key in words[1:]]
 
 
-def _worker(redis_client) -> tuple[RQAdapter, ScriptRunner]:
+def _claimed(redis_client, n: int) -> tuple[RQAdapter, ScriptRunner, dict]:
+    """A worker's adapter and script runner, and the `n` jobs it dequeued, by job id."""
     adapter = RQAdapter(redis_client, "w-hub", [QUEUE], lease_ttl=30, result_ttl=600,
                         stream_ttl=600, max_crashes=2)  # fmt: skip
-    return adapter, ScriptRunner(redis_client)
+    scripts = ScriptRunner(redis_client)
+    call, started_at = adapter.dequeue_call(n)
+    claims = {cl.job_id: cl for cl in adapter.claims(scripts.call(call), started_at)}
+    return adapter, scripts, claims
 
 
 def _enqueue(redis_client, prompts: list[str], wake: str | None) -> list[str]:
@@ -70,9 +74,7 @@ def test_the_hub_reads_only_its_wake_stream_and_the_streams_listed_there(
         try:
             a, b, c = _enqueue(redis_client, ["a", "b", "c"], wake=hub.wake_id)
             follows = {j: hub.follow(j) for j in (a, b, c)}
-            adapter, scripts = _worker(redis_client)
-            call, started_at = adapter.dequeue_call(3)
-            claims = {cl.job_id: cl for cl in adapter.claims(scripts.call(call), started_at)}
+            adapter, scripts, claims = _claimed(redis_client, 3)
             await asyncio.sleep(0.5)  # the new follows' first reads, and the first check
             reads = XReads(redis_client)
             assert (
@@ -110,9 +112,7 @@ def test_inline_entries_written_before_the_follow_wait_for_it(redis_client, redi
         try:
             first, early, orphan = _enqueue(redis_client, ["1", "2", "3"], wake=hub.wake_id)
             hub.follow(first)  # the hub reads the wake stream from now on
-            adapter, scripts = _worker(redis_client)
-            call, started_at = adapter.dequeue_call(3)
-            claims = {cl.job_id: cl for cl in adapter.claims(scripts.call(call), started_at)}
+            adapter, scripts, claims = _claimed(redis_client, 3)
             step = [(claims[j], DELTA, True) for j in (early, orphan)]
             assert adapter.stream_lost(scripts.call(adapter.stream_call(step))) == []
             await asyncio.sleep(0.4)
@@ -139,9 +139,7 @@ def test_a_read_whose_results_cannot_be_read_still_delivers_its_entries(redis_cl
         try:
             first, second = _enqueue(redis_client, ["one", "two"], wake=hub.wake_id)
             follows = {j: hub.follow(j) for j in (first, second)}
-            adapter, scripts = _worker(redis_client)
-            call, started_at = adapter.dequeue_call(2)
-            claims = {cl.job_id: cl for cl in adapter.claims(scripts.call(call), started_at)}
+            adapter, scripts, claims = _claimed(redis_client, 2)
             result = '{"status": "finished"}'
 
             def end(job_id: str) -> None:
@@ -180,9 +178,8 @@ def test_an_end_the_check_finds_comes_after_the_entries_written_before_it(
         try:
             [job_id] = _enqueue(redis_client, ["quiet"], wake=hub.wake_id)
             follow = hub.follow(job_id)
-            adapter, scripts = _worker(redis_client)
-            call, started_at = adapter.dequeue_call(1)
-            [claim] = adapter.claims(scripts.call(call), started_at)
+            adapter, scripts, claims = _claimed(redis_client, 1)
+            [claim] = claims.values()
             assert (
                 adapter.stream_lost(scripts.call(adapter.stream_call([(claim, DELTA, True)]))) == []
             )
@@ -206,9 +203,8 @@ def test_a_stream_whose_worker_tells_no_hub_is_read_by_the_check(redis_client, r
         try:
             [job_id] = _enqueue(redis_client, ["old"], wake=None)  # as an older release's
             follow = hub.follow(job_id)
-            adapter, scripts = _worker(redis_client)
-            call, started_at = adapter.dequeue_call(1)
-            [claim] = adapter.claims(scripts.call(call), started_at)
+            adapter, scripts, claims = _claimed(redis_client, 1)
+            [claim] = claims.values()
             await asyncio.sleep(0.3)
             assert (
                 adapter.stream_lost(scripts.call(adapter.stream_call([(claim, DELTA, True)]))) == []
@@ -231,9 +227,7 @@ def test_the_check_looks_up_only_followed_jobs_whose_entries_stopped(redis_clien
         try:
             busy, quiet = _enqueue(redis_client, ["busy", "quiet"], wake=hub.wake_id)
             follows = {j: hub.follow(j) for j in (busy, quiet)}
-            adapter, scripts = _worker(redis_client)
-            call, started_at = adapter.dequeue_call(2)
-            claims = {c.job_id: c for c in adapter.claims(scripts.call(call), started_at)}
+            adapter, scripts, claims = _claimed(redis_client, 2)
             assert (
                 adapter.stream_lost(
                     scripts.call(adapter.stream_call([(claims[busy], DELTA, True)]))
