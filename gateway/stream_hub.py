@@ -119,6 +119,9 @@ class StreamHub:
         """Follow a job's stream from its first entry."""
         follow = Follow(job_id)
         self._follows.setdefault(job_id, []).append(follow)
+        # Quiet from its follow on, not from ever: the check looks up a job that got no entry
+        # for CHECK_S (a job is asked about once it waited that long, not at the next check).
+        self._heard.setdefault(job_id, time.monotonic())
         key = wake_key(shard_name(hash_tag(job_id), self.wake_id))
         new_key = key not in self._wakes
         self._wakes.setdefault(key, "0")

@@ -186,10 +186,36 @@ def test_an_end_the_check_finds_comes_after_the_entries_written_before_it(
             result = '{"status": "finished"}'
             end = adapter.end_call(claim, "finished", result, (1, 1), DONE)
             assert scripts.call(end) == [1]
+            hub._heard[job_id] -= stream_hub.CHECK_S  # quiet for a check interval
             await hub._check_ended()
             ended = {**DONE, RESULT_FIELD: result}
             assert [follow.entries.get_nowait() for _ in range(2)] == [DELTA, ended]
             assert follow.entries.empty() and len(hub) == 0
+        finally:
+            await hub.close()
+
+    asyncio.run(run())
+
+
+def test_a_followed_job_is_looked_up_only_once_quiet_for_a_check_interval(
+    redis_client, redis_server
+):
+    """A job followed just now (its request waits for its first tokens) is not looked up by
+    the next check: only after CHECK_S without an entry since its follow."""
+
+    async def run() -> None:
+        hub = StreamHub(redis_server.url)  # not started: the test runs its check by hand
+        try:
+            [job_id] = _enqueue(redis_client, ["waiting"], wake=hub.wake_id)
+            hub.follow(job_id)
+            hub._due.clear()
+            reads = XReads(redis_client)
+            await hub._check_ended()
+            hub._heard[job_id] -= stream_hub.CHECK_S
+            await hub._check_ended()
+            await asyncio.sleep(0.1)
+            assert reads.exists.count(result_key(job_id)) == 1, reads.exists
+            assert job_id in hub._due and len(hub) == 1
         finally:
             await hub.close()
 
