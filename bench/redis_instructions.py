@@ -19,6 +19,11 @@ The jobs are the bench's usual ones (a prompt of 208 characters, 200 random toke
 `--windows` token entries of three tokens before its end. Started and finished registries are
 filled with `--registry` other members first, so that they are skip lists, as in a busy fleet
 (a small one is a listpack, whose every insert parses the scores it passes).
+
+With `--floor`, a last column runs the same jobs as plain commands, pipelined one round trip
+per call and with no script (`floor_child`): the job hash the producer writes, the fields a
+dequeue reads and writes, the registries, the result, a hub's entries, but no fence, account or
+counter. The scripts' column over it is what running a job's life in Lua costs.
 """
 
 from __future__ import annotations
@@ -109,23 +114,28 @@ class Callgrind:
         self.process.wait(timeout=60)
 
 
+def _result_json(job_id: str, rng: random.Random) -> str:
+    """A finished job's GenerationResult JSON, of TOKENS random tokens."""
+    from producer.contract.schema import Timings
+    from worker.endings import build_result
+
+    result = build_result(
+        job_id, None, None, status="finished", model="bench", worker="bench-w",
+        timings=Timings(),
+    )  # fmt: skip
+    result.token_ids = [rng.randrange(49152) for _ in range(TOKENS)]
+    result.text = "".join(f" w{rng.randrange(10**5)}" for _ in range(TOKENS))
+    return result.model_dump_json()
+
+
 def _end_calls(
     adapter, claim, final: dict, rng: random.Random, inline_result: bool = False
 ) -> tuple[list, object]:
     """The END of a finished job of TOKENS random tokens, and the SET staging its result
     before it (as the worker's JobEnder does: not in code where a hub's result went with the
     end, `inline_result`, nor in code from before staged results)."""
-    from producer.contract.schema import Timings
-    from worker.endings import build_result
-
-    result = build_result(
-        claim.job_id, None, None, status="finished", model="bench", worker="bench-w",
-        timings=Timings(),
-    )  # fmt: skip
-    result.token_ids = [rng.randrange(49152) for _ in range(TOKENS)]
-    result.text = "".join(f" w{rng.randrange(10**5)}" for _ in range(TOKENS))
     summary = {"job_id": claim.job_id}
-    result_json = result.model_dump_json()
+    result_json = _result_json(claim.job_id, rng)
     if inline_result or not hasattr(adapter, "stage_result"):
         return [], adapter.end_call(claim, "finished", result_json, (60, TOKENS), final, summary)
     stage = adapter.stage_result(claim, result_json)
@@ -220,6 +230,107 @@ def child(
     print(json.dumps(per_job))
 
 
+def floor_child(
+    repo: Path,
+    jobs: int,
+    batch: int,
+    stream: bool,
+    windows: int,
+    registry: int,
+    server_args: list[str],
+) -> None:
+    """The same jobs' life as plain commands, no script: what RQ's data model and pagedq's
+    outputs write and read for them (the job hash as the producer builds it, its status moves,
+    its registries, its result, a hub's entries), pipelined one round trip per call of `batch`
+    jobs; no fence, no fair-queueing account, no batch or worker counter. The floor under the
+    scripts' cost; print its instructions per job as JSON."""
+    sys.path.insert(0, str(repo))
+    from producer.client import Client
+    from producer.contract import stream as stream_format
+    from producer.contract.keys import JOB_FIELDS as F
+    from producer.contract.keys import (
+        result_key,
+        rq_job_key,
+        rq_queue_key,
+        rq_registry_key,
+        rq_wip_key,
+        wake_key,
+    )
+    from producer.contract.schema import GenerationRequest
+    from producer.contract.stream import done_entry, encode_inline, inline_entry, token_entry
+
+    # What DEQUEUE reads of a queue head (PICK_LUA's HEAD).
+    head_fields = [F["enqueued"], F["cost"], "status", "data", "enqueued_at", "timeout",
+                   F["attempts"], F["notify"], F["batch"], F["wake"]]  # fmt: skip
+    rng = random.Random(0)
+    wake = "bench-hub" + stream_format.DELTAS_WAKE if stream else None
+    with tempfile.TemporaryDirectory(prefix="pagedq-callgrind-") as workdir:
+        cg = Callgrind(workdir, server_args)
+        try:
+            conn = redis.Redis.from_url(cg.url)
+            client = Client(cg.url, queue="bench")
+            for registry_key in (rq_wip_key("bench"), rq_registry_key("finished", "bench")):
+                if registry:
+                    conn.zadd(registry_key, {f"other{i}:x": 4e9 + i for i in range(registry)})
+            request = GenerationRequest(prompt=PROMPT, max_tokens=TOKENS)
+            [sample] = client.enqueue([request], wake=wake)
+            fields = {k.decode(): v for k, v in conn.hgetall(rq_job_key(sample)).items()}
+            qkey = rq_queue_key("bench")
+            conn.delete(qkey)
+            ids = [f"{sample[:-8]}{i:08x}" for i in range(jobs)]
+            chunks = [ids[i : i + batch] for i in range(0, jobs, batch)]
+            marks = [cg.take()]
+            for chunk in chunks:
+                pipe = conn.pipeline(transaction=False)
+                for job_id in chunk:
+                    pipe.hset(rq_job_key(job_id), mapping=fields)
+                pipe.rpush(qkey, *chunk)
+                pipe.execute()
+            marks.append(cg.take())
+            now = time.time()
+            started = {"status": "started", "started_at": now, "last_heartbeat": now,
+                       "worker_name": "bench-w"}  # fmt: skip
+            for _ in chunks:
+                popped = [i.decode() for i in conn.lpop(qkey, batch)]
+                pipe = conn.pipeline(transaction=False)
+                for job_id in popped:
+                    pipe.hmget(rq_job_key(job_id), head_fields)
+                    pipe.hset(rq_job_key(job_id), mapping=started)
+                pipe.zadd(rq_wip_key("bench"), {f"{j}:0": now + 60 for j in popped})
+                pipe.execute()
+            marks.append(cg.take())
+            for _ in range(windows if stream else 0):
+                for chunk in chunks:
+                    entry = token_entry(" a b", [rng.randrange(49152) for _ in range(3)])
+                    data = encode_inline({j: [inline_entry(wake, entry)] for j in chunk})
+                    conn.xadd(wake_key(wake), {"entries": data})
+            marks.append(cg.take())
+            final = done_entry("length")
+            for chunk in chunks:
+                pipe = conn.pipeline(transaction=False)
+                for job_id in chunk:
+                    pipe.set(result_key(job_id), _result_json(job_id, rng), ex=3600)
+                    pipe.hmget(rq_job_key(job_id), ["status", F["execution"]])
+                    pipe.hset(rq_job_key(job_id), mapping={"status": "finished",
+                                                           "ended_at": now})  # fmt: skip
+                    pipe.expire(rq_job_key(job_id), 3600)
+                pipe.zrem(rq_wip_key("bench"), *[f"{j}:0" for j in chunk])
+                pipe.zadd(rq_registry_key("finished", "bench"), {j: now + 3600 for j in chunk})
+                if stream:
+                    data = encode_inline({j: [inline_entry(wake, final)] for j in chunk})
+                    pipe.xadd(wake_key(wake), {"entries": data})
+                pipe.execute()
+            marks.append(cg.take())
+            for chunk in chunks:
+                conn.mget([result_key(j) for j in chunk])
+            marks.append(cg.take())
+            client.close()
+        finally:
+            cg.close()
+    per_job = {p: n / jobs for p, n in zip(PHASES, marks[1:], strict=True)}
+    print(json.dumps(per_job))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=256)
@@ -236,11 +347,19 @@ def main() -> None:
         default="",
         help="redis-server options, e.g. '--hash-max-listpack-value 4096' (both runs)",
     )
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="add a column: the same jobs as plain commands, no script (floor_child)",
+    )
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--floor-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.jobs, args.batch, args.stream, args.windows, args.registry,
-              args.server_args.split(), args.ahead)  # fmt: skip
+        run = floor_child if args.floor_child else child
+        extra = () if args.floor_child else (args.ahead,)
+        run(args.child, args.jobs, args.batch, args.stream, args.windows, args.registry,
+            args.server_args.split(), *extra)  # fmt: skip
         return
     if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
         print("valgrind (callgrind) is not installed: nothing measured")
@@ -254,6 +373,9 @@ def main() -> None:
     if args.stream:
         argv.append("--stream")
     results = [measure(repo, argv) for _, repo in runs]
+    if args.floor:
+        runs.append(("plain commands", REPO))
+        results.append(measure(REPO, [*argv, "--floor-child"]))
     kind = f"streamed to an inline hub, {args.windows} entries each" if args.stream else "bulk"
     server = f", redis-server {args.server_args}" if args.server_args else ""
     print(f"Instructions redis-server executes per job (callgrind Ir), {args.jobs} jobs, {kind}, "
@@ -263,12 +385,16 @@ def main() -> None:
         "| step | "
         + " | ".join(name for name, _ in runs)
         + (" | ratio |" if args.baseline else " |")
+        + (" scripts / plain |" if args.floor else "")
     )
-    print("|---|" + "---:|" * (len(runs) + (1 if args.baseline else 0)))
+    print("|---|" + "---:|" * (len(runs) + (1 if args.baseline else 0) + (1 if args.floor else 0)))
     for phase in [*phases, "all"]:
         values = [sum(r[p] for p in phases) if phase == "all" else r[phase] for r in results]
         cells = " | ".join(f"{v:,.0f}" for v in values)
-        ratio = f" | {values[-1] / values[0]:.2f} |" if args.baseline and values[0] else " |"
+        compared = values[:2] if args.baseline else values[:1]
+        ratio = f" | {compared[-1] / compared[0]:.2f} |" if args.baseline and values[0] else " |"
+        if args.floor:
+            ratio += f" {values[-2] / values[-1]:.2f} |" if values[-1] else " - |"
         print(f"| {phase} | {cells}{ratio}")
 
 
