@@ -20,6 +20,9 @@ The jobs are the bench's usual ones (a prompt of 208 characters, 200 random toke
 filled with `--registry` other members first, so that they are skip lists, as in a busy fleet
 (a small one is a listpack, whose every insert parses the scores it passes).
 
+With `--cpu`, the server runs without valgrind and the figures are its CPU time (INFO cpu, user
+and system) per job: the round trips' system calls counted too, and the machine's noise.
+
 With `--floor`, a last column runs the same jobs as plain commands, pipelined one round trip
 per call and with no script (`floor_child`): the job hash the producer writes, the fields a
 dequeue reads and writes, the registries, the result, a hub's entries, but no fence, account or
@@ -114,6 +117,40 @@ class Callgrind:
         self.process.wait(timeout=60)
 
 
+class CpuClock:
+    """A plain redis-server of its own (`--cpu`); `take()` gives its CPU time (INFO cpu, user
+    and system: round trips' system calls included), in nanoseconds, since the last take.
+    Noisy on a shared machine: compare columns of one run."""
+
+    def __init__(self, workdir: str, server_args: list[str]) -> None:
+        from worker.redis_server import PrivateRedis
+
+        self.server = PrivateRedis(args=server_args)
+        self.server.start()
+        self.url = self.server.url
+        self._admin = redis.Redis.from_url(self.url)
+        self._last = self._cpu_ns()
+
+    def _cpu_ns(self) -> int:
+        info = self._admin.info("cpu")
+        return round((info["used_cpu_sys"] + info["used_cpu_user"]) * 1e9)
+
+    def take(self) -> int:
+        now = self._cpu_ns()
+        taken, self._last = now - self._last, now
+        return taken
+
+    def close(self) -> None:
+        self._admin.close()
+        self.server.close()
+
+
+def _meter(workdir: str, server_args: list[str]) -> Callgrind | CpuClock:
+    """The server a child measures: under callgrind, or plain with `--cpu`."""
+    cls = CpuClock if "--cpu" in sys.argv else Callgrind
+    return cls(workdir, server_args)
+
+
 def _result_json(job_id: str, rng: random.Random) -> str:
     """A finished job's GenerationResult JSON, of TOKENS random tokens."""
     from producer.contract.schema import Timings
@@ -167,7 +204,7 @@ def child(
 
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="pagedq-callgrind-") as workdir:
-        cg = Callgrind(workdir, server_args)
+        cg = _meter(workdir, server_args)
         try:
             conn = redis.Redis.from_url(cg.url)
             client = Client(cg.url, queue="bench")
@@ -265,7 +302,7 @@ def floor_child(
     rng = random.Random(0)
     wake = "bench-hub" + stream_format.DELTAS_WAKE if stream else None
     with tempfile.TemporaryDirectory(prefix="pagedq-callgrind-") as workdir:
-        cg = Callgrind(workdir, server_args)
+        cg = _meter(workdir, server_args)
         try:
             conn = redis.Redis.from_url(cg.url)
             client = Client(cg.url, queue="bench")
@@ -352,6 +389,11 @@ def main() -> None:
         action="store_true",
         help="add a column: the same jobs as plain commands, no script (floor_child)",
     )
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="Redis CPU time instead of instructions: no valgrind, system calls included, noisy",
+    )
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--floor-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -361,7 +403,7 @@ def main() -> None:
         run(args.child, args.jobs, args.batch, args.stream, args.windows, args.registry,
             args.server_args.split(), *extra)  # fmt: skip
         return
-    if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
+    if not args.cpu and not (shutil.which("valgrind") and shutil.which("callgrind_control")):
         print("valgrind (callgrind) is not installed: nothing measured")
         return
     runs = [("this checkout", REPO)]
@@ -372,14 +414,18 @@ def main() -> None:
             f"--server-args={args.server_args}"]  # fmt: skip
     if args.stream:
         argv.append("--stream")
+    if args.cpu:
+        argv.append("--cpu")
     results = [measure(repo, argv) for _, repo in runs]
     if args.floor:
         runs.append(("plain commands", REPO))
         results.append(measure(REPO, [*argv, "--floor-child"]))
     kind = f"streamed to an inline hub, {args.windows} entries each" if args.stream else "bulk"
     server = f", redis-server {args.server_args}" if args.server_args else ""
-    print(f"Instructions redis-server executes per job (callgrind Ir), {args.jobs} jobs, {kind}, "
-          f"{args.batch} jobs per call, ahead {args.ahead}{server}")  # fmt: skip
+    what = ("Redis CPU per job (INFO cpu, ns)" if args.cpu
+            else "Instructions redis-server executes per job (callgrind Ir)")  # fmt: skip
+    print(f"{what}, {args.jobs} jobs, {kind}, {args.batch} jobs per call, ahead {args.ahead}"
+          f"{server}")  # fmt: skip
     phases = [p for p in PHASES if args.stream or p != "stream"]
     print(
         "| step | "
