@@ -294,7 +294,13 @@ def floor_child(
         wake_key,
     )
     from producer.contract.schema import GenerationRequest
-    from producer.contract.stream import done_entry, encode_inline, inline_entry, token_entry
+    from producer.contract.stream import (
+        ENTRIES_FIELD,
+        done_entry,
+        encode_inline,
+        inline_entry,
+        token_entry,
+    )
 
     # What DEQUEUE reads of a queue head (PICK_LUA's HEAD).
     head_fields = [F["enqueued"], F["cost"], "status", "data", "enqueued_at", "timeout",
@@ -340,7 +346,7 @@ def floor_child(
                 for chunk in chunks:
                     entry = token_entry(" a b", [rng.randrange(49152) for _ in range(3)])
                     data = encode_inline({j: [inline_entry(wake, entry)] for j in chunk})
-                    conn.xadd(wake_key(wake), {"entries": data})
+                    conn.xadd(wake_key(wake), {ENTRIES_FIELD: data})
             marks.append(cg.take())
             final = done_entry("length")
             for chunk in chunks:
@@ -355,7 +361,7 @@ def floor_child(
                 pipe.zadd(rq_registry_key("finished", "bench"), {j: now + 3600 for j in chunk})
                 if stream:
                     data = encode_inline({j: [inline_entry(wake, final)] for j in chunk})
-                    pipe.xadd(wake_key(wake), {"entries": data})
+                    pipe.xadd(wake_key(wake), {ENTRIES_FIELD: data})
                 pipe.execute()
             marks.append(cg.take())
             for chunk in chunks:
