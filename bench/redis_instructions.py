@@ -32,6 +32,7 @@ counter. The scripts' column over it is what running a job's life in Lua costs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -41,7 +42,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -182,6 +185,30 @@ def _end_calls(
     return [stage], end
 
 
+@contextlib.contextmanager
+def _server(server_args: list[str], registry: int) -> Iterator[tuple[Any, redis.Redis]]:
+    """A measured server (`_meter`) and a connection to it, its started and finished registries
+    of queue `bench` filled with `registry` other members first, so that they are skip lists,
+    as in a busy fleet (a small one is a listpack, whose every insert parses its scores)."""
+    from producer.contract.keys import rq_registry_key, rq_wip_key
+
+    with tempfile.TemporaryDirectory(prefix="pagedq-callgrind-") as workdir:
+        meter = _meter(workdir, server_args)
+        try:
+            conn = redis.Redis.from_url(meter.url)
+            for registry_key in (rq_wip_key("bench"), rq_registry_key("finished", "bench")):
+                if registry:
+                    conn.zadd(registry_key, {f"other{i}:x": 4e9 + i for i in range(registry)})
+            yield meter, conn
+        finally:
+            meter.close()
+
+
+def _print_per_job(marks: list[int], jobs: int) -> None:
+    """Each phase's take per job, as JSON (the first take, the warm-up, left out)."""
+    print(json.dumps({p: n / jobs for p, n in zip(PHASES, marks[1:], strict=True)}))
+
+
 def child(
     repo: Path,
     jobs: int,
@@ -196,75 +223,65 @@ def child(
     sys.path.insert(0, str(repo))
     from producer.client import Client
     from producer.contract import stream as stream_format
-    from producer.contract.keys import result_key, rq_registry_key, rq_wip_key
+    from producer.contract.keys import result_key
     from producer.contract.schema import GenerationRequest
     from producer.contract.stream import token_entry
     from worker.redis_link import ScriptRunner
     from worker.rq_adapter import RQAdapter
 
     rng = random.Random(0)
-    with tempfile.TemporaryDirectory(prefix="pagedq-callgrind-") as workdir:
-        cg = _meter(workdir, server_args)
-        try:
-            conn = redis.Redis.from_url(cg.url)
-            client = Client(cg.url, queue="bench")
-            adapter = RQAdapter(redis.Redis.from_url(cg.url), "bench-w", ["bench"], lease_ttl=60,
-                                result_ttl=3600, stream_ttl=3600, max_crashes=2)  # fmt: skip
-            runner = ScriptRunner(adapter.connection)
-            runner.call(adapter.register_call())
-            for registry_key in (rq_wip_key("bench"), rq_registry_key("finished", "bench")):
-                if registry:
-                    conn.zadd(registry_key, {f"other{i}:x": 4e9 + i for i in range(registry)})
-            # The suffix the gateway's hub takes in the code measured (before DELTAS_WAKE: inline).
-            suffix = getattr(stream_format, "DELTAS_WAKE", stream_format.INLINE_WAKE)
-            wake = "bench-hub" + suffix if stream else None
-            requests = [GenerationRequest(prompt=PROMPT, max_tokens=TOKENS) for _ in range(jobs)]
-            chunks = [slice(i, i + batch) for i in range(0, jobs, batch)]
-            # A hub's job: in code from before staged hub results, its result went with its
-            # end (the worker's RESULT_FIELD flag, which END answered in the wake entry).
-            from worker.rq_scripts import END
+    with _server(server_args, registry) as (cg, conn):
+        client = Client(cg.url, queue="bench")
+        adapter = RQAdapter(redis.Redis.from_url(cg.url), "bench-w", ["bench"], lease_ttl=60,
+                            result_ttl=3600, stream_ttl=3600, max_crashes=2)  # fmt: skip
+        runner = ScriptRunner(adapter.connection)
+        runner.call(adapter.register_call())
+        # The suffix the gateway's hub takes in the code measured (before DELTAS_WAKE: inline).
+        suffix = getattr(stream_format, "DELTAS_WAKE", stream_format.INLINE_WAKE)
+        wake = "bench-hub" + suffix if stream else None
+        requests = [GenerationRequest(prompt=PROMPT, max_tokens=TOKENS) for _ in range(jobs)]
+        chunks = [slice(i, i + batch) for i in range(0, jobs, batch)]
+        # A hub's job: in code from before staged hub results, its result went with its
+        # end (the worker's RESULT_FIELD flag, which END answered in the wake entry).
+        from worker.rq_scripts import END
 
-            inline_result = stream and "acc.results" in END.source
-            final = {"event": "done", "finish_reason": "length"} if stream else {}
-            if inline_result:
-                final["result"] = "1"
-            # One job through every step first: each script is loaded before the counting.
-            client.enqueue(requests[:1], wake=wake)
-            warm = adapter.claims(runner.call(adapter.dequeue_call(1)[0]), time.time())
-            runner.run([adapter.stream_call([(c, token_entry("x", [1]), True) for c in warm])])
-            stage, end = _end_calls(adapter, warm[0], final, rng, inline_result)
-            runner.run([*stage, end])
-            marks = [cg.take()]
+        inline_result = stream and "acc.results" in END.source
+        final = {"event": "done", "finish_reason": "length"} if stream else {}
+        if inline_result:
+            final["result"] = "1"
+        # One job through every step first: each script is loaded before the counting.
+        client.enqueue(requests[:1], wake=wake)
+        warm = adapter.claims(runner.call(adapter.dequeue_call(1)[0]), time.time())
+        runner.run([adapter.stream_call([(c, token_entry("x", [1]), True) for c in warm])])
+        stage, end = _end_calls(adapter, warm[0], final, rng, inline_result)
+        runner.run([*stage, end])
+        marks = [cg.take()]
+        for c in chunks:
+            client.enqueue(requests[c], wake=wake)
+        marks.append(cg.take())
+        claims = []
+        while len(claims) < jobs:
+            call, t = adapter.dequeue_call(batch, ahead)
+            claims += adapter.claims(runner.call(call), t)
+        marks.append(cg.take())
+        for w in range(windows if stream else 0):
             for c in chunks:
-                client.enqueue(requests[c], wake=wake)
-            marks.append(cg.take())
-            claims = []
-            while len(claims) < jobs:
-                call, t = adapter.dequeue_call(batch, ahead)
-                claims += adapter.claims(runner.call(call), t)
-            marks.append(cg.take())
-            for w in range(windows if stream else 0):
-                for c in chunks:
-                    entry = [rng.randrange(49152) for _ in range(3)]
-                    step = [(claim, token_entry(" a b", entry), w == 0) for claim in claims[c]]
-                    runner.run([adapter.stream_call(step)])
-            marks.append(cg.take())
-            for c in chunks:
-                made = [_end_calls(adapter, cl, final, rng, inline_result) for cl in claims[c]]
-                stages = [s for stage, _ in made for s in stage]
-                runner.run([*stages, *adapter.merge_ends([end for _, end in made])])
-            marks.append(cg.take())
-            keys = [result_key(claim.job_id) for claim in claims]
-            for c in chunks:
-                if not inline_result:  # else the hub had them with the ends
-                    conn.mget(keys[c])
-            marks.append(cg.take())
-            client.close()
-        finally:
-            cg.close()
-    # Each take is what its phase executed (the first: the warm-up, left out).
-    per_job = {p: n / jobs for p, n in zip(PHASES, marks[1:], strict=True)}
-    print(json.dumps(per_job))
+                entry = [rng.randrange(49152) for _ in range(3)]
+                step = [(claim, token_entry(" a b", entry), w == 0) for claim in claims[c]]
+                runner.run([adapter.stream_call(step)])
+        marks.append(cg.take())
+        for c in chunks:
+            made = [_end_calls(adapter, cl, final, rng, inline_result) for cl in claims[c]]
+            stages = [s for stage, _ in made for s in stage]
+            runner.run([*stages, *adapter.merge_ends([end for _, end in made])])
+        marks.append(cg.take())
+        keys = [result_key(claim.job_id) for claim in claims]
+        for c in chunks:
+            if not inline_result:  # else the hub had them with the ends
+                conn.mget(keys[c])
+        marks.append(cg.take())
+        client.close()
+    _print_per_job(marks, jobs)
 
 
 def floor_child(
@@ -307,71 +324,62 @@ def floor_child(
                    F["attempts"], F["notify"], F["batch"], F["wake"]]  # fmt: skip
     rng = random.Random(0)
     wake = "bench-hub" + stream_format.DELTAS_WAKE if stream else None
-    with tempfile.TemporaryDirectory(prefix="pagedq-callgrind-") as workdir:
-        cg = _meter(workdir, server_args)
-        try:
-            conn = redis.Redis.from_url(cg.url)
-            client = Client(cg.url, queue="bench")
-            for registry_key in (rq_wip_key("bench"), rq_registry_key("finished", "bench")):
-                if registry:
-                    conn.zadd(registry_key, {f"other{i}:x": 4e9 + i for i in range(registry)})
-            request = GenerationRequest(prompt=PROMPT, max_tokens=TOKENS)
-            [sample] = client.enqueue([request], wake=wake)
-            fields = {k.decode(): v for k, v in conn.hgetall(rq_job_key(sample)).items()}
-            qkey = rq_queue_key("bench")
-            conn.delete(qkey)
-            ids = [f"{sample[:-8]}{i:08x}" for i in range(jobs)]
-            chunks = [ids[i : i + batch] for i in range(0, jobs, batch)]
-            marks = [cg.take()]
+    with _server(server_args, registry) as (cg, conn):
+        client = Client(cg.url, queue="bench")
+        request = GenerationRequest(prompt=PROMPT, max_tokens=TOKENS)
+        [sample] = client.enqueue([request], wake=wake)
+        fields = {k.decode(): v for k, v in conn.hgetall(rq_job_key(sample)).items()}
+        qkey = rq_queue_key("bench")
+        conn.delete(qkey)
+        ids = [f"{sample[:-8]}{i:08x}" for i in range(jobs)]
+        chunks = [ids[i : i + batch] for i in range(0, jobs, batch)]
+        marks = [cg.take()]
+        for chunk in chunks:
+            pipe = conn.pipeline(transaction=False)
+            for job_id in chunk:
+                pipe.hset(rq_job_key(job_id), mapping=fields)
+            pipe.rpush(qkey, *chunk)
+            pipe.execute()
+        marks.append(cg.take())
+        now = time.time()
+        started = {"status": "started", "started_at": now, "last_heartbeat": now,
+                   "worker_name": "bench-w"}  # fmt: skip
+        for _ in chunks:
+            popped = [i.decode() for i in conn.lpop(qkey, batch)]
+            pipe = conn.pipeline(transaction=False)
+            for job_id in popped:
+                pipe.hmget(rq_job_key(job_id), head_fields)
+                pipe.hset(rq_job_key(job_id), mapping=started)
+            pipe.zadd(rq_wip_key("bench"), {f"{j}:0": now + 60 for j in popped})
+            pipe.execute()
+        marks.append(cg.take())
+        for _ in range(windows if stream else 0):
             for chunk in chunks:
-                pipe = conn.pipeline(transaction=False)
-                for job_id in chunk:
-                    pipe.hset(rq_job_key(job_id), mapping=fields)
-                pipe.rpush(qkey, *chunk)
-                pipe.execute()
-            marks.append(cg.take())
-            now = time.time()
-            started = {"status": "started", "started_at": now, "last_heartbeat": now,
-                       "worker_name": "bench-w"}  # fmt: skip
-            for _ in chunks:
-                popped = [i.decode() for i in conn.lpop(qkey, batch)]
-                pipe = conn.pipeline(transaction=False)
-                for job_id in popped:
-                    pipe.hmget(rq_job_key(job_id), head_fields)
-                    pipe.hset(rq_job_key(job_id), mapping=started)
-                pipe.zadd(rq_wip_key("bench"), {f"{j}:0": now + 60 for j in popped})
-                pipe.execute()
-            marks.append(cg.take())
-            for _ in range(windows if stream else 0):
-                for chunk in chunks:
-                    entry = token_entry(" a b", [rng.randrange(49152) for _ in range(3)])
-                    data = encode_inline({j: [inline_entry(wake, entry)] for j in chunk})
-                    conn.xadd(wake_key(wake), {ENTRIES_FIELD: data})
-            marks.append(cg.take())
-            final = done_entry("length")
-            for chunk in chunks:
-                pipe = conn.pipeline(transaction=False)
-                for job_id in chunk:
-                    pipe.set(result_key(job_id), _result_json(job_id, rng), ex=3600)
-                    pipe.hmget(rq_job_key(job_id), ["status", F["execution"]])
-                    pipe.hset(rq_job_key(job_id), mapping={"status": "finished",
-                                                           "ended_at": now})  # fmt: skip
-                    pipe.expire(rq_job_key(job_id), 3600)
-                pipe.zrem(rq_wip_key("bench"), *[f"{j}:0" for j in chunk])
-                pipe.zadd(rq_registry_key("finished", "bench"), {j: now + 3600 for j in chunk})
-                if stream:
-                    data = encode_inline({j: [inline_entry(wake, final)] for j in chunk})
-                    pipe.xadd(wake_key(wake), {ENTRIES_FIELD: data})
-                pipe.execute()
-            marks.append(cg.take())
-            for chunk in chunks:
-                conn.mget([result_key(j) for j in chunk])
-            marks.append(cg.take())
-            client.close()
-        finally:
-            cg.close()
-    per_job = {p: n / jobs for p, n in zip(PHASES, marks[1:], strict=True)}
-    print(json.dumps(per_job))
+                entry = token_entry(" a b", [rng.randrange(49152) for _ in range(3)])
+                data = encode_inline({j: [inline_entry(wake, entry)] for j in chunk})
+                conn.xadd(wake_key(wake), {ENTRIES_FIELD: data})
+        marks.append(cg.take())
+        final = done_entry("length")
+        for chunk in chunks:
+            pipe = conn.pipeline(transaction=False)
+            for job_id in chunk:
+                pipe.set(result_key(job_id), _result_json(job_id, rng), ex=3600)
+                pipe.hmget(rq_job_key(job_id), ["status", F["execution"]])
+                pipe.hset(rq_job_key(job_id), mapping={"status": "finished",
+                                                       "ended_at": now})  # fmt: skip
+                pipe.expire(rq_job_key(job_id), 3600)
+            pipe.zrem(rq_wip_key("bench"), *[f"{j}:0" for j in chunk])
+            pipe.zadd(rq_registry_key("finished", "bench"), {j: now + 3600 for j in chunk})
+            if stream:
+                data = encode_inline({j: [inline_entry(wake, final)] for j in chunk})
+                pipe.xadd(wake_key(wake), {ENTRIES_FIELD: data})
+            pipe.execute()
+        marks.append(cg.take())
+        for chunk in chunks:
+            conn.mget([result_key(j) for j in chunk])
+        marks.append(cg.take())
+        client.close()
+    _print_per_job(marks, jobs)
 
 
 def main() -> None:
