@@ -84,7 +84,7 @@ def test_busy_workers_claim_bulk_jobs_ahead_and_every_job_ends_once(workers, cli
     of bulk jobs each busy worker holds more jobs than it runs, and each job still ends once."""
     from producer.contract.schema import GenerationRequest
 
-    requests = [GenerationRequest.model_validate(j) for j in _jobs(48, "ahead", LONG)]
+    requests = [GenerationRequest.model_validate(j) for j in _jobs(32, "ahead", LONG)]
     job_ids = client.enqueue(requests, notify="ahead-run")
     held, deadline = [], time.monotonic() + 240
     while any(client.status(j) != "finished" for j in job_ids[:-8]):
