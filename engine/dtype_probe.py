@@ -217,8 +217,9 @@ def _write(path: Path, probe: DtypeProbe) -> None:
 
 def _log(probe: DtypeProbe, how: str) -> None:
     log.info(
-        "dtype auto on this CPU: %s (%d layers' projections at %s tokens: fp32 %.1f ms, "
-        "bf16 %.1f ms%s; GEMM fp32 %s, bf16 %s; %s)",
+        "dtype auto on this CPU: %s, the faster of the faithful dtypes (bf16 keeps fp32 "
+        "logits and is as close to fp32 as Hugging Face's bf16: bench/fidelity.py; %d layers' "
+        "projections at %s tokens: fp32 %.1f ms, bf16 %.1f ms%s; GEMM fp32 %s, bf16 %s; %s)",
         str(probe.dtype).removeprefix("torch."),
         LAYER_COPIES,
         " and ".join(map(str, TOKEN_COUNTS)),

@@ -173,14 +173,16 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(norm(x + residual) * weight, x + residual)``; without a residual ``(norm(x), None)``.
 
-    On the CPU backend the sum is written into ``residual`` in place (one pass); elsewhere the
-    torch reference runs (Hugging Face's numerics; fp32 inside).
+    ``weight`` and ``residual`` are each fp32 or x's dtype; the sum is kept in the residual's,
+    the norm and its scale run in fp32, rounded once to x's. On the CPU backend the sum is
+    written into ``residual`` in place (one pass); elsewhere the torch reference runs.
     """
     if (
         select_backend(x.device, backend) == "cpu"
-        and _cpu_fits(x, weight)
+        and _cpu_fits(x, x)
         and x.stride(-1) == 1
-        and weight.dtype == x.dtype
+        and weight.dtype in (x.dtype, torch.float32)
+        and (residual is None or residual.dtype in (x.dtype, torch.float32))
     ):
         return cpu_attention.rms_norm_cpu(x, weight, eps, residual)
     return rms_norm_torch(x, weight, eps, residual)

@@ -47,8 +47,8 @@ ARGMAX_MAX_ROWS = 192  # one pass over the weights (the kernel's kMB)
 
 def packed_linear_argmax(x: torch.Tensor, packed: torch.Tensor, vocab: int) -> torch.Tensor:
     """``(x @ W.T).argmax(-1)`` (int64, ties and NaN as ``torch.argmax``) of a packed LM head
-    without writing the logits; bf16 products are ranked as the rounded logits a bf16 linear's
-    ``.float()`` gives. At most ``ARGMAX_MAX_ROWS`` rows."""
+    without writing the logits, ranked as ``packed_linear(..., out_dtype=float32)`` writes them.
+    At most ``ARGMAX_MAX_ROWS`` rows."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.long)
@@ -73,8 +73,8 @@ def packed_linear(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``x @ W.T + bias`` (``bias`` fp32) as ``out_dtype`` (x's dtype, or fp32: a bf16 result
-    rounded to bf16 first, the numbers of a bf16 linear followed by ``.float()``)."""
+    """``x @ W.T + bias`` (``bias`` fp32) as ``out_dtype``: x's dtype (rounded once), or fp32
+    (the fp32 sums as they are, also of bf16 products: logits without bf16's ties)."""
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     if x.stride(-1) != 1:

@@ -213,14 +213,19 @@ def _decode_attention(query, kv_cache, group: _DecodeGroup, scale, out, options)
 def rms_norm_torch(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(norm(x + residual) * weight, x + residual)``; without a residual, ``(norm(x), None)``."""
-    if residual is not None:
-        x = x + residual
-        residual = x
+    """``(norm(x + residual) * weight, x + residual)``; without a residual, ``(norm(x), None)``.
+
+    The sum is rounded to the residual stream's dtype (x's, or fp32: a bf16 model's stream kept
+    in fp32); the norm and its scale run in fp32 and are rounded once to x's dtype. ``weight`` is
+    fp32 or x's dtype. (Hugging Face's Llama rounds the normed values before the scale: a second
+    rounding in bf16 that fp32 does not make.)"""
     dtype = x.dtype
+    if residual is not None:
+        x = (x.to(residual.dtype) + residual).to(residual.dtype)
+        residual = x
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype), residual
+    return (weight.float() * h).to(dtype), residual
 
 
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:

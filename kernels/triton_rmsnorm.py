@@ -1,7 +1,7 @@
 """Fused residual add + RMSNorm in one pass (Triton), and its torch reference.
 
-Numerics follow Hugging Face's Llama: the residual sum is rounded to the activation dtype, the
-norm runs in fp32, is cast back, then scaled by the weight.
+Numerics are the reference's: the residual sum is rounded to the residual's dtype (x's, or fp32),
+the norm and its scale (an fp32 weight or one of x's dtype) run in fp32 and are rounded once.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ def _rms_norm_kernel(
     dtype = x_ptr.dtype.element_ty
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        x = cast(x + r, dtype, INTERPRET)
+        x = cast(x + r, residual_ptr.dtype.element_ty, INTERPRET)
         tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
         x = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, 0) / hidden_size + eps)
-    y = cast(x * inv_rms, dtype, INTERPRET).to(tl.float32)
+    y = x * inv_rms
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, cast(w * y, dtype, INTERPRET), mask=mask)
 
@@ -57,10 +57,17 @@ def rms_norm_triton(
             f"x must be [num_tokens, hidden] with unit stride on hidden and weight [hidden], got "
             f"x {tuple(x.shape)} strides {x.stride()} and weight {tuple(weight.shape)}"
         )
-    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
-        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
+    if residual is not None and (
+        residual.shape != x.shape
+        or residual.stride(-1) != 1
+        or residual.dtype not in (x.dtype, torch.float32)
+    ):
+        raise ValueError(
+            f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} "
+            f"with x's dtype or float32"
+        )
+    if weight.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"weight dtype {weight.dtype} must be float32 or x's dtype {x.dtype}")
     out = torch.empty_like(x)
     if x.shape[0]:
         _rms_norm_kernel[(x.shape[0],)](

@@ -7,11 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
-from engine.models.linear import load_param
+from engine.models.linear import linear_fp32_out, load_param
 from engine.models.norm import RMSNorm
 from engine.models.packed_linear import pack, prepack_supported
 from engine.models.rotary import RotaryEmbedding
@@ -124,12 +123,13 @@ class CausalLM(nn.Module):
             rotary.to_device(device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in fp32 of the rows that need sampling."""
+        """Logits in fp32 of the rows that need sampling: fp32 sums of the model dtype's
+        products, not rounded to that dtype first (bf16's ties flip greedy choices)."""
         if self.packed_lm_head is not None:
             logits = self.packed_lm_head(hidden)
         else:
             weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-            logits = F.linear(hidden, weight).float()
+            logits = linear_fp32_out(hidden, weight)
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -145,7 +145,7 @@ class CausalLM(nn.Module):
 
     def prepack(self) -> bool:
         """Reorder every linear of the layers and the LM head for the CPU GEMM that this host
-        measured fastest; the packed LM head gives fp32 logits.
+        measured fastest; the packed LM head gives fp32 logits (unrounded sums).
 
         Idempotent; call after the weights are loaded and the model is on its device and dtype.
         A tied LM head gets its own packed copy: the embedding still needs the plain table.

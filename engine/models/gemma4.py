@@ -27,7 +27,7 @@ from engine.attention import PagedAttention
 from engine.models.causal_lm import CausalLM
 from engine.models.config_fields import layer_sliding_window
 from engine.models.decoder import DecoderLayer
-from engine.models.linear import MergedLinear
+from engine.models.linear import MergedLinear, linear_fp32_out
 from engine.models.mlp import GatedMLP
 from engine.models.norm import RMSNorm
 from engine.models.rotary import RotaryEmbedding
@@ -93,7 +93,7 @@ class Gemma4Router(nn.Module):
         self.per_expert_scale = nn.Parameter(torch.ones(experts))
 
     def forward(self, x: torch.Tensor):
-        scores = self.proj(self.norm(x) * self.scale * x.shape[-1] ** -0.5)
+        scores = linear_fp32_out(self.norm(x) * self.scale * x.shape[-1] ** -0.5, self.proj.weight)
         weights, ids = torch.topk(torch.softmax(scores, dim=-1, dtype=torch.float32), self.top_k)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.per_expert_scale[ids], ids

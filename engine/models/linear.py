@@ -56,3 +56,22 @@ def _shard_shape(param: nn.Parameter, shard) -> tuple[int, ...]:
         return tuple(shape(shard))
     owner = param.weight_loader.__self__
     return (owner.shard_offsets[shard][1], *param.shape[1:])
+
+
+def linear_fp32_out(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` as fp32 sums of the inputs' products, not rounded to their dtype:
+    a bf16 model's logits (LM head, MoE routers) as fp32 accumulation gives them (CUDA: one GEMM
+    with an fp32 output; elsewhere the operands widened, exactly)."""
+    if x.dtype == weight.dtype == torch.float32:
+        return torch.nn.functional.linear(x, weight, bias)
+    bias = None if bias is None else bias.float()
+    if x.is_cuda and x.dtype == weight.dtype:
+        try:
+            out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+            out = out.view(*x.shape[:-1], weight.shape[0])
+            return out if bias is None else out + bias
+        except (RuntimeError, TypeError):  # a torch without mm's out_dtype for this dtype
+            pass
+    return torch.nn.functional.linear(x.float(), weight.float(), bias)

@@ -1,4 +1,4 @@
-"""RMSNorm as Hugging Face computes it: in fp32, cast back."""
+"""RMSNorm in fp32 with an fp32 scale, cast back once."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ class RMSNorm(nn.Module):
 
     ``unit_offset`` (Gemma): the checkpoint stores ``w`` and the scale is ``1 + w``; it is added
     once at load (in fp32, as Gemma's forward adds it), so the kernel is the plain one.
+
+    The scale stays fp32 in a bf16 model (``model.to(dtype)`` moves it, never rounds it): ``1 + w``
+    is rarely a bf16 number, and scaling in fp32 then rounding once keeps the bf16 model as close
+    to fp32 as Hugging Face's bf16, or closer (bench/fidelity.py).
     """
 
     def __init__(
@@ -33,6 +37,13 @@ class RMSNorm(nn.Module):
         self.backend = backend
         if unit_offset:
             self.weight.weight_loader = _load_unit_offset
+
+    def _apply(self, fn, recurse: bool = True):
+        weight = self.weight.detach()  # the fp32 values, whatever fn does to the parameter
+        super()._apply(fn, recurse)
+        if weight.dtype == torch.float32 and self.weight.dtype != torch.float32:
+            self.weight.data = weight.to(self.weight.device)  # moved, not rounded
+        return self
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         normed, summed = rms_norm(x, self.weight, self.eps, residual, backend=self.backend)

@@ -61,6 +61,12 @@ class PackedLinear(_PackedLinear):
         widen: bool | None = None,
         gemm: str | None = None,
     ) -> None:
+        if out_dtype == torch.float32 and weight.dtype == torch.bfloat16 and widen is None:
+            # fp32 outputs of bf16 products (the LM head) are the fp32 sums, never rounded to
+            # bf16: pagedq's GEMM writes them so; oneDNN's bf16 would round, so it widens.
+            if gemm is None:
+                gemm = os.environ.get("PAGEDQ_GEMM") or "pagedq"
+            widen = gemm != "pagedq" or not pagedq_gemm_available(torch.bfloat16)
         if widen is None:
             widen = weight.dtype == torch.bfloat16 and widens_bf16()
         if gemm is None:

@@ -13,8 +13,9 @@ what weights, computed exactly as Hugging Face's families do.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from engine.models.linear import linear_fp32_out
 
 SCORING = ("softmax_topk", "topk_softmax", "grouped_topk_sigmoid")
 
@@ -31,8 +32,7 @@ def softmax_topk(
 
 
 def topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights, ids)``: the ``top_k`` largest logits and a softmax over them alone (in the
-    logits' dtype, as gpt-oss computes it)."""
+    """``(weights, ids)``: the ``top_k`` largest logits and a softmax over them alone."""
     values, ids = torch.topk(logits, top_k, dim=-1)
     return torch.softmax(values, dim=-1, dtype=values.dtype), ids
 
@@ -68,8 +68,9 @@ class Router(nn.Module):
 
     ``forward(x)`` gives ``(topk_weights fp32, topk_ids int64)``, both ``[tokens, top_k]``.
     ``round_weights`` rounds the weights to the model's dtype first, as Qwen3-MoE and gpt-oss
-    do (Mixtral keeps them fp32); ``fp32_logits`` computes the logits in fp32 (GLM-4.5,
-    DeepSeek-V3) instead of the model's dtype.
+    do (Mixtral keeps them fp32). The logits are fp32 sums in every dtype (GLM-4.5 and
+    DeepSeek-V3 compute them so; in bf16 others round them, and experts whose logits then tie
+    are chosen by index, not by the model: measured 5x HF bf16's KL from fp32 on a Qwen3-MoE).
     """
 
     def __init__(
@@ -84,7 +85,6 @@ class Router(nn.Module):
         topk_group: int = 1,
         routed_scaling_factor: float = 1.0,
         round_weights: bool = False,
-        fp32_logits: bool = False,
     ) -> None:
         super().__init__()
         if scoring not in SCORING:
@@ -101,7 +101,7 @@ class Router(nn.Module):
         self.top_k, self.scoring, self.renormalize = top_k, scoring, renormalize
         self.n_group, self.topk_group = n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
-        self.round_weights, self.fp32_logits = round_weights, fp32_logits
+        self.round_weights = round_weights
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
         if scoring == "grouped_topk_sigmoid":  # a parameter, so that checkpoints load it
@@ -110,18 +110,14 @@ class Router(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fp32_logits:
-            bias = None if self.bias is None else self.bias.float()
-            logits = F.linear(x.float(), self.weight.float(), bias)
-        else:
-            logits = F.linear(x, self.weight, self.bias)
+        logits = linear_fp32_out(x, self.weight, self.bias)
         if self.scoring == "softmax_topk":
             weights, ids = softmax_topk(logits, self.top_k, self.renormalize)
         elif self.scoring == "topk_softmax":
             weights, ids = topk_softmax(logits, self.top_k)
         else:
             weights, ids = grouped_topk_sigmoid(
-                logits.float(),
+                logits,
                 self.top_k,
                 self.e_score_correction_bias.float(),
                 self.n_group,

@@ -44,19 +44,24 @@ inline int64_t grain_rows(int64_t row_elems, int64_t floor_rows) {
   return std::max(floor_rows, kGrainElems / std::max<int64_t>(1, row_elems));
 }
 
-template <typename T>
-void rms_norm_rows(const T* x, int64_t x_stride, T* residual, int64_t r_stride, const T* weight,
+// out = round(w * (h / rms(h))): the norm and its scale in fp32, rounded once. The weight is
+// fp32 (a bf16 model's norms keep theirs fp32: Gemma's 1 + w is not a bf16 number) or x's
+// dtype. Hugging Face's Llama rounds h / rms(h) to the model dtype before the scale: in bf16 a
+// second rounding that fp32 does not make. The residual stream R is x's dtype or fp32 (a bf16
+// model's stream kept in fp32: its sums are not rounded to bf16 layer after layer).
+template <typename T, typename W, typename R>
+void rms_norm_rows(const T* x, int64_t x_stride, R* residual, int64_t r_stride, const W* weight,
                    float eps, T* out, int64_t o_stride, int64_t rows, int64_t hidden) {
   at::parallel_for(0, rows, grain_rows(hidden, 16), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* xr = x + t * x_stride;
-      T* res = residual ? residual + t * r_stride : nullptr;
+      R* res = residual ? residual + t * r_stride : nullptr;
       T* o = out + t * o_stride;
       vfloat sq = {};
       int64_t i = 0;
       for (; i + kLanes <= hidden; i += kLanes) {
         vfloat h = load_as_float(xr + i);
-        if (res) {  // residual = x + residual, in the model dtype
+        if (res) {  // residual = x + residual, in the stream's dtype
           h = round_to(res, h + load_as_float(res + i));
           store_from_float(res + i, h);
         }
@@ -66,23 +71,50 @@ void rms_norm_rows(const T* x, int64_t x_stride, T* residual, int64_t r_stride, 
       for (; i < hidden; ++i) {
         float h = static_cast<float>(xr[i]);
         if (res) {
-          h = static_cast<float>(static_cast<T>(h + static_cast<float>(res[i])));
-          res[i] = static_cast<T>(h);
+          h = static_cast<float>(static_cast<R>(h + static_cast<float>(res[i])));
+          res[i] = static_cast<R>(h);
         }
         sum += h * h;
       }
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
-      const T* src = res ? res : xr;
       for (i = 0; i + kLanes <= hidden; i += kLanes) {
-        const vfloat y = round_to(o, load_as_float(src + i) * inv);
-        store_from_float(o + i, load_as_float(weight + i) * y);
+        const vfloat h = res ? load_as_float(res + i) : load_as_float(xr + i);
+        store_from_float(o + i, load_as_float(weight + i) * (h * inv));
       }
       for (; i < hidden; ++i) {
-        const float y = static_cast<float>(static_cast<T>(static_cast<float>(src[i]) * inv));
-        o[i] = static_cast<T>(static_cast<float>(weight[i]) * y);
+        const float h = res ? static_cast<float>(res[i]) : static_cast<float>(xr[i]);
+        o[i] = static_cast<T>(static_cast<float>(weight[i]) * (h * inv));
       }
     }
   });
+}
+
+// Runs `run(T{}, W{}, R{})` for the dtypes of x (and out), the weight and the residual stream:
+// x fp32 or bf16; the weight and the stream each fp32 or x's dtype.
+template <typename F>
+void dispatch_norm(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                   at::ScalarType stream, F&& run) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == dtype, op,
+              ": the weight must be float32 or x's dtype, got ", weight.scalar_type());
+  TORCH_CHECK(stream == at::kFloat || stream == dtype, op,
+              ": the residual must be float32 or x's dtype, got ", stream);
+  if (dtype == at::kFloat) {
+    run(float{}, float{}, float{});
+    return;
+  }
+  TORCH_CHECK(dtype == at::kBFloat16, op, ": dtype ", dtype, " is not supported");
+  using B = c10::BFloat16;
+  const bool w32 = weight.scalar_type() == at::kFloat, r32 = stream == at::kFloat;
+  if (w32 && r32) {
+    run(B{}, float{}, float{});
+  } else if (w32) {
+    run(B{}, float{}, B{});
+  } else if (r32) {
+    run(B{}, B{}, float{});
+  } else {
+    run(B{}, B{}, B{});
+  }
 }
 
 void check_rows(const at::Tensor& t, const char* name) {
@@ -94,19 +126,13 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Ten
   check_rows(out, "out");
   TORCH_CHECK(out.sizes() == x.sizes() && weight.is_contiguous() && weight.numel() == x.size(1),
               "rms_norm: x ", x.sizes(), ", weight ", weight.sizes(), ", out ", out.sizes());
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && x.scalar_type() == out.scalar_type(),
-              "rms_norm: x, weight and out must share a dtype");
-  AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
-                     AT_DISPATCH_CASE(at::kFloat, [&] {
-                       rms_norm_rows<float>(x.data_ptr<float>(), x.stride(0), nullptr, 0,
-                                            weight.data_ptr<float>(), eps, out.data_ptr<float>(),
-                                            out.stride(0), x.size(0), x.size(1));
-                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
-                       using T = c10::BFloat16;
-                       rms_norm_rows<T>(x.data_ptr<T>(), x.stride(0), nullptr, 0,
-                                        weight.data_ptr<T>(), eps, out.data_ptr<T>(),
-                                        out.stride(0), x.size(0), x.size(1));
-                     }));
+  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "rms_norm: x and out must share a dtype");
+  dispatch_norm("rms_norm", x, weight, x.scalar_type(), [&](auto t, auto w, auto) {
+    using T = decltype(t);
+    using W = decltype(w);
+    rms_norm_rows<T, W, T>(x.data_ptr<T>(), x.stride(0), nullptr, 0, weight.data_ptr<W>(), eps,
+                           out.data_ptr<T>(), out.stride(0), x.size(0), x.size(1));
+  });
 }
 
 // residual = x + residual; out = rms_norm(residual) * weight.
@@ -119,21 +145,15 @@ void fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
                   weight.is_contiguous() && weight.numel() == x.size(1),
               "fused_add_rms_norm: x ", x.sizes(), ", residual ", residual.sizes(), ", weight ",
               weight.sizes());
-  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type() &&
-                  x.scalar_type() == out.scalar_type(),
-              "fused_add_rms_norm: all tensors must share a dtype");
-  AT_DISPATCH_SWITCH(x.scalar_type(), "fused_add_rms_norm",
-                     AT_DISPATCH_CASE(at::kFloat, [&] {
-                       rms_norm_rows<float>(x.data_ptr<float>(), x.stride(0),
-                                            residual.data_ptr<float>(), residual.stride(0),
-                                            weight.data_ptr<float>(), eps, out.data_ptr<float>(),
-                                            out.stride(0), x.size(0), x.size(1));
-                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
-                       using T = c10::BFloat16;
-                       rms_norm_rows<T>(x.data_ptr<T>(), x.stride(0), residual.data_ptr<T>(),
-                                        residual.stride(0), weight.data_ptr<T>(), eps,
-                                        out.data_ptr<T>(), out.stride(0), x.size(0), x.size(1));
-                     }));
+  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "fused_add_rms_norm: x and out must share a dtype");
+  dispatch_norm("fused_add_rms_norm", x, weight, residual.scalar_type(), [&](auto t, auto w, auto r) {
+    using T = decltype(t);
+    using W = decltype(w);
+    using R = decltype(r);
+    rms_norm_rows<T, W, R>(x.data_ptr<T>(), x.stride(0), residual.data_ptr<R>(), residual.stride(0),
+                           weight.data_ptr<W>(), eps, out.data_ptr<T>(), out.stride(0), x.size(0),
+                           x.size(1));
+  });
 }
 
 template <typename T>

@@ -9,7 +9,9 @@
 //
 // The layout and the micro-kernels are in gemm_cpu.h (shared with moe_cpu.cpp's grouped expert
 // GEMMs). Sums are fp32; a bf16 output is rounded to nearest even once, after the bias, as a
-// bf16 GEMM does.
+// bf16 GEMM does; an fp32 output of bf16 products (the LM head's logits) keeps the fp32 sums
+// unrounded: rounded to bf16, logits 16-32 apart by less than 0.125 tie, and greedy decoding
+// then took the lower id where fp32 took the other (bench/fidelity.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -94,9 +96,8 @@ struct ArgmaxRun {
 
 #if defined(PAGEDQ_GEMM_FP32)
 
-// The 4 x 16 outputs of one row: bias added, stored as fp32, or rounded to bf16 (and widened
-// back to fp32 when `out` is fp32 but the products were bf16: the numbers of a bf16 linear
-// followed by .float()). `valid` < 64 masks the last block's padding.
+// The 4 x 16 outputs of one row: bias added, stored as fp32 (the sums as they are, also of
+// bf16 products), or rounded to bf16. `valid` < 64 masks the last block's padding.
 // SiLU-and-mul fused in (gate_up's blocks, packed_linear_silu_mul): a gate block's outputs go
 // to `silu` (the kMR x 64 rows of the current micro-kernel, as silu_and_mul computes them from
 // the gate's rounded values), then the up block of the same columns multiplies them on its way
@@ -110,7 +111,6 @@ struct Output {
   void* base;
   int64_t ld;
   bool fp32_out;
-  bool round_bf16;
   const float* bias;  // nullptr or this block's 64 values (padded)
   int64_t valid;
   Epilogue epilogue = Epilogue::kStore;
@@ -130,7 +130,6 @@ inline void store_row(const Output& o, int64_t row, int64_t col0, const __m512* 
     __m512 v = acc[j];
     if (o.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, o.bias + j * 16));
     if (o.epilogue == Epilogue::kArgmax) {
-      if (o.round_bf16) v = round_to_bf16(v);  // the logits as a bf16 linear's .float()
       float& best = o.best[row];
       int64_t& index = o.best_index[row];
       if (index >= 0 && std::isnan(best)) continue;  // the row's first NaN already won
@@ -151,7 +150,7 @@ inline void store_row(const Output& o, int64_t row, int64_t col0, const __m512* 
     if (o.epilogue != Epilogue::kStore) {
       // The gate and up values as a bf16 linear leaves them (rounded), then silu_and_mul's
       // arithmetic (layers_cpu.cpp), so that fused and unfused give the same bits.
-      if (!o.fp32_out || o.round_bf16) v = round_to_bf16(v);
+      if (!o.fp32_out) v = round_to_bf16(v);
       float* silu = o.silu + (row - o.silu_row0) * kNR + j * 16;
       if (o.epilogue == Epilogue::kGate) {
         const pagedq_vec::vfloat g = reinterpret_cast<const pagedq_vec::vfloat&>(v);
@@ -164,7 +163,6 @@ inline void store_row(const Output& o, int64_t row, int64_t col0, const __m512* 
       v = _mm512_mul_ps(_mm512_loadu_ps(silu), v);
     }
     if (o.fp32_out) {
-      if (o.round_bf16) v = round_to_bf16(v);
       float* dst = static_cast<float*>(o.base) + row * o.ld + col0 + j * 16;
       _mm512_mask_storeu_ps(dst, mask, v);
     } else {
@@ -192,7 +190,6 @@ inline void store_row(const Output& o, int64_t row, int64_t col0, const float* s
       }
     }
     if (o.epilogue == Epilogue::kArgmax) {
-      if (o.round_bf16) v = round_bf16(v);  // the logits as a bf16 linear's .float()
       float& best = o.best[row];
       int64_t& index = o.best_index[row];
       for (int64_t l = 0; l < left; ++l) {
@@ -209,7 +206,7 @@ inline void store_row(const Output& o, int64_t row, int64_t col0, const float* s
     }
     if (o.epilogue != Epilogue::kStore) {
       // As above: the rounded gate and up values, then silu_and_mul's own arithmetic.
-      if (!o.fp32_out || o.round_bf16) v = round_bf16(v);
+      if (!o.fp32_out) v = round_bf16(v);
       float* silu = o.silu + (row - o.silu_row0) * kNR + j;
       if (o.epilogue == Epilogue::kGate) {
         vfloat a = v / (1.f + exp_v(-v));
@@ -220,7 +217,6 @@ inline void store_row(const Output& o, int64_t row, int64_t col0, const float* s
       v = loadv(silu) * v;
     }
     if (o.fp32_out) {
-      if (o.round_bf16) v = round_bf16(v);
       float* dst = static_cast<float*>(o.base) + row * o.ld + col0 + j;
       if (left == kLanes) {
         storev(dst, v);
@@ -288,8 +284,6 @@ template <typename T, template <int, int> class Kernel>
 void run_linear(const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64_t K,
                 int64_t block_elems, const float* bias, void* out, bool fp32_out, bool silu_mul,
                 std::vector<ArgmaxRun>* argmax) {
-  // fp32 results of bf16 products are rounded to bf16 first (a bf16 linear's .float()).
-  const bool round_bf16 = sizeof(T) == 2 && fp32_out;
   const int64_t NB = (N + kNR - 1) / kNR, units = 2 * NB;
   const int64_t half_elems = kNR / 2 * (sizeof(T) == 2 ? 2 : 1);  // 32 columns' offset
   const int64_t passes = argmax ? 1 : row_passes(M, units, at::get_num_threads());
@@ -313,7 +307,7 @@ void run_linear(const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64
       const int64_t next_nb = (t % units) / 2;
       const char* next =
           t < t1 ? reinterpret_cast<const char*>(w + next_nb * block_elems) : nullptr;
-      Output o{out, N, fp32_out, round_bf16, bias ? bias + col0 : nullptr,
+      Output o{out, N, fp32_out, bias ? bias + col0 : nullptr,
                std::min(whole ? kNR : kNR / 2, N - col0)};
       o.silu = silu;
       if (argmax) {
@@ -403,7 +397,7 @@ void packed_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed,
 }
 
 // out[r] = argmax_j (x @ W^T)[r, j], the first index of each row's largest logit (or first NaN),
-// over the logits a bf16 linear's .float() (or an fp32 one) gives; at most one row pass (kMB).
+// over the fp32 logits (the unrounded sums of bf16 products too); at most one row pass (kMB).
 void packed_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t vocab,
                           at::Tensor& out) {
   TORCH_CHECK(out.scalar_type() == at::kLong && out.dim() == 1 && out.size(0) == x.size(0) &&

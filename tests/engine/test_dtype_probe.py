@@ -62,7 +62,7 @@ def test_auto_picks_the_dtype_measured_faster(
 def test_the_choice_is_logged_with_both_timings(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="engine.dtype_probe"):
         probe_cpu_dtype(CountingMeasure(0.1, 0.04), cache_dir=tmp_path)
-    assert "bfloat16 (" in caplog.text
+    assert "dtype auto on this CPU: bfloat16, the faster of the faithful dtypes" in caplog.text
     assert "fp32 100.0 ms, bf16 40.0 ms" in caplog.text
 
 

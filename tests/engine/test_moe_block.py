@@ -72,7 +72,6 @@ def _our_block(kind: str, config, hf, backend: str) -> FusedMoE:
             HIDDEN, EXPERTS, TOP_K, scoring="grouped_topk_sigmoid",
             renormalize=config.norm_topk_prob, n_group=config.n_group,
             topk_group=config.topk_group, routed_scaling_factor=config.routed_scaling_factor,
-            fp32_logits=True,
         )  # fmt: skip
         shared = GatedMLP(HIDDEN, INTER * config.n_shared_experts, backend)
         with torch.no_grad():

@@ -1,5 +1,6 @@
 """pagedq's own GEMM (kernels/csrc/linear_cpu.cpp) computes x @ W.T + b as a linear does: fp32
-to fp32's accuracy, bf16 as fp32 sums rounded to bf16 once; every tail of its blocks covered."""
+to fp32's accuracy, bf16 as fp32 sums rounded to bf16 once (an fp32 output: not rounded); every
+tail of its blocks covered."""
 
 from __future__ import annotations
 
@@ -79,10 +80,11 @@ def test_bf16_is_fp32_sums_rounded_once(tokens, out_features, in_features, with_
     # themselves are within a few ulps of the sum of magnitudes.
     scale = F.linear(x.double().abs(), w.double().abs()) + 1
     assert torch.all((out.double() - exact).abs() <= exact.abs() * 2**-8 + scale * 2**-20)
-    # fp32 logits of a bf16 model are the bf16 results widened: the numbers of .float().
+    # fp32 logits of a bf16 model are the same fp32 sums, not rounded: no bf16 ties.
     logits = packed_linear(x, packed, out_features, b, fp32)
     assert logits.dtype == fp32 and torch.equal(logits.to(bf16), out)
-    assert torch.equal(logits, out.float())
+    assert torch.all((logits.double() - exact).abs() <= scale * 2**-20)
+    assert not torch.equal(logits, out.float())
 
 
 @pytest.mark.parametrize("dtype", [fp32, bf16])
