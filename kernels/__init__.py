@@ -14,6 +14,7 @@ from kernels.attention_options import check_options, has_options
 from kernels.huge_pages import zeros_huge
 from kernels.reference import (
     AttentionPlan,
+    apply_token_bitmask_torch,
     build_plan,
     rms_norm_torch,
     rotary_apply_torch,
@@ -214,6 +215,22 @@ def silu_and_mul(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     return silu_and_mul_torch(x)
 
 
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, backend: str = "auto"
+) -> None:
+    """Forbid (-inf, in place) every token of fp32 ``logits`` row ``rows[i]`` (int64) whose bit
+    in ``mask[i]`` (int32 words, llguidance's token bitmask) is clear."""
+    if (
+        select_backend(logits.device, backend) == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.stride(-1) == 1
+        and mask.is_contiguous()
+    ):
+        return cpu_attention.apply_token_bitmask_cpu(logits, rows, mask)
+    return apply_token_bitmask_torch(logits, rows, mask)
+
+
 def argmax(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """``x.argmax(dim=-1)`` of fp32 logits ``[rows, vocab]``, same indices (ties: the first)."""
     if (
@@ -232,6 +249,7 @@ __all__ = [
     "BACKENDS",
     "allocate_kv_cache",
     "apply_rotary",
+    "apply_token_bitmask",
     "argmax",
     "plan_attention",
     "rms_norm",

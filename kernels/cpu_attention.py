@@ -200,6 +200,12 @@ def rms_norm_cpu(
     return out.view(x.shape), residual
 
 
+def apply_token_bitmask_cpu(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
+    """C++ twin of ``apply_token_bitmask_torch``: -inf, in place, where the bits are clear."""
+    _require()
+    torch.ops.pagedq.apply_token_bitmask(logits, rows, mask)
+
+
 def argmax_cpu(x: torch.Tensor) -> torch.Tensor:
     """C++ twin of ``x.argmax(dim=-1)`` for fp32 ``[rows, n]`` (rows in parallel)."""
     _require()

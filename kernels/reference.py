@@ -228,6 +228,21 @@ def rms_norm_torch(
     return (weight.float() * h).to(dtype), residual
 
 
+def apply_token_bitmask_torch(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
+    """Set ``logits[rows[i], j]`` to -inf, in place, where bit ``j % 32`` of ``mask[i, j // 32]``
+    (int32 words, a grammar's token bitmask) is clear; columns past the mask are forbidden."""
+    vocab = logits.shape[1]
+    words = min(mask.shape[1], -(-vocab // 32))
+    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
+    allowed = ((mask[:, :words, None] >> shifts) & 1).bool().view(len(rows), -1)[:, :vocab]
+    if allowed.shape[1] < vocab:
+        pad = torch.zeros(len(rows), vocab - allowed.shape[1], dtype=torch.bool)
+        allowed = torch.cat([allowed, pad.to(allowed.device)], dim=1)
+    allowed = allowed.to(logits.device, non_blocking=True)
+    rows = rows.to(logits.device)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :d]) * x[:, d:]`` for ``x`` ``[T, 2d]``: SwiGLU as Hugging Face computes it."""
     gate, up = x.chunk(2, dim=-1)

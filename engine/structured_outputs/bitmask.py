@@ -9,14 +9,15 @@ import torch
 from llguidance import LLExecutor, LLMatcher
 from llguidance.torch import fill_next_token_bitmask_par
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+from kernels import apply_token_bitmask
 
 
 class GrammarBitmask:
     """A reusable ``[rows, ceil(vocab / 32)]`` int32 buffer and the thread that fills it."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, backend: str = "auto") -> None:
         self.vocab_size = vocab_size
+        self.backend = backend
         self.num_words = (vocab_size + 31) // 32
         self.buffer = torch.zeros(0, self.num_words, dtype=torch.int32)
         # llguidance drops the GIL while it fills, so the fill overlaps the model's forward.
@@ -44,15 +45,5 @@ class GrammarBitmask:
 
     def apply(self, logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:
         """Set to -inf, in place, every logit of ``rows`` the mask forbids."""
-        vocab = logits.shape[1]
-        words = min(self.num_words, -(-vocab // 32))
-        allowed = ((mask[:, :words, None] >> _SHIFTS) & 1).bool().view(len(rows), -1)[:, :vocab]
-        if allowed.shape[1] < vocab:  # logits wider than the tokenizer: the rest is never allowed
-            pad = torch.zeros(len(rows), vocab - allowed.shape[1], dtype=torch.bool)
-            allowed = torch.cat([allowed, pad], dim=1)
-        allowed = allowed.to(logits.device, non_blocking=True)
-        if len(rows) == logits.shape[0]:
-            logits.masked_fill_(~allowed, float("-inf"))
-        else:
-            index = torch.tensor(rows, device=logits.device)
-            logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        index = torch.tensor(rows, dtype=torch.long)
+        apply_token_bitmask(logits, index, mask[: len(rows)], self.backend)

@@ -316,6 +316,46 @@ void argmax_rows(at::Tensor& out, const at::Tensor& x) {
   });
 }
 
+// logits[rows[i], j] = -inf wherever bit j of mask[i] is clear (bit j % 32 of int32 word
+// j / 32; columns past the mask's words are forbidden too): a grammar's token bitmask applied in
+// one pass. Most words of a JSON grammar's mask are all clear or all set; the torch form
+// (unpack to a bool [rows, vocab], invert, masked_fill) took 3.6-4.4 ms for 32 rows of a
+// 49,152-token vocabulary, a tenth of a bf16 decode step.
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& mask) {
+  check_rows(logits, "logits");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat, "apply_token_bitmask: logits must be float32");
+  TORCH_CHECK(mask.scalar_type() == at::kInt && mask.dim() == 2 && mask.is_contiguous(),
+              "apply_token_bitmask: mask must be contiguous int32 [rows, words]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() &&
+                  rows.size(0) == mask.size(0),
+              "apply_token_bitmask: rows must be int64 [mask rows]");
+  const int64_t vocab = logits.size(1), words = mask.size(1), stride = logits.stride(0);
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.size(0); ++i)
+    TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < logits.size(0), "apply_token_bitmask: row ",
+                row_ids[i], " is out of range");
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float* base = logits.data_ptr<float>();
+  const int32_t* bits = mask.data_ptr<int32_t>();
+  at::parallel_for(0, rows.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* p = base + row_ids[i] * stride;
+      const uint32_t* m = reinterpret_cast<const uint32_t*>(bits + i * words);
+      for (int64_t w = 0; w * 32 < vocab; ++w) {
+        const uint32_t word = w < words ? m[w] : 0u;
+        if (word == 0xFFFFFFFFu) continue;
+        const int64_t j0 = w * 32, j1 = std::min(vocab, j0 + 32);
+        if (word == 0u) {
+          std::fill(p + j0, p + j1, neg_inf);
+          continue;
+        }
+        for (int64_t j = j0; j < j1; ++j)
+          if (!((word >> (j - j0)) & 1u)) p[j] = neg_inf;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedq, m) {
@@ -325,6 +365,7 @@ TORCH_LIBRARY_FRAGMENT(pagedq, m) {
       "Tensor(b!) out) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor rows, Tensor mask) -> ()");
   m.def("rotary(Tensor(a!) x, Tensor cos, Tensor signed_sin) -> ()");
 }
 
@@ -333,5 +374,6 @@ TORCH_LIBRARY_IMPL(pagedq, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("apply_token_bitmask", &apply_token_bitmask);
   m.impl("rotary", &rotary);
 }

@@ -1,16 +1,18 @@
-"""The C++ RMSNorm (plain and fused with the residual add), SiLU-and-mul and argmax equal torch."""
+"""The C++ RMSNorm (plain and fused with the residual add), SiLU-and-mul, argmax and the
+grammar bitmask equal torch."""
 
 import pytest
 import torch
 
 from kernels import argmax, rms_norm, silu_and_mul
 from kernels.cpu_attention import (
+    apply_token_bitmask_cpu,
     argmax_cpu,
     cpu_kernels_available,
     rms_norm_cpu,
     silu_and_mul_cpu,
 )
-from kernels.reference import rms_norm_torch, silu_and_mul_torch
+from kernels.reference import apply_token_bitmask_torch, rms_norm_torch, silu_and_mul_torch
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels_available(), reason="the C++ CPU kernels cannot be built here"
@@ -49,6 +51,44 @@ def test_fused_add_rms_norm_matches_reference(shape, dtype):
     assert got_sum.data_ptr() == residual.data_ptr()  # the sum is written in place
     assert torch.equal(got_sum, want_sum)  # one rounded add, exactly as torch's
     _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("stream", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bf16_norm_with_fp32_scale_and_stream_matches_reference(shape, stream):
+    """A bf16 model's norms: fp32 scale (``1 + w`` is no bf16 number), the residual stream in
+    fp32 or bf16; the normed values scaled in fp32 and rounded once."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(shape, generator=gen).to(stream)
+    weight = 1 + torch.randn(shape[1], generator=gen) * 1e-3
+    want, want_sum = rms_norm_torch(x, weight, 1e-6, residual.clone())
+    got, got_sum = rms_norm_cpu(x, weight, 1e-6, residual)
+    assert got_sum.dtype == stream and torch.equal(got_sum, want_sum)
+    assert got.dtype == torch.bfloat16
+    _close(got, want, torch.bfloat16)
+    # One rounding: within half a bf16 ulp of the fp32 product (not two roundings' whole ulp).
+    h = want_sum.float()
+    exact = weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.all((got.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-30)
+
+
+def test_token_bitmask_forbids_exactly_the_clear_bits():
+    """Words all set, all clear and mixed; a vocabulary past the mask (forbidden) and one row
+    of the logits left alone."""
+    gen = torch.Generator().manual_seed(4)
+    vocab, words = 1000, 30  # 960 columns covered by the mask, 40 past it
+    mask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=gen, dtype=torch.int32)
+    mask[0, :10], mask[1, 5:20] = -1, 0
+    logits = torch.randn(4, vocab, generator=gen)
+    rows = torch.tensor([2, 0, 3])
+    want = logits.clone()
+    apply_token_bitmask_torch(want, rows, mask)
+    apply_token_bitmask_cpu(logits, rows, mask)
+    assert torch.equal(logits, want)
+    assert torch.isinf(logits[[2, 0, 3], 960:]).all() and not torch.isinf(logits[1]).any()
+    bits = ((mask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(3, -1)
+    assert torch.equal(torch.isinf(logits[rows, :960]), bits == 0)
 
 
 def test_rms_norm_reads_strided_rows_and_3d():
