@@ -6,7 +6,9 @@
 
 ``--models`` takes model names or folders, and ``random:FAMILY`` for a small random checkpoint of
 a family (``random:qwen3_moe``: 16 experts, 4 per token; ``random:qwen3_5_text``: Gated DeltaNet
-and gated attention layers), made once under ``~/.cache/pagedq/bench/fidelity``.
+and gated attention layers), made once under ``~/.cache/pagedq/bench/fidelity`` and prompted
+with ``--random-prompts`` prompts of random tokens (a random model's greedy answer leaves fp32's
+after a few tokens: many prompts make "kept" a measurement rather than a draw).
 
 The reference is Hugging Face in fp32 (pagedq's fp32 is token-exact against it: tests/engine).
 For each dtype and each engine, on the same weights and prompts (greedy):
@@ -106,6 +108,14 @@ def chat_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
         )
         out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return out
+
+
+def random_ids(n: int, vocab: int) -> list[list[int]]:
+    """``n`` seeded prompts of random tokens, 8-64 long: a random model's answers diverge after
+    a few tokens, so its "kept" needs many prompts to say more than chance."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(8, 65, (n,), generator=gen).tolist()
+    return [torch.randint(3, vocab, (m,), generator=gen).tolist() for m in lengths]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -269,6 +279,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="comma list: bfloat16, float16")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="use the first N")
+    parser.add_argument(
+        "--random-prompts", type=int, default=96, help="random-token prompts for random models"
+    )
     args = parser.parse_args()
     from engine.model_loader import (
         cached_source,
@@ -285,8 +298,13 @@ def main() -> None:
         source = cached_source(resolve_model(model))
         tokenizer = load_tokenizer(source)
         eos = set(generation_eos_token_ids(source.folder)) | {tokenizer.eos_token_id}
-        prompts = chat_ids(tokenizer, PROMPTS[: args.prompts])
-        results = compare(model, source.folder, prompts, dtypes, args.max_tokens, eos)
+        max_tokens = args.max_tokens
+        if model.startswith(str(RANDOM_DIR)):
+            prompts = random_ids(args.random_prompts, len(tokenizer))
+            max_tokens = min(max_tokens, 48)  # its answers leave fp32's long before
+        else:
+            prompts = chat_ids(tokenizer, PROMPTS[: args.prompts])
+        results = compare(model, source.folder, prompts, dtypes, max_tokens, eos)
         print_table(model, results, dtypes)
     print(f"({time.perf_counter() - start:.0f} s; torch threads {torch.get_num_threads()})")
 

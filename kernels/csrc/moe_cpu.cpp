@@ -18,8 +18,11 @@
 //      ascending expert order, as Hugging Face's index_add_ loop adds them; the epilogue scales
 //      each row by its routing weight and adds it into an fp32 accumulator of [tokens, hidden]
 //      (the output itself in fp32; rounded to bf16 at the end otherwise).
-// bf16: the gate, up, activation and down values are rounded to bf16 where a bf16 model rounds
-// them (its linear outputs and the activation); the weighted sum stays fp32 until the end.
+// bf16: the gate, up and activation values stay fp32 in registers and the intermediate is
+// rounded to bf16 once (the down GEMM's input); each expert's down output is weighted and summed
+// in fp32, rounded once at the end. A bf16 model in Hugging Face rounds each linear output and
+// the activation too: 1-2 more roundings per value, and pagedq's bf16 is meant to stay at least
+// as close to fp32 as that (bench/fidelity.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -137,7 +140,6 @@ inline void store_row(const GateUpOut& o, int64_t row, int64_t col0, const __m51
   for (int j = 0; j < 4; ++j) {
     __m512 v = acc[j];
     if (o.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(o.bias + j * 16));
-    if (o.bf16) v = round_to_bf16(v);  // a bf16 linear's output
     float* act = o.act + (row - o.act_row0) * kNR + j * 16;
     if (!o.up_pass) {
       __m512 a;
@@ -147,13 +149,12 @@ inline void store_row(const GateUpOut& o, int64_t row, int64_t col0, const __m51
       } else {  // silu(gate)
         a = sigmoid_times(v, v);
       }
-      _mm512_storeu_ps(act, o.bf16 ? round_to_bf16(a) : a);
+      _mm512_storeu_ps(act, a);
       continue;
     }
     if (o.activation == kSwigluOai) {  // (up.clamp(-limit, limit) + 1) * glu
       v = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(o.limit)), _mm512_set1_ps(-o.limit));
       v = _mm512_add_ps(v, _mm512_set1_ps(1.f));
-      if (o.bf16) v = round_to_bf16(v);
     }
     v = _mm512_mul_ps(_mm512_loadu_ps(act), v);
     if (o.bf16) {
@@ -176,7 +177,6 @@ inline void store_row(const DownOut& o, int64_t row, int64_t col0, const __m512*
     const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
     __m512 v = acc[j];
     if (o.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, o.bias + j * 16));
-    if (o.bf16) v = round_to_bf16(v);  // the expert's output as a bf16 linear leaves it
     v = _mm512_mul_ps(v, w);
     const __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst + j * 16), v);
     _mm512_mask_storeu_ps(dst + j * 16, mask, sum);
@@ -206,12 +206,10 @@ inline vfloat sigmoid_times(vfloat g, vfloat z) { return g / (1.f + pagedq_vec::
 
 inline void store_row(const GateUpOut& o, int64_t row, int64_t col0, const float* sums) {
   using pagedq_vec::loadv;
-  using pagedq_vec::round_bf16;
   using pagedq_vec::storev;
   for (int j = 0; j < kNR; j += kLanes) {
     vfloat v = loadv(sums + j);
     if (o.bias) v += loadv(o.bias + j);
-    if (o.bf16) v = round_bf16(v);  // a bf16 linear's output
     float* act = o.act + (row - o.act_row0) * kNR + j;
     if (!o.up_pass) {
       vfloat a;
@@ -222,7 +220,7 @@ inline void store_row(const GateUpOut& o, int64_t row, int64_t col0, const float
       } else {  // silu(gate)
         a = sigmoid_times(v, v);
       }
-      storev(act, o.bf16 ? round_bf16(a) : a);
+      storev(act, a);
       continue;
     }
     if (o.activation == kSwigluOai) {  // (up.clamp(-limit, limit) + 1) * glu
@@ -230,7 +228,6 @@ inline void store_row(const GateUpOut& o, int64_t row, int64_t col0, const float
       v = v < limit ? v : limit;
       v = v > -limit ? v : -limit;
       v += 1.f;
-      if (o.bf16) v = round_bf16(v);
     }
     v = loadv(act) * v;
     if (o.bf16) {
@@ -249,12 +246,10 @@ inline void store_row(const DownOut& o, int64_t row, int64_t col0, const float* 
   for (; j + kLanes <= o.valid; j += kLanes) {
     vfloat v = pagedq_vec::loadv(sums + j);
     if (o.bias) v += pagedq_vec::loadv(o.bias + j);
-    if (o.bf16) v = pagedq_vec::round_bf16(v);  // the expert's output as a bf16 linear leaves it
     pagedq_vec::storev(dst + j, pagedq_vec::loadv(dst + j) + v * w);
   }
   for (; j < o.valid; ++j) {  // the last block's columns past a multiple of 8
     float v = sums[j] + (o.bias ? o.bias[j] : 0.f);
-    if (o.bf16) v = static_cast<float>(c10::BFloat16(v));
     dst[j] += v * w;
   }
 }
