@@ -44,14 +44,9 @@ def hf_smollm2():
 @pytest.fixture(scope="session")
 def chat_prompt_ids(hf_smollm2):
     """Token ids of CHAT_PROMPTS with the model's chat template."""
-    _, tok = hf_smollm2
-    out = []
-    for text in CHAT_PROMPTS:
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
+    from bench.fidelity import chat_ids
+
+    return chat_ids(hf_smollm2[1], CHAT_PROMPTS)
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=2) -> list[int]:
