@@ -62,8 +62,8 @@ def kl(reference, logits) -> float:
 
 @pytest.mark.parametrize(("case_id", "model_type", "overrides"), CASES, ids=[c[0] for c in CASES])
 def test_bf16_is_no_further_from_fp32_than_hf_bf16(tmp_path, case_id, model_type, overrides):
-    # Four random models per family: one expert flipped by a near tie (MoE), or one chaotic position,
-    # weighs as much as the rest of a single model's positions (per-model ratios: 0.2-1.7x).
+    # Four random models per family: one expert flipped by a near tie (MoE), or one chaotic
+    # position, weighs as much as the rest of one model's positions (per-model ratios 0.2-1.7x).
     hf_bf16 = ours = 0.0
     for seed in SEEDS:
         folder = str(make_tiny_model(tmp_path / f"{case_id}-{seed}", model_type, seed, **overrides))
