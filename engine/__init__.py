@@ -1,4 +1,4 @@
-"""pagedq's inference engine: paged KV cache, continuous batching, Llama-family models."""
+"""pagedq's inference engine: paged KV cache, continuous batching, a registry of model families."""
 
 import importlib
 from typing import TYPE_CHECKING, Any

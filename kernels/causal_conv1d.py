@@ -17,21 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = (None, "silu")
-
-
-def _check(
-    x: torch.Tensor, weight: torch.Tensor, conv_state_pool: torch.Tensor, activation: str | None
-) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
-        raise ValueError(f"x {tuple(x.shape)} must be [num_tokens, dim] and weight "
-                         f"{tuple(weight.shape)} [dim, kernel_size]")  # fmt: skip
-    want = (x.shape[1], weight.shape[1] - 1)
-    if conv_state_pool.dim() != 3 or tuple(conv_state_pool.shape[1:]) != want:
-        raise ValueError(f"conv_state_pool {tuple(conv_state_pool.shape)} must be "
-                         f"[num_slots, {want[0]}, {want[1]}]")  # fmt: skip
+from kernels.shape_checks import check_causal_conv1d
 
 
 def _finish(y: torch.Tensor, dtype: torch.dtype, activation: str | None) -> torch.Tensor:
@@ -48,7 +34,7 @@ def causal_conv1d_torch(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Reference of the varlen convolution; updates ``conv_state_pool`` in place."""
-    _check(x, weight, conv_state_pool, activation)
+    check_causal_conv1d(x, weight, conv_state_pool, activation)
     dtype = torch.promote_types(x.dtype, torch.float32)
     width = weight.shape[1] - 1
     out = torch.empty_like(x) if out is None else out
@@ -75,7 +61,7 @@ def causal_conv1d_update_torch(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Reference of the decode step: row ``i`` of ``x`` is one token of sequence ``i``."""
-    _check(x, weight, conv_state_pool, activation)
+    check_causal_conv1d(x, weight, conv_state_pool, activation)
     dtype = torch.promote_types(x.dtype, torch.float32)
     slots = state_indices.long()
     extended = torch.cat([conv_state_pool[slots].to(dtype), x.to(dtype)[:, :, None]], dim=2)
@@ -124,7 +110,7 @@ def causal_conv1d_cpu(
     bias and the pool share one dtype, fp32 or bf16."""
     from kernels import cpu_attention
 
-    _check(x, weight, conv_state_pool, activation)
+    check_causal_conv1d(x, weight, conv_state_pool, activation)
     cpu_attention._require()
     out = torch.empty_like(x) if out is None else out
     has_initial = None if has_initial_state is None else has_initial_state.to(torch.bool)

@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.shape_checks import check_gated_delta
+
 CHUNK_SIZE = 64
 
 
@@ -65,26 +67,6 @@ def _prepare_qk(
     return q, k
 
 
-def _check(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state_pool: torch.Tensor, query_start_loc: torch.Tensor, state_indices: torch.Tensor,
-) -> None:  # fmt: skip
-    num_tokens, num_k_heads, k_dim = q.shape
-    _, num_v_heads, v_dim = v.shape
-    if k.shape != q.shape or v.shape[0] != num_tokens:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
-    if num_v_heads % num_k_heads:
-        raise ValueError(f"num_v_heads={num_v_heads} is not a multiple of {num_k_heads=}")
-    if g.shape != (num_tokens, num_v_heads) or beta.shape != g.shape:
-        raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be "
-                         f"[num_tokens, num_v_heads] = {(num_tokens, num_v_heads)}")  # fmt: skip
-    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (num_v_heads, k_dim, v_dim):
-        raise ValueError(f"state_pool {tuple(state_pool.shape)} must be [num_slots, "
-                         f"{num_v_heads}, {k_dim}, {v_dim}]")  # fmt: skip
-    if state_indices.shape != (query_start_loc.shape[0] - 1,):
-        raise ValueError("state_indices must hold one slot per sequence of query_start_loc")
-
-
 def _initial_states(
     state_pool: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor | None,
     dtype: torch.dtype,
@@ -102,7 +84,7 @@ def gated_delta_rule_recurrent_torch(
     scale: float | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The token-by-token form: step ``t`` advances every sequence that has a ``t``-th token."""
-    _check(q, k, v, g, beta, state_pool, query_start_loc, state_indices)
+    check_gated_delta(q, k, v, g, beta, state_pool, query_start_loc, state_indices)
     dtype = _compute_dtype(q, v, state_pool)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qn, kn = _prepare_qk(q, k, v.shape[1], use_qk_l2norm, scale, dtype)
@@ -164,7 +146,7 @@ def gated_delta_rule_chunked_torch(
     scale: float | None = None, out: torch.Tensor | None = None, chunk_size: int = CHUNK_SIZE,
 ) -> torch.Tensor:  # fmt: skip
     """The chunked form, one sequence at a time, chunks of ``chunk_size`` from its first row."""
-    _check(q, k, v, g, beta, state_pool, query_start_loc, state_indices)
+    check_gated_delta(q, k, v, g, beta, state_pool, query_start_loc, state_indices)
     dtype = _compute_dtype(q, v, state_pool)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qn, kn = _prepare_qk(q, k, v.shape[1], use_qk_l2norm, scale, dtype)
@@ -232,7 +214,7 @@ def gated_delta_rule_cpu(
     q/k/v fp32 or bf16 (one dtype), the recurrent form for every sequence."""
     from kernels import cpu_attention
 
-    _check(q, k, v, g, beta, state_pool, query_start_loc, state_indices)
+    check_gated_delta(q, k, v, g, beta, state_pool, query_start_loc, state_indices)
     cpu_attention._require()
     out = torch.empty_like(v) if out is None else out
     has_initial = None if has_initial_state is None else has_initial_state.to(torch.bool)

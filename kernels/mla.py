@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.shape_checks import check_latent_cache
+
 
 def split_kv_b_proj(
     weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int
@@ -58,20 +60,13 @@ def allocate_latent_cache(
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _check_cache(latent: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch.Tensor) -> None:
-    width = latent.shape[-1] + k_pe.shape[-1]
-    if latent_cache.dim() != 3 or latent_cache.shape[2] != width:
-        raise ValueError(f"latent_cache {tuple(latent_cache.shape)} must be [num_blocks, "
-                         f"block_size, kv_lora_rank + rope_dim = {width}]")  # fmt: skip
-
-
 def write_latent_torch(
     latent: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:  # fmt: skip
     """Scatter ``latent [T, L]`` and ``k_pe [T, R]`` into their slots (-1 skipped), in the cache's
     dtype."""
-    _check_cache(latent, k_pe, latent_cache)
+    check_latent_cache(latent, k_pe, latent_cache)
     valid = slot_mapping >= 0
     rows = torch.cat([latent, k_pe], dim=-1)[valid].to(latent_cache.dtype)
     slots = slot_mapping[valid].long()
@@ -86,7 +81,7 @@ def mla_attention_torch(
 ) -> torch.Tensor:  # fmt: skip
     """Reference: per request, gather its latent rows, ``softmax(scale * (q_latent . c + q_pe .
     k_pe))`` under the causal mask, times ``c``. fp32 inside (float64 for float64 inputs)."""
-    _check_cache(q_latent, q_pe, latent_cache)
+    check_latent_cache(q_latent, q_pe, latent_cache)
     rank = q_latent.shape[-1]
     dtype = torch.promote_types(q_latent.dtype, torch.float32)
     out = torch.empty_like(q_latent) if out is None else out
@@ -156,7 +151,7 @@ def write_latent_cpu(
     """C++ twin of ``write_latent_torch`` (``kernels/csrc/mla_cpu.cpp``)."""
     from kernels import cpu_attention
 
-    _check_cache(latent, k_pe, latent_cache)
+    check_latent_cache(latent, k_pe, latent_cache)
     cpu_attention._require()
     torch.ops.pagedq.write_latent(latent, k_pe, latent_cache, slot_mapping.long().contiguous())
 
@@ -169,7 +164,7 @@ def mla_attention_cpu(
     """C++ twin of ``mla_attention_torch``, reading the latent rows in place."""
     from kernels import cpu_attention
 
-    _check_cache(q_latent, q_pe, latent_cache)
+    check_latent_cache(q_latent, q_pe, latent_cache)
     cpu_attention._require()
     out = torch.empty_like(q_latent) if out is None else out
     torch.ops.pagedq.mla_attention(

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.shape_checks import check_causal_conv1d
 from kernels.triton_common import cast, interpreting
 
 
@@ -77,9 +78,7 @@ def causal_conv1d_triton(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton twin of ``kernels.causal_conv1d.causal_conv1d_torch``."""
-    from kernels.causal_conv1d import _check
-
-    _check(x, weight, conv_state_pool, activation)
+    check_causal_conv1d(x, weight, conv_state_pool, activation)
     out = torch.empty_like(x) if out is None else out
     num_seqs, dim = state_indices.shape[0], x.shape[1]
     if num_seqs == 0 or x.shape[0] == 0:

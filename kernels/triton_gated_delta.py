@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.shape_checks import check_gated_delta
 from kernels.triton_common import cast, interpreting
 
 # Chunks of 16 tokens, not the reference's 64: the result is the same up to rounding, and
@@ -158,9 +159,7 @@ def gated_delta_rule_triton(
     scale: float | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton twin of ``kernels.gated_delta.gated_delta_rule_torch`` (fp32 state pool)."""
-    from kernels.gated_delta import _check
-
-    _check(q, k, v, g, beta, state_pool, query_start_loc, state_indices)
+    check_gated_delta(q, k, v, g, beta, state_pool, query_start_loc, state_indices)
     if state_pool.dtype != torch.float32 or state_pool.stride(3) != 1:
         raise ValueError("the Triton gated delta rule needs an fp32 state pool, unit stride last")
     out = torch.empty_like(v) if out is None else out

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.shape_checks import check_latent_cache
 from kernels.triton_common import LOG2E, cast, dot, interpreting
 
 
@@ -94,9 +95,7 @@ def mla_attention_triton(
     scale: float, out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton twin of ``kernels.mla.mla_attention_torch``."""
-    from kernels.mla import _check_cache
-
-    _check_cache(q_latent, q_pe, latent_cache)
+    check_latent_cache(q_latent, q_pe, latent_cache)
     out = torch.empty_like(q_latent) if out is None else out
     num_tokens, num_heads, rank = q_latent.shape
     if num_tokens == 0:
@@ -146,9 +145,7 @@ def write_latent_triton(
     slot_mapping: torch.Tensor,
 ) -> None:  # fmt: skip
     """Triton twin of ``kernels.mla.write_latent_torch``: one program per token."""
-    from kernels.mla import _check_cache
-
-    _check_cache(latent, k_pe, latent_cache)
+    check_latent_cache(latent, k_pe, latent_cache)
     if latent.shape[0] == 0:
         return
     _write_latent_kernel[(latent.shape[0],)](

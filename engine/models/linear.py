@@ -35,7 +35,10 @@ def load_param(param: nn.Parameter, tensor: torch.Tensor, shard, name: str) -> N
     through the parameter's own ``weight_loader`` where it has one; refuses a shape that does
     not match, naming the tensor."""
     loader = getattr(param, "weight_loader", None)
-    if shard is not None:
+    checkpoint_shape = getattr(param, "checkpoint_shape", None)  # a rank's slice of it
+    if checkpoint_shape is not None:
+        expected = tuple(checkpoint_shape(shard))
+    elif shard is not None:
         expected = _shard_shape(param, shard)
     else:
         expected = tuple(param.shape)

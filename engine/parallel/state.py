@@ -1,0 +1,63 @@
+"""The tensor-parallel group: which rank this process is, how many there are, and the three
+collectives the sharded layers use. With no group (one rank) every call is a no-op, so a layer
+written for N ranks runs unchanged at N = 1."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# A collective waits this long for a rank that died or hung, then raises: the worker exits.
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def init_tensor_parallel(
+    rank: int, world_size: int, init_method: str, backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> None:  # fmt: skip
+    """Join the group of ``world_size`` ranks as ``rank`` (gloo on the CPU, NCCL on CUDA)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, tensor_parallel_size={world_size})")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )  # fmt: skip
+
+
+def tp_rank() -> int:
+    """This process's rank in the group (0 without one)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def tp_size() -> int:
+    """The number of ranks (1 without a group)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over the ranks, in place; ``x`` itself at one rank."""
+    if tp_size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``x`` side by side along the last dim, in rank order."""
+    if tp_size() == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """``numerator / denominator``, refused naming ``what`` when it does not divide."""
+    if numerator % denominator:
+        raise ValueError(
+            f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}"
+        )
+    return numerator // denominator
