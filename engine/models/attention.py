@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
-from engine.models.linear import MergedLinear
 from engine.models.norm import RMSNorm
+from engine.parallel.layers import QKVParallelLinear, RowParallelLinear
 from kernels import apply_rotary
 
 QK_NORMS = (None, "head", "proj")
@@ -56,15 +56,17 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         opts = options or AttentionOptions()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
         self.output_gate = opts.output_gate
-        q_out = self.q_size * (2 if opts.output_gate else 1)
-        self.qkv_proj = MergedLinear(
-            hidden_size, {"q": q_out, "k": self.kv_size, "v": self.kv_size}, opts.qkv_bias
+        q_head_dim = head_dim * (2 if opts.output_gate else 1)
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size, num_heads, num_kv_heads, head_dim, opts.qkv_bias, q_head_dim
         )
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=opts.o_bias)
+        # This rank's heads (all of them at one rank).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=opts.o_bias)
         self.qk_norm = opts.qk_norm
         if opts.qk_norm is not None:
             q_dim, k_dim = (

@@ -14,6 +14,8 @@ from engine.models.linear import linear_fp32_out, load_param
 from engine.models.norm import RMSNorm
 from engine.models.packed_linear import pack, prepack_supported
 from engine.models.rotary import RotaryEmbedding
+from engine.parallel.layers import ParallelLMHead, VocabParallelEmbedding
+from engine.parallel.state import tp_size
 
 # Checkpoint projections that land in one merged layer: name -> (merged name, shard).
 PACKED_MODULES = {
@@ -39,14 +41,14 @@ class CausalLM(nn.Module):
         self.config = config
         self.backend = backend
         self.max_position = max_position
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.embed_scale: float | None = None
         self.final_logit_softcapping: float | None = None
         self.rotaries: dict[str, RotaryEmbedding] = {}
         self.layers = nn.ModuleList()
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.packed_lm_head = None
         # Set by the loader from generation_config.json: where generation also stops.
         self.generation_eos_token_ids: frozenset[int] = frozenset()
@@ -153,6 +155,8 @@ class CausalLM(nn.Module):
         weight = self.embed_tokens.weight
         if self.packed_lm_head is not None or not prepack_supported(weight.device, weight.dtype):
             return self.packed_lm_head is not None
+        if tp_size() > 1:  # a packed row-parallel layer would drop its all-reduce
+            return False
         for module in list(self.layers.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and not getattr(child, "no_prepack", False):

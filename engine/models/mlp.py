@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.linear import MergedLinear
+from engine.parallel.layers import MergedColumnParallelLinear, RowParallelLinear
 from kernels import silu_and_mul
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -31,10 +31,10 @@ class GatedMLP(nn.Module):
         self.backend = backend
         self.activation = activation
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = MergedLinear(
+        self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias=bias
         )
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj

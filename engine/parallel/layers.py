@@ -43,7 +43,8 @@ class ColumnParallelLinear(nn.Linear):
 
 class MergedColumnParallelLinear(nn.Linear):
     """One column-parallel GEMM of named output shards (``{"gate": I, "up": I}``): each rank
-    holds its slice of every shard, side by side, and loads each checkpoint shard alone."""
+    holds its slice of every shard, side by side, and loads each checkpoint shard alone (or the
+    merged checkpoint tensor, whole: Phi-3's ``gate_up_proj``)."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
         n = tp_size()
@@ -54,12 +55,11 @@ class MergedColumnParallelLinear(nn.Linear):
         for name, size in local.items():
             self.shard_offsets[name] = (offset, size)
             offset += size
-        for param in self.parameters():
-            param.weight_loader = self._load_shard
-            param.expected_shards = set(shard_sizes)
-            _checkpoint_shape(param, lambda shard, p=param: (self.full_sizes[shard], *p.shape[1:]))
+        _shard_loaders(self, self.full_sizes)
 
-    def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: str) -> None:
+    def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
+        if shard is None:
+            return _load_whole(self, param, tensor)
         offset, size = self.shard_offsets[shard]
         param.data[offset : offset + size].copy_(tensor.narrow(0, tp_rank() * size, size))
 
@@ -67,11 +67,12 @@ class MergedColumnParallelLinear(nn.Linear):
 class QKVParallelLinear(nn.Linear):
     """q, k and v projections in one GEMM, split by heads: this rank's ``heads / N`` q heads and
     ``max(1, kv_heads / N)`` KV heads (a KV head replicated on ``N / kv_heads`` ranks when
-    there are fewer KV heads than ranks)."""
+    there are fewer KV heads than ranks). ``q_head_dim``: a q head's rows where they are more
+    than ``head_dim`` (Qwen3.5's output gate: ``[q_h, gate_h]`` per head)."""
 
     def __init__(
         self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-        bias: bool = False,
+        bias: bool = False, q_head_dim: int | None = None,
     ) -> None:  # fmt: skip
         n, rank = tp_size(), tp_rank()
         self.num_heads = divide(num_heads, n, "num_attention_heads")
@@ -81,24 +82,42 @@ class QKVParallelLinear(nn.Linear):
         else:
             divide(n, num_kv_heads, "tensor_parallel_size over num_key_value_heads")
             self.num_kv_heads, self.kv_head0 = 1, rank * num_kv_heads // n
-        self.head_dim = head_dim
-        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.head_dim, self.q_head_dim = head_dim, q_head_dim or head_dim
+        q, kv = self.num_heads * self.q_head_dim, self.num_kv_heads * head_dim
         super().__init__(hidden_size, q + 2 * kv, bias)
         self.shard_offsets = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
-        full = {
-            "q": num_heads * head_dim,
-            "k": num_kv_heads * head_dim,
-            "v": num_kv_heads * head_dim,
-        }
-        for param in self.parameters():
-            param.weight_loader = self._load_shard
-            param.expected_shards = {"q", "k", "v"}
-            _checkpoint_shape(param, lambda shard, p=param: (full[shard], *p.shape[1:]))
+        kv_full = num_kv_heads * head_dim
+        self.full_sizes = {"q": num_heads * self.q_head_dim, "k": kv_full, "v": kv_full}
+        _shard_loaders(self, self.full_sizes)
 
-    def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: str) -> None:
+    def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
+        if shard is None:
+            return _load_whole(self, param, tensor)
         offset, size = self.shard_offsets[shard]
-        head0 = tp_rank() * self.num_heads if shard == "q" else self.kv_head0
-        param.data[offset : offset + size].copy_(tensor.narrow(0, head0 * self.head_dim, size))
+        if shard == "q":
+            start = tp_rank() * self.num_heads * self.q_head_dim
+        else:
+            start = self.kv_head0 * self.head_dim
+        param.data[offset : offset + size].copy_(tensor.narrow(0, start, size))
+
+
+def _shard_loaders(layer: nn.Linear, full_sizes: dict[str, int]) -> None:
+    """Every parameter of a layer of named output shards loads through ``layer._load_shard``,
+    checked against the whole checkpoint shard (or all shards merged, for ``shard=None``)."""
+
+    def full(shard: str | None) -> int:
+        return sum(full_sizes.values()) if shard is None else full_sizes[shard]
+
+    for param in layer.parameters():
+        param.weight_loader = layer._load_shard
+        param.expected_shards = set(full_sizes)
+        _checkpoint_shape(param, lambda shard, p=param: (full(shard), *p.shape[1:]))
+
+
+def _load_whole(layer: nn.Linear, param: nn.Parameter, tensor: torch.Tensor) -> None:
+    """The merged checkpoint tensor, whole: each named shard's rows loaded as that shard."""
+    for name, part in zip(layer.full_sizes, tensor.split(list(layer.full_sizes.values()))):
+        layer._load_shard(param, part, name)
 
 
 class RowParallelLinear(nn.Linear):
@@ -116,6 +135,8 @@ class RowParallelLinear(nn.Linear):
         param.data.copy_(tensor.narrow(1, tp_rank() * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return F.linear(x, self.weight, self.bias)
         y = all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
@@ -148,6 +169,8 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """The LM head over this rank's vocabulary rows; ``logits`` gathers every rank's columns."""
+
+    bias = None  # a linear layer's view of it (prepacking reads ``weight`` and ``bias``)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[rows, vocab]`` (every rank gets them all)."""
