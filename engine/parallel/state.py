@@ -28,6 +28,14 @@ def init_tensor_parallel(
     )  # fmt: skip
 
 
+def destroy_tensor_parallel() -> None:
+    """Leave the group (after a barrier): a process that exits with gloo's threads still
+    running aborts ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def tp_rank() -> int:
     """This process's rank in the group (0 without one)."""
     return dist.get_rank() if dist.is_initialized() else 0

@@ -19,7 +19,7 @@ from engine.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from engine.parallel.state import init_tensor_parallel, tp_rank
+from engine.parallel.state import destroy_tensor_parallel, init_tensor_parallel, tp_rank
 
 HIDDEN, INTER, VOCAB, HEAD_DIM = 64, 96, 101, 16  # a vocabulary that 2 ranks do not divide
 
@@ -36,10 +36,17 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
 
 
-@torch.inference_mode()
 def _rank_checks(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", backend="gloo")
+    try:
+        _check_layers(rank)
+    finally:
+        destroy_tensor_parallel()
+
+
+@torch.inference_mode()
+def _check_layers(rank: int) -> None:
     gen = torch.Generator().manual_seed(0)  # the same "checkpoint" on every rank
     x = torch.randn(5, HIDDEN, generator=gen)
 
