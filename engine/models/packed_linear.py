@@ -24,6 +24,7 @@ __all__ = [
     "GEMMS",
     "PREPACK_DTYPES",
     "PackedLinear",
+    "forced_gemm",
     "measured_gemm",
     "pack",
     "pagedq_gemm_available",
@@ -38,13 +39,19 @@ def widens_bf16() -> bool:
     return probe_cpu_dtype().widen_bf16
 
 
+def forced_gemm() -> str | None:
+    """The GEMM ``PAGEDQ_GEMM`` names ("onednn" or "pagedq"), or None when it is unset."""
+    forced = os.environ.get("PAGEDQ_GEMM", "")
+    if forced and forced not in GEMMS:
+        raise ValueError(f"PAGEDQ_GEMM={forced!r} is not supported: must be one of {GEMMS}")
+    return forced or None
+
+
 def measured_gemm(dtype: torch.dtype) -> str:
     """ "pagedq" where this host measured pagedq's GEMM faster than oneDNN's for ``dtype`` (the
     compute dtype), else "onednn"; ``PAGEDQ_GEMM=onednn`` or ``=pagedq`` overrides."""
-    forced = os.environ.get("PAGEDQ_GEMM", "")
+    forced = forced_gemm()
     if forced:
-        if forced not in GEMMS:
-            raise ValueError(f"PAGEDQ_GEMM={forced!r} is not supported: must be one of {GEMMS}")
         return forced
     probe = probe_cpu_dtype()
     return probe.gemm_bf16 if dtype == torch.bfloat16 else probe.gemm_fp32
@@ -65,7 +72,7 @@ class PackedLinear(_PackedLinear):
             # fp32 outputs of bf16 products (the LM head) are the fp32 sums, never rounded to
             # bf16: pagedq's GEMM writes them so; oneDNN's bf16 would round, so it widens.
             if gemm is None:
-                gemm = os.environ.get("PAGEDQ_GEMM") or "pagedq"
+                gemm = forced_gemm() or "pagedq"
             widen = gemm != "pagedq" or not pagedq_gemm_available(torch.bfloat16)
         if widen is None:
             widen = weight.dtype == torch.bfloat16 and widens_bf16()
