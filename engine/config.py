@@ -121,6 +121,22 @@ class EngineConfig:
             "cores it may use)"
         ),
     )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=_doc(
+            "ranks the model is split over (one per GPU; on a CPU host, processes sharing its "
+            "cores): attention heads, MLPs and the vocabulary split, MoE experts spread; one "
+            "worker to Redis"
+        ),
+    )
+    moe_parallel: str = field(
+        default="ep",
+        metadata=_doc(
+            "how MoE layers split past one rank: ep (whole experts spread over the ranks) or "
+            "tp (every expert's intermediate features split)",
+            choices=("ep", "tp"),
+        ),
+    )
     max_grammar_compile_s: float = field(
         default=10.0,
         metadata=_doc(
@@ -179,6 +195,19 @@ class EngineConfig:
             raise ValueError(
                 f"max_grammar_compile_s={self.max_grammar_compile_s!r} is invalid: "
                 "must be seconds > 0"
+            )
+        if (
+            isinstance(self.tensor_parallel_size, bool)
+            or not isinstance(self.tensor_parallel_size, int)
+            or self.tensor_parallel_size < 1
+        ):
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size!r} is invalid: must be an "
+                "int >= 1"
+            )
+        if self.moe_parallel not in ("ep", "tp"):
+            raise ValueError(
+                f"moe_parallel={self.moe_parallel!r} is invalid: must be one of ['ep', 'tp']"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import time
 from collections.abc import Sequence
@@ -22,7 +23,19 @@ class LLM:
 
     def __init__(self, model: str = "smollm2", **kwargs) -> None:
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        # The other ranks go with this process; stopped first, they leave the group cleanly.
+        atexit.register(self.llm_engine.shutdown)
         self._counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do at one rank); idempotent."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         """The Hugging Face tokenizer in use."""

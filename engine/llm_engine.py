@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from engine.config import (
     EngineConfig,
@@ -15,11 +17,11 @@ from engine.config import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
-from engine.cpu_threads import apply_num_threads
+from engine.cpu_threads import apply_num_threads, default_num_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_spec import LatentAttentionSpec, make_layout
-from engine.model_loader import load_model, resolve_model
+from engine.model_loader import cached_source, load_model, resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import (
     CompletionOutput,
@@ -28,6 +30,10 @@ from engine.outputs import (
     RequestMetrics,
     RequestOutput,
 )
+from engine.parallel.cache_ops import CacheOpLog
+from engine.parallel.plan import PlanChannel
+from engine.parallel.ranks import RankGroup, check_rank_count, rank_device
+from engine.parallel.state import min_over_ranks, set_moe_parallel, tp_rank, tp_size
 from engine.pooling import PoolingParams, PoolingState, checkpoint_pooling
 from engine.prompts import ProcessedPrompt, Prompt, PromptProcessor
 from engine.request import FINISH_REASONS, Request, RequestStatus
@@ -116,11 +122,18 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.num_threads = apply_num_threads(config.num_threads, self.device)
+        tp = config.tensor_parallel_size
+        threads = config.num_threads or (max(1, default_num_threads() // tp) if tp > 1 else None)
+        self.num_threads = apply_num_threads(threads, self.device)
         self.model_name = config.model
+        self.ranks, self.plan_channel = None, None
+        if tp > 1:
+            self._join_ranks(config, threads)
+        set_moe_parallel(config.moe_parallel)
         self.model, self.hf_config, self.tokenizer = load_model(
-            config.model, self.dtype, self.device, config.attention_backend
-        )
+            config.model, self.dtype, self.device, config.attention_backend, tp,
+            config.moe_parallel,
+        )  # fmt: skip
         max_position = self.model.max_position
         self.kv_layout = make_layout(self.model.kv_cache_specs())
         self.state_specs = getattr(self.model, "recurrent_state_specs", list)()
@@ -181,6 +194,12 @@ class LLMEngine:
             [self.kv_layout.layer_group[c] for c in self.model.kv_cache_indices()],
             self.state_cache,
         )
+        if self.plan_channel is not None and tp_rank() == 0:
+            self.model_runner.plan_channel = self.plan_channel
+            self.model_runner.op_log = op_log = CacheOpLog()
+            for cache in (self.swap_space, self.state_cache):
+                if cache is not None:
+                    cache.op_log = op_log
         self.parents: dict[str, _ParentRequest] = {}
         self.num_steps = 0
         self.num_prompt_tokens = 0
@@ -197,6 +216,50 @@ class LLMEngine:
         self._checkpoint_pooling: str | None = None  # read at the first embedding request
 
     # --- set-up -------------------------------------------------------------------------
+    def _join_ranks(self, config: EngineConfig, threads: int | None) -> None:
+        """Tensor parallel: rank 0 starts the other ranks (engine/parallel/ranks.py), each
+        with this config, its "auto" values resolved here once; every rank then opens the
+        plan channel (a collective: in the same order on every rank)."""
+        check_rank_count(config.tensor_parallel_size, self.device)
+        if not dist.is_initialized():
+            folder = cached_source(resolve_model(config.model)).folder
+            follower = dataclasses.replace(
+                config,
+                model=folder,
+                dtype=str(self.dtype).removeprefix("torch."),
+                device=self.device.type,
+                num_threads=threads,
+            )
+            self.ranks = RankGroup.start(follower, config.tensor_parallel_size)
+        elif tp_size() != config.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={config.tensor_parallel_size} differs from the "
+                f"process group's {tp_size()} ranks"
+            )
+        self.device = torch.device(rank_device(self.device, tp_rank()))
+        self.plan_channel = PlanChannel()
+
+    @property
+    def is_driver(self) -> bool:
+        """True on rank 0 (the only rank at tensor_parallel_size=1): the rank that schedules
+        and samples; the others ``follow``."""
+        return self.plan_channel is None or tp_rank() == 0
+
+    def follow(self) -> None:
+        """A rank other than 0: run rank 0's step plans on this rank's shard until it stops."""
+        self.model_runner.follow(self.plan_channel, self.swap_space, self.state_cache)
+
+    def check_ranks(self) -> None:
+        """Raise ``RankFailure`` when another tensor-parallel rank has exited (rank 0)."""
+        if self.ranks is not None:
+            self.ranks.check()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks and leave their group (rank 0; idempotent).
+        Nothing to do at one rank."""
+        if self.ranks is not None:
+            self.ranks.shutdown(self.plan_channel)
+
     def _kv_bytes_per_block(self) -> int:
         kv_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
         elem = torch.tensor([], dtype=kv_dtype).element_size()
@@ -221,6 +284,8 @@ class LLMEngine:
             budget = int(free - total * (1 - cfg.gpu_memory_utilization))
         else:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
+        if self.plan_channel is not None:  # every rank holds its part of every block
+            budget = min_over_ranks(budget)
         budget -= self._num_state_slots(budget) * self._state_bytes_per_slot()
         num_blocks = budget // self._kv_bytes_per_block()
         if num_blocks < 1:
@@ -511,6 +576,7 @@ class LLMEngine:
             return self._take_early_outputs()
         if self._faulty and any(s.request.parent_id in self._faulty for s in sched_out.scheduled):
             raise InjectedFault("injected test fault (PAGEDQ_TEST_FAULTS)")
+        self.check_ranks()
         t0 = time.perf_counter()
         sampled = self.model_runner.execute_model(sched_out)
         self.kv_cache_manager.save_state_snapshots(sched_out.scheduled)

@@ -275,11 +275,23 @@ def generation_eos_token_ids(folder: str) -> frozenset[int]:
 
 
 @lru_cache(maxsize=2)
-def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_backend: str):
-    """(model, hf_config, tokenizer), loaded once per process and argument set.
+def load_model(
+    model: str, dtype: torch.dtype, device: torch.device, attention_backend: str,
+    tensor_parallel_size: int = 1, moe_parallel: str = "ep",
+):  # fmt: skip
+    """(model, hf_config, tokenizer), loaded once per process and argument set; at
+    ``tensor_parallel_size`` > 1, this rank's shard (the group must be joined), its MoE layers
+    split as ``moe_parallel`` says (``set_moe_parallel``: the caller sets it).
 
     The model holds no per-request state, so engines in one process may share it.
     """
+    from engine.parallel.state import tp_size
+
+    if tp_size() != tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size}, but this process is in a group of "
+            f"{tp_size()} ranks"
+        )
     from engine.models import model_class
     from engine.models.config_fields import max_position_of
     from engine.models.quantized_weights import dequantized

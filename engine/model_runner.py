@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
-from engine.attention import AttentionMetadata
 from engine.block_table import BlockTable
+from engine.parallel.cache_ops import replay
+from engine.parallel.ranks import RankFailure
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
+from engine.step_inputs import StepInputs
 
 
 class ModelRunner:
@@ -43,11 +47,14 @@ class ModelRunner:
         self.block_tables = [BlockTable(g) for g in range(num_groups)]
         # A length-dependent RoPE needs each request's prompt length (CausalLM.rope_lengths).
         self.uses_prompt_lens = bool(getattr(model, "uses_prompt_lens", False))
+        # Tensor parallel, rank 0: each step's plan goes to the other ranks (LLMEngine sets).
+        self.plan_channel = None
+        self.op_log = None
         model.prepack()
 
-    def prepare_inputs(self, sched: SchedulerOutput):
-        """Flat ``input_ids``, ``positions``, each group's attention metadata, and the rows to
-        sample.
+    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        """The step's ``StepInputs`` on the CPU: flat ``input_ids``, ``positions``, each
+        group's slots and block table, and the rows to sample.
 
         One O(1) pass per request collects its numbers; everything per token is a torch op.
         """
@@ -79,29 +86,30 @@ class ModelRunner:
             logits_indices = slice(None)
         else:
             logits_indices = query_start_loc[1:][sample_rows] - 1 if sample_rows else None
-        to = lambda x: x.to(self.device, non_blocking=True)  # noqa: E731
-        shared = (to(query_start_loc), to(starts_t + num_new_t))
-        metas = [
-            self._group_metadata(table, scheduled, positions, token_req, shared)
-            for table in self.block_tables
-        ]
+        inputs = StepInputs(
+            input_ids=torch.tensor(input_ids),
+            positions=positions,
+            query_start_loc=query_start_loc,
+            seq_lens=starts_t + num_new_t,
+            slot_mappings=[],
+            block_tables=[],
+            logits_indices=logits_indices,
+            sample_rows=sample_rows,
+        )
+        for table in self.block_tables:
+            slots, block_table = self._group_layout(table, scheduled, positions, token_req)
+            inputs.slot_mappings.append(slots)
+            inputs.block_tables.append(block_table)
         if self.uses_prompt_lens:
-            prompt_lens_t = to(torch.tensor(prompt_lens))
-            for meta in metas:
-                meta.num_prompt_tokens = prompt_lens_t
+            inputs.num_prompt_tokens = torch.tensor(prompt_lens)
         if self.state_cache is not None:
             slots = [self.state_cache.slot(s.request.request_id) for s in scheduled]
-            state_indices = to(torch.tensor(slots, dtype=torch.long))
-            has_initial = to(starts_t > 0)
-            for meta in metas:
-                meta.state_indices, meta.has_initial_state = state_indices, has_initial
-        ids = torch.tensor(input_ids, device=self.device)
-        if isinstance(logits_indices, torch.Tensor):
-            logits_indices = to(logits_indices)
-        return ids, to(positions), metas, logits_indices, sample_rows
+            inputs.state_indices = torch.tensor(slots, dtype=torch.long)
+            inputs.has_initial_state = starts_t > 0
+        return inputs
 
-    def _group_metadata(self, table: BlockTable, scheduled, positions, token_req, shared):
-        """One group's block table and slots for the step, over the shared varlen layout."""
+    def _group_layout(self, table: BlockTable, scheduled, positions, token_req):
+        """One group's slot mapping and block table for the step."""
         rows, max_blocks = table.update(scheduled)
         block_table = table.table[:, :max_blocks].index_select(0, torch.tensor(rows))
         if token_req is None:
@@ -109,37 +117,66 @@ class ModelRunner:
         else:
             token_blocks = block_table[token_req, positions // self.block_size]
         slot_mapping = token_blocks.long() * self.block_size + positions % self.block_size
-        to = lambda x: x.to(self.device, non_blocking=True)  # noqa: E731
-        return AttentionMetadata(
-            slot_mapping=to(slot_mapping),
-            query_start_loc=shared[0],
-            seq_lens=shared[1],
-            block_table=to(block_table),
-        )
+        return slot_mapping, block_table
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput):
         """Run one step; returns ``{row: (token_id, logprobs)}`` for the rows that sampled."""
-        input_ids, positions, metas, logits_indices, sample_rows = self.prepare_inputs(sched)
-        meta = [metas[g] for g in self.layer_group]
+        inputs = self.prepare_inputs(sched)
+        if self.plan_channel is not None:  # the other ranks run the same step on their shards
+            self.plan_channel.send(inputs, self.op_log.take())
+        sample_rows = inputs.sample_rows
         requests = [sched.scheduled[r].request for r in sample_rows]
         # The grammars' mask is filled while the model runs, and applied before any sampling.
         mask = self.structured.start_bitmask(requests) if self.structured else None
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        inputs = inputs.to(self.device)
+        metas = inputs.metadata()
+        with self._collective():
+            hidden = self._forward(inputs, metas)
         self._pool(sched, hidden, metas[0].query_start_loc)
         if not sample_rows:
             return {}
-        hidden = hidden[logits_indices]
+        hidden = hidden[inputs.logits_indices]
         if mask is None and self.sampler.plain_greedy(requests):
             # The argmax in the LM head's GEMM where it can: the logits are never written.
             token_ids = self.model.greedy_token_ids(hidden)
             if token_ids is not None:
                 return {row: (tok, None) for row, tok in zip(sample_rows, token_ids)}
-        logits = self.model.compute_logits(hidden)
+        with self._collective():
+            logits = self.model.compute_logits(hidden)
         if mask is not None:
             self.structured.apply_bitmask(logits, mask)
         token_ids, logprobs = self.sampler(logits, requests, self.eos_ids)
         return {row: (tok, lp) for row, tok, lp in zip(sample_rows, token_ids, logprobs)}
+
+    @contextmanager
+    def _collective(self):
+        """Past one rank, any error in the model is the engine's: the other ranks are in (or
+        waiting for) the same collectives, so no step can be retried without them."""
+        if self.plan_channel is None:
+            yield
+            return
+        try:
+            yield
+        except Exception as exc:
+            raise RankFailure(f"the tensor-parallel step failed: {exc}") from exc
+
+    def _forward(self, inputs: StepInputs, metas) -> torch.Tensor:
+        meta = [metas[g] for g in self.layer_group]
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def follow(self, channel, swap_space, state_cache) -> None:
+        """A rank other than 0: run each plan rank 0 sends, on this rank's shard of the model
+        and of every cache, until it stops. The logits are computed (the LM head's gather
+        needs every rank) and dropped: rank 0 alone samples."""
+        while (plan := channel.recv()) is not None:
+            inputs, cache_ops = plan
+            replay(cache_ops, swap_space, state_cache)
+            inputs = inputs.to(self.device)
+            hidden = self._forward(inputs, inputs.metadata())
+            if inputs.logits_indices is not None:
+                self.model.compute_logits(hidden[inputs.logits_indices])
 
     @staticmethod
     def _pool(sched: SchedulerOutput, hidden: torch.Tensor, query_start_loc) -> None:

@@ -20,6 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.parallel.cache_ops import (
+    STATE_COPY,
+    STATE_DROP,
+    STATE_FROM_HOST,
+    STATE_TO_HOST,
+)
+
 
 @dataclass(frozen=True, slots=True)
 class RecurrentStateSpec:
@@ -70,7 +77,10 @@ class StateCache:
         self.bytes_per_slot = state_bytes_per_slot(specs, dtype)
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
         self.req_to_slot: dict[str, int] = {}
-        self.swapped: dict[str, list[torch.Tensor]] = {}  # request id -> host copies
+        self.swapped: dict[str, int] = {}  # request id -> key of its host copy
+        self.host: dict[int, list[torch.Tensor]] = {}  # key -> every layer's state, on the host
+        self._next_key = 0
+        self.op_log = None  # a CacheOpLog where other tensor-parallel ranks follow these copies
 
     @property
     def num_free_slots(self) -> int:
@@ -106,18 +116,15 @@ class StateCache:
 
     def swap_out(self, request_id: str) -> int:
         """Copy the request's state to host memory and free its slot; returns the bytes."""
-        slot = self.req_to_slot[request_id]
-        self.swapped[request_id] = [
-            t[slot].to("cpu", copy=True) for t in (*self.conv_states, *self.ssm_states)
-        ]
+        key = self.swapped[request_id] = self._next_key
+        self._next_key += 1
+        self.copy_to_host(self.req_to_slot[request_id], key)
         self.free(request_id)
         return self.bytes_per_slot
 
     def swap_in(self, request_id: str) -> int:
         """Copy a swapped request's state into the slot it holds now; returns the bytes."""
-        slot = self.req_to_slot[request_id]
-        for dst, src in zip((*self.conv_states, *self.ssm_states), self.swapped.pop(request_id)):
-            dst[slot].copy_(src)
+        self.copy_from_host(self.swapped.pop(request_id), self.req_to_slot[request_id])
         return self.bytes_per_slot
 
     def has_snapshot(self, key) -> bool:
@@ -133,17 +140,45 @@ class StateCache:
         else:
             _, dst = self.snapshots.popitem(last=False)
         self.snapshots[key] = dst
-        self._copy_slot(self.req_to_slot[request_id], dst)
+        self.copy_slot(self.req_to_slot[request_id], dst)
 
     def restore(self, request_id: str, key) -> None:
         """Start the request's slot from the snapshot ``key`` (a prefix-cache hit)."""
         self.snapshots.move_to_end(key)
-        self._copy_slot(self.snapshots[key], self.req_to_slot[request_id])
-
-    def _copy_slot(self, src: int, dst: int) -> None:
-        for pool in (*self.conv_states, *self.ssm_states):
-            pool[dst].copy_(pool[src])
+        self.copy_slot(self.snapshots[key], self.req_to_slot[request_id])
 
     def drop_swapped(self, request_id: str) -> None:
         """Forget a swapped request's host copy (aborted, or to be recomputed)."""
-        self.swapped.pop(request_id, None)
+        key = self.swapped.pop(request_id, None)
+        if key is not None:
+            self.drop_host(key)
+
+    # --- the copies themselves (no bookkeeping): what other tensor-parallel ranks replay ---
+    def copy_to_host(self, slot: int, key: int) -> None:
+        """Keep a host copy of ``slot``'s state under ``key``."""
+        self._log(STATE_TO_HOST, slot, key)
+        self.host[key] = [t[slot].to("cpu", copy=True) for t in self._pools()]
+
+    def copy_from_host(self, key: int, slot: int) -> None:
+        """Copy the host copy ``key`` into ``slot`` and drop it."""
+        self._log(STATE_FROM_HOST, key, slot)
+        for dst, src in zip(self._pools(), self.host.pop(key)):
+            dst[slot].copy_(src)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy one slot's state into another."""
+        self._log(STATE_COPY, src, dst)
+        for pool in self._pools():
+            pool[dst].copy_(pool[src])
+
+    def drop_host(self, key: int) -> None:
+        """Forget the host copy ``key``."""
+        self._log(STATE_DROP, key)
+        self.host.pop(key, None)
+
+    def _pools(self) -> tuple[torch.Tensor, ...]:
+        return (*self.conv_states, *self.ssm_states)
+
+    def _log(self, code: int, *ids: int) -> None:
+        if self.op_log is not None:
+            self.op_log.record(code, *ids)

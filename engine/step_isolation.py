@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.outputs import RequestOutput
+from engine.parallel.ranks import RankFailure
 from engine.request import Request
 from engine.scheduler import Scheduler
 
@@ -62,6 +63,8 @@ class StepIsolation:
             self._hold_all_but_probe()
         try:
             outputs = self.run_step()
+        except RankFailure:
+            raise  # the engine itself failed: no request to blame
         except Exception as exc:  # noqa: BLE001 - any error of a step is some request's doing
             return self._on_failure(exc)
         if self.active and self._probe_done():

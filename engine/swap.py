@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.parallel.cache_ops import KV_FROM_HOST, KV_TO_HOST
+
 # Before any prefill has been timed: a conservative guess per device type (tokens/s).
 INITIAL_PREFILL_TOKENS_PER_S = {"cpu": 500.0, "cuda": 20_000.0}
 PREFILL_EMA_ALPHA = 0.2
@@ -73,6 +75,7 @@ class SwapSpace:
         self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))
         self.req_to_host_blocks: dict[str, list[int]] = {}
         self.state_cache = None  # a StateCache whose slots move with the blocks, or None
+        self.op_log = None  # a CacheOpLog where other tensor-parallel ranks follow these copies
 
     @classmethod
     def from_budget(
@@ -98,7 +101,7 @@ class SwapSpace:
             raise ValueError(f"cannot swap out {len(block_ids)} blocks: {len(self.free_ids)} free")
         host_ids = [self.free_ids.pop() for _ in block_ids]
         self.req_to_host_blocks[request_id] = host_ids
-        self._copy(self.kv_caches, block_ids, self.host_caches, host_ids)
+        self.copy_to_host(block_ids, host_ids)
         state_bytes = self.state_cache.swap_out(request_id) if self.state_cache else 0
         return len(block_ids) * self.bytes_per_block + state_bytes
 
@@ -106,7 +109,7 @@ class SwapSpace:
         """Copy a request's host blocks into these device blocks and free the host blocks."""
         host_ids = self.req_to_host_blocks[request_id]
         assert len(block_ids) == len(host_ids), (block_ids, host_ids)
-        self._copy(self.host_caches, host_ids, self.kv_caches, block_ids)
+        self.copy_from_host(host_ids, block_ids)
         state_bytes = self.state_cache.swap_in(request_id) if self.state_cache else 0
         self.free(request_id)
         return len(block_ids) * self.bytes_per_block + state_bytes
@@ -116,6 +119,18 @@ class SwapSpace:
         self.free_ids.extend(reversed(self.req_to_host_blocks.pop(request_id, [])))
         if self.state_cache is not None:
             self.state_cache.drop_swapped(request_id)
+
+    def copy_to_host(self, block_ids: list[int], host_ids: list[int]) -> None:
+        """Copy device blocks into host blocks (no bookkeeping)."""
+        if self.op_log is not None:
+            self.op_log.record(KV_TO_HOST, *block_ids, *host_ids)
+        self._copy(self.kv_caches, block_ids, self.host_caches, host_ids)
+
+    def copy_from_host(self, host_ids: list[int], block_ids: list[int]) -> None:
+        """Copy host blocks into device blocks (no bookkeeping)."""
+        if self.op_log is not None:
+            self.op_log.record(KV_FROM_HOST, *host_ids, *block_ids)
+        self._copy(self.host_caches, host_ids, self.kv_caches, block_ids)
 
     def _copy(self, src: list[torch.Tensor], src_ids, dst: list[torch.Tensor], dst_ids) -> None:
         if not src_ids:

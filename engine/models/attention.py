@@ -12,6 +12,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.norm import RMSNorm
 from engine.parallel.layers import QKVParallelLinear, RowParallelLinear
+from engine.parallel.state import tp_rank
 from kernels import apply_rotary
 
 QK_NORMS = (None, "head", "proj")
@@ -77,8 +78,10 @@ class Attention(nn.Module):
         self.rotary_dim = opts.rotary_dim or head_dim
         self.sliding_window = opts.sliding_window
         self.backend = backend
-        if opts.sinks:
-            self.sinks = nn.Parameter(torch.zeros(num_heads))
+        if opts.sinks:  # this rank's heads' sinks
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads))
+            self.sinks.weight_loader = self._load_sinks
+            self.sinks.checkpoint_shape = lambda shard: (num_heads,)
         extra = {}
         if opts.sliding_window is not None:
             extra["sliding_window"] = opts.sliding_window
@@ -88,6 +91,9 @@ class Attention(nn.Module):
             extra["logits_soft_cap"] = opts.logits_soft_cap
         scale = opts.scale if opts.scale is not None else head_dim**-0.5
         self.attn = PagedAttention(scale, backend, **extra)
+
+    def _load_sinks(self, param: nn.Parameter, tensor: torch.Tensor, shard) -> None:
+        param.data.copy_(tensor.narrow(0, tp_rank() * self.num_heads, self.num_heads))
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """``rope`` is the step's ``(cos, signed_sin)`` from ``RotaryEmbedding.cos_sin``."""

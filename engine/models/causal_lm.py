@@ -15,7 +15,7 @@ from engine.models.norm import RMSNorm
 from engine.models.packed_linear import pack, prepack_supported
 from engine.models.rotary import RotaryEmbedding
 from engine.parallel.layers import ParallelLMHead, VocabParallelEmbedding
-from engine.parallel.state import tp_size
+from engine.parallel.state import all_gather_last, tp_size
 
 # Checkpoint projections that land in one merged layer: name -> (merged name, shard).
 PACKED_MODULES = {
@@ -132,6 +132,8 @@ class CausalLM(nn.Module):
         else:
             weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
             logits = linear_fp32_out(hidden, weight)
+            if tp_size() > 1:  # each rank's vocabulary rows, side by side
+                logits = all_gather_last(logits)[..., : self.config.vocab_size]
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

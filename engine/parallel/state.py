@@ -11,6 +11,23 @@ import torch.distributed as dist
 
 # A collective waits this long for a rank that died or hung, then raises: the worker exits.
 DEFAULT_TIMEOUT_S = 60.0
+# How MoE layers split past one rank: "ep" (whole experts spread over the ranks) or "tp"
+# (every expert's intermediate features split, like a dense MLP).
+MOE_PARALLEL_MODES = ("ep", "tp")
+_moe_parallel = "ep"
+
+
+def set_moe_parallel(mode: str) -> None:
+    """Choose how MoE layers built from now on split ("ep" or "tp")."""
+    global _moe_parallel
+    if mode not in MOE_PARALLEL_MODES:
+        raise ValueError(f"moe_parallel={mode!r} is invalid: must be one of {MOE_PARALLEL_MODES}")
+    _moe_parallel = mode
+
+
+def moe_parallel() -> str:
+    """ "ep" or "tp": how MoE layers split over the ranks (meaningless at one rank)."""
+    return _moe_parallel
 
 
 def init_tensor_parallel(
@@ -60,6 +77,15 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp_size())]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest of every rank's ``value`` (e.g. the KV budget each device can give)."""
+    if tp_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

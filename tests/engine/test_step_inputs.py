@@ -32,7 +32,9 @@ def test_mixed_prefill_chunks_and_decodes():
     r = runner()
     a, b = Request("a", list(range(10)), GREEDY), Request("b", [7, 8, 9], GREEDY)
     step = SchedulerOutput([ScheduledRequest(a, 6, [[5, 9]]), ScheduledRequest(b, 3, [[2]])])
-    ids, pos, (meta,), logits_indices, rows = r.prepare_inputs(step)
+    inputs = r.prepare_inputs(step)
+    ids, pos, (meta,) = inputs.input_ids, inputs.positions, inputs.metadata()
+    logits_indices, rows = inputs.logits_indices, inputs.sample_rows
     assert ids.tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 9]
     assert pos.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
     assert meta.slot_mapping.tolist() == expected_slots(0, 6, [5, 9]) + expected_slots(0, 3, [2])
@@ -44,7 +46,9 @@ def test_mixed_prefill_chunks_and_decodes():
     a.num_computed_tokens, b.num_computed_tokens = 6, 3
     b.append_output_token(11)
     step = SchedulerOutput([ScheduledRequest(a, 4, [[5, 9, 3]]), ScheduledRequest(b, 1, [[2]])])
-    ids, pos, (meta,), logits_indices, rows = r.prepare_inputs(step)
+    inputs = r.prepare_inputs(step)
+    ids, pos, (meta,) = inputs.input_ids, inputs.positions, inputs.metadata()
+    logits_indices, rows = inputs.logits_indices, inputs.sample_rows
     assert ids.tolist() == [6, 7, 8, 9, 11]
     assert meta.slot_mapping.tolist() == expected_slots(6, 10, [5, 9, 3]) + [2 * BLOCK + 3]
     assert meta.block_table.tolist() == [[5, 9, 3], [2, -1, -1]]
