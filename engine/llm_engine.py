@@ -252,7 +252,7 @@ class LLMEngine:
     def check_ranks(self) -> None:
         """Raise ``RankFailure`` when another tensor-parallel rank has exited (rank 0)."""
         if self.ranks is not None:
-            self.ranks.check()
+            self.ranks.check(self.plan_channel)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks and leave their group (rank 0; idempotent).

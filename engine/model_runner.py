@@ -124,7 +124,8 @@ class ModelRunner:
         """Run one step; returns ``{row: (token_id, logprobs)}`` for the rows that sampled."""
         inputs = self.prepare_inputs(sched)
         if self.plan_channel is not None:  # the other ranks run the same step on their shards
-            self.plan_channel.send(inputs, self.op_log.take())
+            with self._collective():
+                self.plan_channel.send(inputs, self.op_log.take())
         sample_rows = inputs.sample_rows
         requests = [sched.scheduled[r].request for r in sample_rows]
         # The grammars' mask is filled while the model runs, and applied before any sampling.

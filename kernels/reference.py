@@ -333,10 +333,12 @@ def fused_experts_torch(
     activation: str = "silu",
     alpha: float = 1.702,
     limit: float = 7.0,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` with ``w13`` ``[E, 2I, H]``
     (gate rows, then up rows) and ``w2`` ``[E, H, I]``: the (token, slot) pairs sorted by
-    expert, then two grouped GEMMs (no loop over experts); the weighted sum in fp32."""
+    expert, then two grouped GEMMs (no loop over experts); the weighted sum in fp32, returned
+    as ``out_dtype`` (x's dtype, or fp32)."""
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -352,4 +354,4 @@ def fused_experts_torch(
         y = y + w2_bias[expert].to(y.dtype)
     y = y.float() * topk_weights.reshape(-1)[order, None].float()
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    return out.index_add_(0, token, y).to(x.dtype)
+    return out.index_add_(0, token, y).to(out_dtype or x.dtype)

@@ -130,6 +130,7 @@ def fused_experts_triton(
     alpha: float = 1.702,
     limit: float = 7.0,
     block: tuple[int, int, int] = (16, 64, 32),
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``kernels.reference.fused_experts_torch`` (same arguments)."""
     num_tokens, top_k = topk_ids.shape
@@ -144,4 +145,4 @@ def fused_experts_triton(
     weights = topk_weights.reshape(-1).float().contiguous()
     y = x.new_empty(num_pairs, w2.shape[1], dtype=torch.float32)
     _grouped_gemm(inter, w2, bias2, weights, sorted_ids, expert_ids, num_pairs, 1, y, block)
-    return y.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    return y.view(num_tokens, top_k, -1).sum(dim=1).to(out_dtype or x.dtype)

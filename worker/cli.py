@@ -147,8 +147,8 @@ def pin_threads_and_reexec(engine: EngineConfig, argv: list[str] | None) -> None
     Raises ValueError for any other ``PAGEDQ_CPU_BIND`` than ``auto`` or ``none``.
     """
     bind = cpu_bind_mode()
-    if bind == "none" or engine.device.startswith("cuda"):
-        return
+    if bind == "none" or engine.device.startswith("cuda") or engine.tensor_parallel_size > 1:
+        return  # tensor-parallel ranks share the cores: each takes its share of threads
     if os.environ.get("GOMP_CPU_AFFINITY") or os.environ.get("OMP_NUM_THREADS"):
         return
     import torch

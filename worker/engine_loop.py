@@ -289,6 +289,7 @@ class EngineLoop:
                     if self.wait_for_admission and any(o.finished for o in outputs):
                         self._admitted.wait(ADMISSION_WAIT_S)
                 if not busy:
+                    self.engine.check_ranks()  # an idle worker notices a lost rank too
                     self._wake.wait(0.05)
                 elif self._control_waiting:
                     # Locks are not fair: let the waiting control thread in between steps.

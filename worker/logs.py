@@ -163,6 +163,7 @@ def log_engine_ready(engine: Any, load_s: float, **fields: Any) -> None:
         dtype=str(engine.dtype).removeprefix("torch."),
         num_kv_blocks=kv.block_pool.num_blocks if kv is not None else None,
         block_size=engine.config.block_size,
+        tensor_parallel_size=engine.config.tensor_parallel_size,
         max_model_len=engine.max_model_len,
         load_s=round(load_s, 2),
         **fields,

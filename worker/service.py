@@ -8,6 +8,7 @@ logged with their password redacted.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -95,6 +96,8 @@ def open_redis(config: WorkerConfig) -> redis.Redis | int:
 def run_worker(config: WorkerConfig, connection: redis.Redis | None = None) -> int:
     """Serve until stopped (on `connection`, from `open_redis`, or one opened here); the
     process exit code."""
+    if config.engine.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0:
+        return _follow(config)
     url = redact_url(config.redis_url)
     if connection is None:
         connection = open_redis(config)
@@ -108,6 +111,18 @@ def run_worker(config: WorkerConfig, connection: redis.Redis | None = None) -> i
             raise
         log.error(refused.message(at=f" at {url}"))
         return EXIT_ERROR
+
+
+def _follow(config: WorkerConfig) -> int:
+    """A rank other than 0 that ``torchrun`` started: it never touches Redis, only runs rank
+    0's step plans on its shard until rank 0 stops."""
+    from engine.parallel.state import destroy_tensor_parallel
+
+    log.info("following rank 0", rank=os.environ["RANK"], model=config.model)
+    engine = build_engine(config)
+    engine.follow()
+    destroy_tensor_parallel()
+    return EXIT_OK
 
 
 def _serve(config: WorkerConfig, connection: redis.Redis, url: str) -> int:
@@ -178,6 +193,8 @@ def _serve(config: WorkerConfig, connection: redis.Redis, url: str) -> int:
     except WorkerNameTaken:
         _log_name_taken(adapter.name)
         return EXIT_ERROR
+    finally:
+        engine.shutdown()  # the other tensor-parallel ranks, if any
 
 
 class StoppedBeforeServing(Exception):

@@ -5,6 +5,11 @@ first ``kv_lora_rank`` outputs after ``kv_a_layernorm``) and the rotated rope ke
 shared by every head. Attention runs absorbed, in the latent space, for prefill chunks and
 decodes alike (``kernels/mla.py``): each head's ``q_nope`` is taken through ``W_UK`` (the key
 half of ``kv_b_proj``) into the latent space, and the output back through ``W_UV``.
+
+Over N tensor-parallel ranks the heads split: ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` are
+column-parallel by heads, so each rank's ``W_UK`` / ``W_UV`` are its own heads', and ``o_proj``
+is row-parallel (the one all-reduce). The latent down-projections and the cache are replicated:
+every head reads the same latent row, so each rank writes and reads the whole of it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from engine.kv_cache_spec import LatentAttentionSpec
 from engine.models.linear import MergedLinear
 from engine.models.norm import RMSNorm
 from engine.models.rotary import rope_parameters
+from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from engine.parallel.state import divide, tp_size
 from kernels import apply_rotary, select_backend
 from kernels.mla import absorb_query, mla_attention, project_output, split_kv_b_proj, write_latent
 
@@ -47,7 +54,9 @@ class LatentAttention(nn.Module):
     def __init__(self, config, backend: str = "auto") -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = heads = config.num_attention_heads
+        all_heads = config.num_attention_heads
+        # This rank's heads (all of them at one rank).
+        self.num_heads = divide(all_heads, tp_size(), "num_attention_heads")
         self.q_lora_rank = config.q_lora_rank
         self.kv_lora_rank, self.rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
         self.nope_dim, self.v_head_dim = config.qk_nope_head_dim, config.v_head_dim
@@ -57,24 +66,24 @@ class LatentAttention(nn.Module):
         if self.q_lora_rank is not None:
             self.qkv_a_proj = MergedLinear(hidden, {"q_a": self.q_lora_rank, "kv_a": kv_a}, bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, backend)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, heads * self.qk_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, all_heads * self.qk_head_dim)
         else:
-            self.q_proj = nn.Linear(hidden, heads * self.qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(hidden, all_heads * self.qk_head_dim)
             self.kv_a_proj_with_mqa = nn.Linear(hidden, kv_a, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, backend)
-        self.kv_b_proj = nn.Linear(
-            self.kv_lora_rank, heads * (self.nope_dim + self.v_head_dim), bias=False
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, all_heads * (self.nope_dim + self.v_head_dim)
         )
         # Never run as a linear: its weight is read as W_UK and W_UV (views, per head).
         self.kv_b_proj.no_prepack = True
-        self.o_proj = nn.Linear(heads * self.v_head_dim, hidden, bias=bias)
+        self.o_proj = RowParallelLinear(all_heads * self.v_head_dim, hidden, bias=bias)
         self.rope_interleave = bool(getattr(config, "rope_interleave", True))
         self.scale = softmax_scale(config)
         self.backend = backend
         self._resolved: dict[torch.device, str] = {}
 
     def kv_cache_spec(self) -> LatentAttentionSpec:
-        """One latent row per token."""
+        """One latent row per token, whole on every rank (its size is the same at any N)."""
         return LatentAttentionSpec(self.kv_lora_rank, self.rope_dim)
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:

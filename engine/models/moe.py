@@ -10,17 +10,30 @@ A step routes its tokens once, then runs every expert's gate_up and down over th
 to it as grouped GEMMs, with no Python loop over experts: on the CPU pagedq's C++ kernel over
 weights packed once at load (``prepack``; ``kernels/cpu_moe.py``), on CUDA a Triton kernel
 (``kernels/triton_moe.py``), elsewhere the torch reference (``torch._grouped_mm``).
+
+Past one rank (``engine.parallel.state.moe_parallel``) the router stays replicated and each rank
+computes its share of the routed sum, which one all-reduce adds up:
+
+- ``"ep"``: rank ``r`` holds experts ``[r E/N, (r+1) E/N)`` whole and runs them on the
+  (token, slot) pairs routed to them only;
+- ``"tp"``: every rank holds every expert's ``I/N`` intermediate features (its gate rows, then
+  its up rows; its down columns), the down bias added by rank 0 alone.
+
+Each rank loads its slice from the whole checkpoint tensors (per expert or fused) and skips other
+ranks' experts; at one rank the block is the plain one (same parameters, same numbers).
 """
 
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import torch
 from torch import nn
 
 from engine.models.causal_lm import CausalLM
 from engine.models.routers import Router
+from engine.parallel.state import all_reduce, divide, moe_parallel, tp_rank, tp_size
 from kernels import select_backend
 from kernels.reference import fused_experts_torch
 
@@ -57,18 +70,40 @@ class FusedMoE(nn.Module):
         self.activation, self.alpha, self.limit = activation, swiglu_alpha, swiglu_limit
         self.backend = backend
         self.gate = gate if gate is not None else Router(hidden_size, num_experts, top_k)
+        # This rank's experts [expert0, expert0 + experts) and intermediate features
+        # [inter0, inter0 + inter) of each: all of them at one rank.
+        n, rank = tp_size(), tp_rank()
+        self.parallel = moe_parallel() if n > 1 else None
+        experts, inter = num_experts, intermediate_size
+        if self.parallel == "ep":
+            experts = divide(num_experts, n, "num_experts")
+        elif self.parallel == "tp":
+            inter = divide(intermediate_size, n, "expert intermediate_size")
+        self.expert0 = rank * experts if self.parallel == "ep" else 0
+        self.inter0 = rank * inter if self.parallel == "tp" else 0
+        self.local_experts, self.local_inter = experts, inter
         # Every weight is loaded next (the loader refuses a checkpoint that misses one).
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13_weight = nn.Parameter(torch.empty(experts, 2 * inter, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(experts, hidden_size, inter))
         self.w13_bias = self.w2_bias = None
         if has_bias:
-            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
-            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
-        # Per-expert checkpoint tensors are shards (expert, "gate" | "up" | "down") of these.
+            self.w13_bias = nn.Parameter(torch.empty(experts, 2 * inter))
+            self.w2_bias = nn.Parameter(torch.empty(experts, hidden_size))
+        # Each loads from the whole checkpoint tensor (full shape below); per-expert checkpoint
+        # tensors are shards (expert, "gate" | "up" | "down") of the weights.
+        e, i, h = num_experts, intermediate_size, hidden_size
+        for param, kind, full in (
+            (self.w13_weight, "w13", (e, 2 * i, h)),
+            (self.w2_weight, "w2", (e, h, i)),
+            (self.w13_bias, "w13", (e, 2 * i)),
+            (self.w2_bias, None, (e, h)),
+        ):
+            if param is not None:
+                param.weight_loader = partial(self._load, kind)
+                param.checkpoint_shape = partial(self._checkpoint_shape, full)
+        local = range(self.expert0, self.expert0 + experts)
         for param, parts in ((self.w13_weight, ("gate", "up")), (self.w2_weight, ("down",))):
-            param.weight_loader = self._load_expert
-            param.shard_shape = self._expert_shape
-            param.expected_shards = {(e, part) for e in range(num_experts) for part in parts}
+            param.expected_shards = {(e, part) for e in local for part in parts}
         self.shared_expert = shared_expert
         self.shared_expert_gate = (
             nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
@@ -78,7 +113,10 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[tokens, hidden]`` through the routed experts (and the shared one)."""
         topk_weights, topk_ids = self.gate(x)
-        out = self.experts(x, topk_weights, topk_ids)
+        if self.parallel is None:
+            out = self.experts(x, topk_weights, topk_ids)
+        else:  # summed over the ranks in fp32, rounded once (as one rank's kernel does)
+            out = all_reduce(self._rank_share(x, topk_weights, topk_ids)).to(x.dtype)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -86,37 +124,84 @@ class FusedMoE(nn.Module):
             out = out + shared
         return out
 
-    def experts(
+    def _rank_share(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """The routed experts' weighted sum, ``[tokens, hidden]`` in x's dtype."""
+        """This rank's part of the routed experts' weighted sum, fp32 ``[tokens, hidden]``."""
+        if self.parallel == "tp":
+            return self.experts(x, topk_weights, topk_ids, torch.float32)
+        # ep: only the (token, slot) pairs routed to this rank's experts, one pair a row.
+        ids = topk_ids - self.expert0
+        token, slot = ((ids >= 0) & (ids < self.local_experts)).nonzero(as_tuple=True)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if token.numel():
+            pairs = (topk_weights[token, slot, None], ids[token, slot, None])
+            out.index_add_(0, token, self.experts(x[token], *pairs, torch.float32))
+        return out
+
+    def experts(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The weighted sum of this rank's experts (``topk_ids`` among them), ``[tokens,
+        hidden]`` as ``out_dtype`` (x's dtype, or fp32)."""
         options = dict(activation=self.activation, alpha=self.alpha, limit=self.limit)
         if self.packed is not None:
             from kernels.cpu_moe import fused_moe_cpu
 
-            return fused_moe_cpu(x, self.packed, topk_weights, topk_ids, **options)
+            return fused_moe_cpu(
+                x, self.packed, topk_weights, topk_ids, **options, out_dtype=out_dtype
+            )
         args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        biases = (self.w13_bias, self._down_bias())
         if select_backend(x.device, self.backend) == "triton":
             from kernels.triton_moe import fused_experts_triton
 
-            return fused_experts_triton(*args, self.w13_bias, self.w2_bias, **options)
-        return fused_experts_torch(*args, self.w13_bias, self.w2_bias, **options)
+            return fused_experts_triton(*args, *biases, **options, out_dtype=out_dtype)
+        return fused_experts_torch(*args, *biases, **options, out_dtype=out_dtype)
 
-    def _expert_shape(self, shard: tuple[int, str]) -> tuple[int, int]:
+    def _down_bias(self) -> torch.Tensor | None:
+        # Split by features ("tp"), each rank's down output is a partial sum: rank 0 adds the bias.
+        return self.w2_bias if self.inter0 == 0 else None
+
+    def _checkpoint_shape(self, full: tuple[int, ...], shard) -> tuple[int, ...]:
+        if shard is None:
+            return full
         if not 0 <= shard[0] < self.num_experts:
             raise ValueError(
                 f"checkpoint has expert {shard[0]}, but the config has {self.num_experts} experts"
             )
-        inter, hidden = self.intermediate_size, self.hidden_size
-        return (hidden, inter) if shard[1] == "down" else (inter, hidden)
+        rows, cols = full[1:]
+        return (rows, cols) if shard[1] == "down" else (rows // 2, cols)  # gate or up: half
 
-    def _load_expert(self, param: nn.Parameter, tensor: torch.Tensor, shard) -> None:
-        if shard is None:  # the fused 3-D tensor, whole
+    def _features(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's intermediate features of ``tensor`` along ``dim``."""
+        return tensor.narrow(dim, self.inter0, self.local_inter)
+
+    def _load(self, kind: str | None, param: nn.Parameter, tensor: torch.Tensor, shard) -> None:
+        """This rank's slice of a checkpoint tensor: fused over all experts (``shard`` None) or
+        one expert's gate, up or down (skipped where the expert is another rank's). ``kind``:
+        "w13" (gate rows, then up rows), "w2" (down: features in the last dim) or None."""
+        if shard is None:
+            tensor = tensor.narrow(0, self.expert0, self.local_experts)
+            if kind == "w13" and self.parallel == "tp":
+                tensor = torch.cat([self._features(t, 1) for t in tensor.chunk(2, dim=1)], dim=1)
+            elif kind == "w2":
+                tensor = self._features(tensor, 2)
             param.data.copy_(tensor)
             return
         expert, part = shard
-        rows = {"gate": slice(0, self.intermediate_size), "up": slice(self.intermediate_size, None)}
-        param.data[expert, rows.get(part, slice(None))].copy_(tensor)
+        expert -= self.expert0
+        if not 0 <= expert < self.local_experts:
+            return
+        if part == "down":
+            param.data[expert].copy_(self._features(tensor, 1))
+        else:
+            rows = slice(0, self.local_inter) if part == "gate" else slice(self.local_inter, None)
+            param.data[expert, rows].copy_(self._features(tensor, 0))
 
     def prepack(self) -> bool:
         """Pack the experts once for the C++ kernel where it runs this dtype (a CPU backend,
@@ -131,7 +216,7 @@ class FusedMoE(nn.Module):
 
         if not fused_moe_available(weight.dtype):
             return False
-        self.packed = pack_moe_weights(weight, self.w2_weight, self.w13_bias, self.w2_bias)
+        self.packed = pack_moe_weights(weight, self.w2_weight, self.w13_bias, self._down_bias())
         # Only the packed copy is used from now on: free the plain one (half the memory).
         self.w13_weight = self.w2_weight = None
         self.w13_bias = self.w2_bias = None

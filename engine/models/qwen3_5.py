@@ -14,6 +14,12 @@ Every RMSNorm but the gated one scales by ``1 + w``. The MoE variant routes soft
 (``qwen3_next``) is the same stack with its input projections fused per key-head group
 (``in_proj_qkvz``, ``in_proj_ba``: reordered at load into ours) and MoE every
 ``decoder_sparse_step``-th layer outside ``mlp_only_layers``.
+
+Past one rank a Gated DeltaNet layer splits by heads: each rank holds a contiguous ``1 / N`` of
+the key heads and of the value heads (so each local key head still serves its own value heads),
+their rows of the input projections and conv channels, their ``A_log``, ``dt_bias`` and
+recurrent state; the gated norm is per head (replicated) and ``out_proj`` row-parallel (the one
+all-reduce).
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ from engine.models.attention import Attention, AttentionOptions
 from engine.models.causal_lm import PACKED_MODULES
 from engine.models.config_fields import head_dim_of, num_kv_heads_of
 from engine.models.decoder import DecoderLayer
-from engine.models.linear import MergedLinear
 from engine.models.mlp import GatedMLP
 from engine.models.moe import FusedMoE, MoECausalLM
 from engine.models.qwen3_moe import is_sparse_layer
 from engine.models.rotary import RotaryEmbedding, rope_parameters
 from engine.models.routers import Router
+from engine.parallel.layers import RowParallelLinear
+from engine.parallel.state import divide, tp_rank, tp_size
 from engine.state_cache import RecurrentStateSpec
 from kernels.causal_conv1d import causal_conv1d
 from kernels.gated_delta import gated_delta_rule, gdn_gating
@@ -56,6 +63,29 @@ class RMSNormGated(nn.Module):
         return (out * F.silu(gate.float())).to(dtype)
 
 
+def _split_by_heads(param: nn.Parameter, shards: dict[str | None, list[int]]) -> None:
+    """``param`` loads from whole checkpoint tensors: ``shards`` maps each (``None``: the
+    parameter's own tensor) to the sizes of its consecutive row blocks (q, k, v, ...). This
+    rank keeps its ``1 / N`` of every block, the shards side by side in order."""
+    n, offsets, offset = tp_size(), {}, 0
+    for name, sizes in shards.items():
+        offsets[name] = offset
+        offset += sum(sizes) // n
+
+    def load(p: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
+        sizes = shards[shard]
+        blocks = tensor.split(sizes)
+        local = torch.cat(
+            [b.narrow(0, tp_rank() * (s // n), s // n) for b, s in zip(blocks, sizes)]
+        )
+        p.data[offsets[shard] : offsets[shard] + local.shape[0]].copy_(local)
+
+    param.weight_loader = load
+    param.checkpoint_shape = lambda shard: (sum(shards[shard]), *param.shape[1:])
+    if None not in shards:
+        param.expected_shards = set(shards)
+
+
 class GatedDeltaNet(nn.Module):
     """One linear-attention layer over a flat varlen batch; its conv and recurrent states are
     the slots ``meta.state_indices`` of the pools bound by ``bind_state``."""
@@ -64,28 +94,35 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, config, backend: str, fused_projections: bool = False) -> None:
         super().__init__()
-        self.num_k_heads = config.linear_num_key_heads
-        self.num_v_heads = config.linear_num_value_heads
+        n = tp_size()  # sizes below are this rank's
+        self.num_k_heads = divide(config.linear_num_key_heads, n, "linear_num_key_heads")
+        self.num_v_heads = divide(config.linear_num_value_heads, n, "linear_num_value_heads")
         self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_size = self.num_k_heads * self.k_dim
         self.value_size = self.num_v_heads * self.v_dim
         self.conv_dim = 2 * self.key_size + self.value_size
         self.kernel_size = config.linear_conv_kernel_dim
         hidden = config.hidden_size
-        # One GEMM for the four input projections, laid out [q | k | v | z | b | a].
+        # One GEMM for the four input projections, laid out [q | k | v | z | b | a] (this
+        # rank's heads of each); ``shards``: the checkpoint tensors' blocks, whole.
+        q, v, h = n * self.key_size, n * self.value_size, n * self.num_v_heads
         if fused_projections:  # Qwen3-Next: two checkpoint tensors, reordered at load
-            shards = {"qkvz": self.conv_dim + self.value_size, "ba": 2 * self.num_v_heads}
+            shards = {"qkvz": [q, q, v, v], "ba": [h, h]}
         else:
-            shards = {"qkv": self.conv_dim, "z": self.value_size, "b": self.num_v_heads,
-                      "a": self.num_v_heads}  # fmt: skip
-        self.in_proj = MergedLinear(hidden, shards)
+            shards = {"qkv": [q, q, v], "z": [v], "b": [h], "a": [h]}
+        rows = self.conv_dim + self.value_size + 2 * self.num_v_heads
+        self.in_proj = nn.Linear(hidden, rows, bias=False)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, self.kernel_size, groups=self.conv_dim, bias=False
         )
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        _split_by_heads(self.in_proj.weight, shards)
+        _split_by_heads(self.conv1d.weight, {None: [q, q, v]})
+        _split_by_heads(self.dt_bias, {None: [h]})
+        _split_by_heads(self.A_log, {None: [h]})
         self.norm = RMSNormGated(self.v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_size, hidden, bias=False)
+        self.out_proj = RowParallelLinear(v, hidden)
         self.backend = backend
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None

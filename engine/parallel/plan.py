@@ -5,26 +5,28 @@ A plan is the step's ``StepInputs`` (token ids, positions, block tables, slot ma
 slots, the rows to sample) and the cache copies rank 0 did since the last plan (swap, state
 snapshots: engine/parallel/cache_ops.py), all integers: packed into one int64 tensor and sent
 with two broadcasts on a gloo group of its own (its size, then the tensor). Nothing is
-pickled. That group waits without a time limit, since a worker may sit idle for hours between
-steps; the model's collectives keep the short one (engine/parallel/state.py).
+pickled.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from engine.parallel.state import collective_timeout_s
 from engine.step_inputs import StepInputs
 
 # Plan kinds (the first header word).
-STEP, STOP = 1, 2
+STEP, STOP, KEEPALIVE = 1, 2, 3
+KEEPALIVE_S = 10.0
 _DTYPES = [torch.int64, torch.int32, torch.bool, torch.int16, torch.uint8]
 _LOGITS_NONE, _LOGITS_ALL, _LOGITS_ROWS = 0, 1, 2
 _FIXED = ("input_ids", "positions", "query_start_loc", "seq_lens", "num_prompt_tokens",
           "state_indices", "has_initial_state")  # fmt: skip
-_IDLE_TIMEOUT = timedelta(days=365)
 
 
 def pack_plan(inputs: StepInputs, cache_ops: list[int]) -> torch.Tensor:
@@ -74,28 +76,62 @@ def unpack_plan(packed: torch.Tensor) -> tuple[StepInputs, list[int]]:
 
 
 class PlanChannel:
-    """Rank 0 sends plans; every other rank receives them, in order."""
+    """Rank 0 sends plans; every other rank receives them, in order.
 
-    def __init__(self) -> None:
-        self.group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+    Its gloo group has the collectives' timeout, so a rank that hangs is noticed on either
+    side; an idle rank 0 sends a KEEPALIVE plan every ``keepalive_s`` from a thread of its own,
+    so that waiting for work is never mistaken for a hang.
+    """
+
+    def __init__(self, keepalive_s: float = KEEPALIVE_S) -> None:
+        self.group = dist.new_group(
+            backend="gloo", timeout=timedelta(seconds=collective_timeout_s())
+        )
+        self.keepalive_s = keepalive_s
+        self.error: BaseException | None = None  # the keepalive thread's failure, if any
+        self._lock = threading.Lock()
+        self._last_sent = time.monotonic()
+        self._stopped = threading.Event()
+        if dist.get_rank() == 0:
+            threading.Thread(target=self._keepalive, name="plan-keepalive", daemon=True).start()
 
     def send(self, inputs: StepInputs, cache_ops: list[int]) -> None:
         """Rank 0: the next step's plan."""
         packed = pack_plan(inputs, cache_ops)
-        dist.broadcast(torch.tensor([STEP, packed.numel()]), 0, group=self.group)
-        dist.broadcast(packed, 0, group=self.group)
+        self._send(STEP, packed)
 
     def stop(self) -> None:
         """Rank 0: no more steps; the other ranks leave their loop."""
-        dist.broadcast(torch.tensor([STOP, 0]), 0, group=self.group)
+        self._stopped.set()
+        self._send(STOP, None)
 
     def recv(self) -> tuple[StepInputs, list[int]] | None:
         """Another rank: the next plan, or None once rank 0 stopped."""
-        header = torch.empty(2, dtype=torch.int64)
-        dist.broadcast(header, 0, group=self.group)
-        kind, size = header.tolist()
-        if kind == STOP:
-            return None
-        packed = torch.empty(size, dtype=torch.int64)
-        dist.broadcast(packed, 0, group=self.group)
-        return unpack_plan(packed)
+        while True:
+            header = torch.empty(2, dtype=torch.int64)
+            dist.broadcast(header, 0, group=self.group)
+            kind, size = header.tolist()
+            if kind == STOP:
+                return None
+            if kind == STEP:
+                packed = torch.empty(size, dtype=torch.int64)
+                dist.broadcast(packed, 0, group=self.group)
+                return unpack_plan(packed)
+
+    def _send(self, kind: int, packed: torch.Tensor | None) -> None:
+        with self._lock:
+            size = 0 if packed is None else packed.numel()
+            dist.broadcast(torch.tensor([kind, size]), 0, group=self.group)
+            if packed is not None:
+                dist.broadcast(packed, 0, group=self.group)
+            self._last_sent = time.monotonic()
+
+    def _keepalive(self) -> None:
+        while not self._stopped.wait(self.keepalive_s / 4):
+            if time.monotonic() - self._last_sent < self.keepalive_s:
+                continue
+            try:
+                self._send(KEEPALIVE, None)
+            except Exception as exc:  # noqa: BLE001 - rank 0's next health check raises it
+                self.error = exc
+                return

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.parallel.state import DEFAULT_TIMEOUT_S, destroy_tensor_parallel, init_tensor_parallel
+from engine.parallel.state import destroy_tensor_parallel, init_tensor_parallel
 
 log = logging.getLogger("pagedq.parallel")
 JOIN_TIMEOUT_S = 30.0
@@ -38,7 +38,9 @@ def check_rank_count(tensor_parallel_size: int, device: torch.device) -> None:
         count, what = torch.cuda.device_count(), "CUDA devices"
     else:
         count, what = len(os.sched_getaffinity(0)), "CPUs this process may use"
-    if tensor_parallel_size > count:
+    # Under torchrun over several hosts, only this host's ranks need this host's devices.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", tensor_parallel_size))
+    if local > count:
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size} is more than the {count} {what}: "
             f"one rank per device"
@@ -46,8 +48,14 @@ def check_rank_count(tensor_parallel_size: int, device: torch.device) -> None:
 
 
 def rank_device(device: torch.device, rank: int) -> str:
-    """Rank ``rank``'s device: ``cuda:rank`` on CUDA, the CPU otherwise."""
-    return f"cuda:{rank}" if device.type == "cuda" else "cpu"
+    """Rank ``rank``'s device: ``cuda:<its index on this host>`` on CUDA, the CPU otherwise."""
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    return f"cuda:{local}" if device.type == "cuda" else "cpu"
+
+
+def _backend(config) -> str:
+    """NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if str(config.device).startswith("cuda") else "gloo"
 
 
 def _free_port() -> int:
@@ -64,7 +72,7 @@ class RankGroup:
         self.closed = False
 
     @classmethod
-    def start(cls, config, tensor_parallel_size: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def start(cls, config, tensor_parallel_size: int, timeout_s: float | None = None):
         """Spawn ranks 1..N-1 with ``config`` (its "auto" values resolved) and join the group
         as rank 0. Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) the launcher has started
         every rank: this one joins with the environment's rendezvous and starts nothing."""
@@ -75,7 +83,9 @@ class RankGroup:
                     f"tensor_parallel_size={tensor_parallel_size} differs from the launcher's "
                     f"WORLD_SIZE={world}"
                 )
-            init_tensor_parallel(int(os.environ["RANK"]), world, "env://", timeout_s=timeout_s)
+            init_tensor_parallel(
+                int(os.environ["RANK"]), world, "env://", _backend(config), timeout_s
+            )
             return cls([])
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
@@ -91,19 +101,24 @@ class RankGroup:
             processes.append(p)
         group = cls(processes)
         try:
-            init_tensor_parallel(0, tensor_parallel_size, init_method, timeout_s=timeout_s)
+            init_tensor_parallel(0, tensor_parallel_size, init_method, _backend(config), timeout_s)
         except Exception:
             group.kill()
             raise
         return group
 
-    def check(self) -> None:
-        """Raise ``RankFailure`` if another rank's process has exited."""
+    def check(self, channel=None) -> None:
+        """Raise ``RankFailure`` if another rank's process has exited, or if the plan
+        channel's keepalive found one that no longer answers."""
         for rank, p in enumerate(self.processes, start=1):
             if p.exitcode is not None:
                 message = f"tensor-parallel rank {rank} exited (code {p.exitcode})"
                 log.error("%s: the engine stops", message)
                 raise RankFailure(message)
+        if channel is not None and channel.error is not None:
+            message = f"a tensor-parallel rank stopped answering: {channel.error}"
+            log.error("%s: the engine stops", message)
+            raise RankFailure(message)
 
     def shutdown(self, channel) -> None:
         """Stop the other ranks (a STOP plan), wait for them, and leave the group."""
@@ -155,7 +170,7 @@ def run_follower(rank: int, world_size: int, init_method: str, config, parent_pi
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     try:
-        init_tensor_parallel(rank, world_size, init_method)
+        init_tensor_parallel(rank, world_size, init_method, _backend(config))
         config = dataclasses.replace(config, device=rank_device(torch.device(config.device), rank))
         engine = LLMEngine(config)
         engine.follow()

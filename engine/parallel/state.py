@@ -4,13 +4,24 @@ written for N ranks runs unchanged at N = 1."""
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 # A collective waits this long for a rank that died or hung, then raises: the worker exits.
+# PAGEDQ_COLLECTIVE_TIMEOUT_S overrides it (a model whose first step compiles kernels for
+# minutes on every rank needs more; tests of a hung rank need less).
 DEFAULT_TIMEOUT_S = 60.0
+TIMEOUT_ENV = "PAGEDQ_COLLECTIVE_TIMEOUT_S"
+
+
+def collective_timeout_s() -> float:
+    """Seconds a collective waits: ``$PAGEDQ_COLLECTIVE_TIMEOUT_S``, else 60."""
+    return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+
+
 # How MoE layers split past one rank: "ep" (whole experts spread over the ranks) or "tp"
 # (every expert's intermediate features split, like a dense MLP).
 MOE_PARALLEL_MODES = ("ep", "tp")
@@ -32,7 +43,7 @@ def moe_parallel() -> str:
 
 def init_tensor_parallel(
     rank: int, world_size: int, init_method: str, backend: str | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
 ) -> None:  # fmt: skip
     """Join the group of ``world_size`` ranks as ``rank`` (gloo on the CPU, NCCL on CUDA)."""
     if not 0 <= rank < world_size:
@@ -41,7 +52,7 @@ def init_tensor_parallel(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=timeout_s or collective_timeout_s()),
     )  # fmt: skip
 
 
