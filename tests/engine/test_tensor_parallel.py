@@ -153,5 +153,6 @@ def test_a_rank_that_hangs_stops_the_engine_at_the_collective_timeout(
 
 def test_more_ranks_than_cpus_is_refused_naming_both():
     cpus = len(os.sched_getaffinity(0))
-    with pytest.raises(ValueError, match=f"tensor_parallel_size={cpus + 1} is more than the {cpus}"):
+    refusal = f"tensor_parallel_size={cpus + 1} is more than the {cpus}"
+    with pytest.raises(ValueError, match=refusal):
         LLM("smollm2", tensor_parallel_size=cpus + 1)
