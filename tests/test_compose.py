@@ -115,9 +115,18 @@ def test_workers_run_pagedq_worker_against_the_compose_redis(compose, name, devi
         assert _interpolate(worker["environment"]["PAGEDQ_REDIS_URL"], {}) == _interpolate(
             flags["--redis-url"], {}
         )
-    # The flags parse with the real CLI, so the compose file cannot drift from it.
+    # The flags parse with the real CLI, so the compose file cannot drift from it; the GPU
+    # worker's device count comes from PAGEDQ_GPUS (tensor parallel over that many).
     worker_cli = pytest.importorskip("worker.cli")
-    worker_cli.build_worker_parser().parse_args(command[1:])
+    for gpus in ({}, {"PAGEDQ_GPUS": "8"}):
+        args = worker_cli.build_worker_parser().parse_args(
+            [_interpolate(arg, gpus) for arg in command[1:]]
+        )
+        if name == "worker-gpu":
+            assert args.tensor_parallel_size == int(gpus.get("PAGEDQ_GPUS", 1))
+    if name == "worker-gpu":
+        (gpu,) = worker["deploy"]["resources"]["reservations"]["devices"]
+        assert _interpolate(str(gpu["count"]), {"PAGEDQ_GPUS": "8"}) == "8"
 
 
 @pytest.mark.parametrize("name", WORKERS)

@@ -102,8 +102,15 @@ class PlanChannel:
 
     def stop(self) -> None:
         """Rank 0: no more steps; the other ranks leave their loop."""
-        self._stopped.set()
+        self.close()
         self._send(STOP, None)
+
+    def close(self) -> None:
+        """Rank 0: end the keepalives, and wait out one in flight (before the group goes:
+        a broadcast on a destroyed group aborts the process)."""
+        self._stopped.set()
+        with self._lock:
+            pass
 
     def recv(self) -> tuple[StepInputs, list[int]] | None:
         """Another rank: the next plan, or None once rank 0 stopped."""

@@ -126,6 +126,8 @@ class RankGroup:
             return
         self.closed = True
         alive = all(p.exitcode is None for p in self.processes)
+        if channel is not None:
+            channel.close()
         if alive and channel is not None:
             try:
                 channel.stop()

@@ -15,6 +15,7 @@ import torch.distributed as dist
 # minutes on every rank needs more; tests of a hung rank need less).
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "PAGEDQ_COLLECTIVE_TIMEOUT_S"
+RENDEZVOUS_TIMEOUT_S = 600.0  # the ranks' first meeting: each loads torch and the model first
 
 
 def collective_timeout_s() -> float:
@@ -50,10 +51,22 @@ def init_tensor_parallel(
         raise ValueError(f"rank={rank} must be in [0, tensor_parallel_size={world_size})")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = timedelta(seconds=timeout_s or collective_timeout_s())
+    if init_method.startswith("tcp://"):
+        # The ranks meet through rank 0's store, which waits for slow starters (imports on a
+        # busy host) longer than a collective waits for a hung rank.
+        host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+        store = dist.TCPStore(
+            host, int(port), world_size, is_master=rank == 0,
+            timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+        )  # fmt: skip
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+        return
     dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=timeout_s or collective_timeout_s()),
-    )  # fmt: skip
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+    )
 
 
 def destroy_tensor_parallel() -> None:

@@ -144,11 +144,12 @@ def test_a_rank_that_hangs_stops_the_engine_at_the_collective_timeout(
         os.kill(rank1.pid, signal.SIGSTOP)
         start = time.monotonic()
         try:
-            with pytest.raises(RankFailure, match="tensor-parallel step failed"):
+            # The step's collective times out, or the keepalive finds no answer first.
+            with pytest.raises(RankFailure, match="tensor-parallel"):
                 llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         finally:
             os.kill(rank1.pid, signal.SIGKILL)
-        assert time.monotonic() - start < 15
+        assert time.monotonic() - start < 30
 
 
 def test_more_ranks_than_cpus_is_refused_naming_both():
