@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import weakref
 import time
 from collections.abc import Sequence
 
@@ -23,8 +24,11 @@ class LLM:
 
     def __init__(self, model: str = "smollm2", **kwargs) -> None:
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
-        # The other ranks go with this process; stopped first, they leave the group cleanly.
-        atexit.register(self.llm_engine.shutdown)
+        if self.llm_engine.ranks is not None:
+            # The other ranks go with this process; stopped first, they leave the group
+            # cleanly. A weak reference: the exit hook must not keep the engine (its KV
+            # cache) alive after the LLM is dropped.
+            atexit.register(_shutdown, weakref.ref(self.llm_engine))
         self._counter = itertools.count()
 
     def shutdown(self) -> None:
@@ -188,3 +192,9 @@ class LLM:
                 if rid not in done:
                     engine.abort_request(rid)
         return [done[rid] for rid in ids]
+
+
+def _shutdown(engine_ref: weakref.ref) -> None:
+    engine = engine_ref()
+    if engine is not None:
+        engine.shutdown()
