@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import weakref
 import time
+import weakref
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
