@@ -32,7 +32,7 @@ from engine.outputs import (
 )
 from engine.parallel.cache_ops import CacheOpLog
 from engine.parallel.plan import PlanChannel
-from engine.parallel.ranks import RankGroup, check_rank_count, rank_device
+from engine.parallel.ranks import RankFailure, RankGroup, check_rank_count, rank_device
 from engine.parallel.state import min_over_ranks, set_moe_parallel, tp_rank, tp_size
 from engine.pooling import PoolingParams, PoolingState, checkpoint_pooling
 from engine.prompts import ProcessedPrompt, Prompt, PromptProcessor
@@ -578,7 +578,12 @@ class LLMEngine:
             raise InjectedFault("injected test fault (PAGEDQ_TEST_FAULTS)")
         self.check_ranks()
         t0 = time.perf_counter()
-        sampled = self.model_runner.execute_model(sched_out)
+        try:
+            sampled = self.model_runner.execute_model(sched_out)
+        except RankFailure:
+            time.sleep(0.1)  # a rank that died broke the collective: name it if it is gone
+            self.check_ranks()
+            raise
         self.kv_cache_manager.save_state_snapshots(sched_out.scheduled)
         self.scheduler.update_after_step(sched_out, sampled, time.perf_counter() - t0)
         self.num_steps += 1

@@ -98,7 +98,8 @@ def test_a_dead_rank_ends_the_worker_and_its_job_runs_again_once(
     os.kill(rank1, signal.SIGKILL)
     assert tp_worker.process.wait(timeout=60) == 1
     assert time.monotonic() - start < 60
-    assert "tensor-parallel rank 1 exited" in tp_worker.log_tail(20000)
+    log = tp_worker.log_tail(20000)
+    assert "tensor-parallel rank 1 exited" in log and "engine crashed" in log, log
     assert client.status(job_id) == "queued"  # handed back at once, not left to the lease
 
     backup = worker_factory("q-tp", "w-backup", *_args(), model=str(folder))
