@@ -13,6 +13,9 @@ it on a machine with torch, Triton and transformers (the rest carried as wheels)
    256 (128-token prompts, the median of 32 decode steps), each against the roofline: the bytes
    a step must read (the weights it touches, the KV cache it attends) over the bandwidth of a
    device-to-device copy measured here.
+3. quant: the Triton weight-only quantized linear (uint4, uint8, fp8) against its torch reference
+   at a decode and a prefill shape, and uint4's time against a bf16 ``F.linear`` at M = 1 and
+   256 (K = N = 4096). Skipped when ``kernels.triton_quant_linear`` does not import.
 """
 
 from __future__ import annotations
@@ -208,11 +211,92 @@ def decode_speed(folder: Path, device: torch.device, batches, steps: int, bandwi
     return rows
 
 
+# --- 3. quant ---------------------------------------------------------------------------------
+def quant_weight(weight_type: str, n: int, k: int, group_size: int, device, gen):
+    """A random packed weight ``(qweight, scales, zeros)`` whose values are about k ** -0.5
+    (symmetric zeros for the integer types, none for fp8)."""
+    from kernels.quant_linear import pack_uint4
+
+    groups = (n, k // group_size)
+    if weight_type == "float8_e4m3fn":
+        spread, zeros = 4, None
+        qweight = (torch.randn(n, k, generator=gen) * spread).to(torch.float8_e4m3fn)
+    else:
+        spread = 8 if weight_type == "uint4" else 128
+        qweight = torch.randint(0, 2 * spread, (n, k), generator=gen, dtype=torch.uint8)
+        qweight = pack_uint4(qweight) if weight_type == "uint4" else qweight
+        zeros = torch.full(groups, float(spread), device=device)
+    scales = (torch.rand(groups, generator=gen) + 0.5) / (spread * k**0.5)
+    return qweight.to(device), scales.to(device), zeros
+
+
+def kernel_ms(fn, device: torch.device) -> float:
+    """Median ms of ``fn()``: on CUDA Triton's ``do_bench``, which flushes L2 between calls (each
+    reads its weight from memory, as a layer in a model does)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, return_mode="median")
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def check_quant_linear(device: torch.device, quick: bool) -> bool:
+    """``triton_quant_linear`` against the reference (relative max error, fp32 and bf16 out),
+    then uint4 against a bf16 ``F.linear``; prints one line each."""
+    try:
+        from kernels.quant_linear import WEIGHT_TYPES, quant_linear_reference
+        from kernels.triton_common import interpreting
+        from kernels.triton_quant_linear import triton_quant_linear
+    except Exception as exc:  # not written yet, or Triton failing at import
+        print(f"quant  skipped: {type(exc).__name__}: {exc}")
+        return True
+    if device.type != "cuda" and not interpreting():
+        print("quant  skipped: Triton needs CUDA (or TRITON_INTERPRET=1)")
+        return True
+    gen = torch.Generator().manual_seed(0)
+    k, n, group_size = (256, 80, 64) if quick else (2048, 1104, 128)  # N off every block size
+    ok = True
+    for weight_type in WEIGHT_TYPES:
+        w = quant_weight(weight_type, n, k, group_size, device, gen)
+        bias = torch.randn(n, generator=gen).to(device, torch.bfloat16)
+        for m in (1, 33 if quick else 300):
+            x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)
+            want = quant_linear_reference(x.float(), *w, weight_type, group_size, bias)
+            errs = []  # bf16 x with fp32 out, bf16 x with bf16 out, fp32 x
+            for x_in, out_dtype in ((x, torch.float32), (x, None), (x.float(), None)):
+                got = triton_quant_linear(x_in, *w, weight_type, group_size, bias, out_dtype)
+                errs.append(((got.float() - want).abs().max() / want.abs().max()).item())
+            # fp32 results differ by summation order only; a bf16 one by one rounding step.
+            passed = errs[0] < 1e-5 and errs[1] < 2**-7 and errs[2] < 1e-5
+            ok &= passed
+            print(
+                f"quant  {weight_type:<13} M={m:<4} {'PASS' if passed else 'FAIL'} error: bf16 x "
+                f"{errs[0]:.1e} (fp32 out) {errs[1]:.1e} (bf16 out), fp32 x {errs[2]:.1e}"
+            )
+    size = 512 if quick else 4096
+    w = quant_weight("uint4", size, size, 128, device, gen)
+    dense = (torch.randn(size, size, generator=gen) * size**-0.5).to(device, torch.bfloat16)
+    for m in (1, 256):
+        x = torch.randn(m, size, generator=gen).to(device, torch.bfloat16)
+        quant_ms = kernel_ms(lambda x=x: triton_quant_linear(x, *w, "uint4", 128), device)
+        dense_ms = kernel_ms(lambda x=x: torch.nn.functional.linear(x, dense), device)
+        print(
+            f"quant  uint4 M={m:<4} K=N={size}: {quant_ms * 1e3:8.1f} us, bf16 linear "
+            f"{dense_ms * 1e3:8.1f} us, ratio {quant_ms / dense_ms:.2f}x"
+        )
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--work-dir", default=str(ROOT / ".gpu_check"), help="checkpoints go here")
-    ap.add_argument("--parts", default="exact,decode", help="exact, decode, tokenizer")
+    ap.add_argument("--parts", default="exact,quant,decode", help="exact, quant, decode, tokenizer")
     ap.add_argument("--quick", action="store_true", help="small models (a CPU run of the code)")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -226,6 +310,8 @@ def main() -> None:
         tokenizer(work)
     if "exact" in args.parts:
         ok &= check_exact(work, device)
+    if "quant" in args.parts:
+        ok &= check_quant_linear(device, args.quick)
     if "decode" in args.parts:
         bandwidth = copy_bandwidth(device, 1 << (26 if args.quick else 30))
         print(f"copy bandwidth: {bandwidth / 1e9:.0f} GB/s (read + written)")

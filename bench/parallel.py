@@ -6,7 +6,8 @@
 For each model (random checkpoints made once under ``--model-dir``, fp32): greedy generation of
 ``--prompts`` prompts x ``--tokens`` tokens at ``tensor_parallel_size=1`` with every core, then
 at 2 with the cores split between the ranks (one thread each on a 2-core host); prints the
-tokens/s of each, their ratio, whether the tokens are equal, and the weight bytes rank 0 holds
+tokens/s of each, their ratio, how many tokens are equal (random weights have near-ties that
+summation order breaks either way), and the weight bytes rank 0 holds
 (parameters and packed experts) against the whole model's. On CPUs the two ranks share the
 socket's memory bandwidth, so the ratio says what splitting costs here (gloo's all-reduces per
 layer), not what it gains on GPUs. The machine is shared and noisy: compare ratios of one run.
@@ -39,16 +40,6 @@ MODELS = {
 DEFAULT_DIR = Path.home() / ".cache" / "pagedq" / "bench" / "parallel"
 
 
-def weight_bytes(model) -> int:
-    """Parameters plus the CPU-packed MoE experts (a unique storage counted once)."""
-    tensors = list(model.parameters())
-    for module in model.modules():
-        packed = getattr(module, "packed", None)
-        if isinstance(packed, tuple):
-            tensors += [t for t in packed if t is not None]
-    return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
-
-
 def fresh_model(folder: Path):
     """The whole model as loaded, before any packing for the CPU."""
     import torch
@@ -68,7 +59,7 @@ def run(folder: Path, ranks: int, prompts, tokens: int):
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        held = weight_bytes(llm.llm_engine.model)
+        held = llm.llm_engine.model.weight_bytes()
     ids = [o.outputs[0].token_ids for o in outs]
     return len(prompts) * tokens / elapsed, ids, held
 
@@ -89,10 +80,12 @@ def main() -> None:
     for name in args.models:
         folder = checkpoint(args.model_dir / name, name, MODELS[name])
         one, ids1, _ = run(folder, 1, prompts, args.tokens)
-        whole = weight_bytes(fresh_model(folder))  # unpacked: one rank packs its linears
+        whole = fresh_model(folder).weight_bytes()  # unpacked: one rank packs its linears
         two, ids2, held = run(folder, 2, prompts, args.tokens)
+        same = sum(a == b for x, y in zip(ids1, ids2) for a, b in zip(x, y))
         print(
-            f"| {name} | {one:.0f} | {two:.0f} | {two / one:.2f} | {ids1 == ids2} | "
+            f"| {name} | {one:.0f} | {two:.0f} | {two / one:.2f} | {same} of "
+            f"{args.prompts * args.tokens} | "
             f"{held / whole:.2f} of {whole / 2**20:.0f} MiB |"
         )
 

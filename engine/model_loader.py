@@ -125,6 +125,20 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def checkpoint_tensors(source: ModelSource) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor's name -> (shape, safetensors dtype), from the files' headers (no data)."""
+    from safetensors import safe_open
+
+    folder = Path(source.folder)
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                part = f.get_slice(name)
+                out[name] = (tuple(part.get_shape()), part.get_dtype())
+    return out
+
+
 def _gguf_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     yield from hf_model_from_gguf(source).state_dict().items()
 
@@ -294,16 +308,26 @@ def load_model(
         )
     from engine.models import model_class
     from engine.models.config_fields import max_position_of
-    from engine.models.quantized_weights import dequantized
+    from engine.models.quantized_weights import dequantized, quantization_method
+    from engine.quantization import PACKED_METHODS, QuantizedCheckpoint
 
     source = cached_source(resolve_model(model))
     tokenizer = load_tokenizer(source)
     hf_config = load_config(source)
     max_position = max_position_of(hf_config)
     cls = model_class(hf_config)
+    method = quantization_method(hf_config)
     with _skip_weight_init():
         net = cls(hf_config, max_position, attention_backend)
-    net.load_weights(dequantized(iter_weights(source), hf_config))
+    weights = iter_weights(source)
+    if method in PACKED_METHODS:
+        qc = hf_config.quantization_config
+        qc = qc if isinstance(qc, dict) else qc.to_dict()
+        checkpoint = QuantizedCheckpoint(method, qc, checkpoint_tensors(source))
+        checkpoint.quantize_layers(net)
+        net.load_weights(checkpoint.convert(weights))
+    else:
+        net.load_weights(dequantized(weights, hf_config))
     net = net.to(device=device, dtype=dtype).eval()
     net.move_rotaries(device)
     net.generation_eos_token_ids = generation_eos_token_ids(source.folder)

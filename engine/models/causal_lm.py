@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from engine.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
-from engine.models.linear import linear_fp32_out, load_param
+from engine.models.linear import load_param
 from engine.models.norm import RMSNorm
 from engine.models.packed_linear import pack, prepack_supported
 from engine.models.rotary import RotaryEmbedding
-from engine.parallel.layers import ParallelLMHead, VocabParallelEmbedding
-from engine.parallel.state import all_gather_last, tp_size
+from engine.parallel.layers import ParallelLMHead, VocabParallelEmbedding, gathered_logits
+from engine.parallel.state import tp_size
 
 # Checkpoint projections that land in one merged layer: name -> (merged name, shard).
 PACKED_MODULES = {
@@ -131,9 +131,7 @@ class CausalLM(nn.Module):
             logits = self.packed_lm_head(hidden)
         else:
             weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-            logits = linear_fp32_out(hidden, weight)
-            if tp_size() > 1:  # each rank's vocabulary rows, side by side
-                logits = all_gather_last(logits)[..., : self.config.vocab_size]
+            logits = gathered_logits(hidden, weight, self.config.vocab_size)
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -168,6 +166,25 @@ class CausalLM(nn.Module):
         else:
             self.lm_head = self.packed_lm_head = pack(self.lm_head, torch.float32)
         return True
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this process holds: parameters, and the copies packed for the
+        CPU (linears' ``packed`` tensor, MoE experts' tuple), each storage counted once."""
+        tensors = list(self.parameters())
+        for module in self.modules():
+            packed = getattr(module, "packed", None)
+            if isinstance(packed, torch.Tensor):
+                tensors.append(packed)
+            elif isinstance(packed, tuple):
+                tensors += [t for t in packed if isinstance(t, torch.Tensor)]
+        sizes: dict[int, int] = {}
+        for t in tensors:
+            try:
+                storage = t.untyped_storage()
+                sizes[storage.data_ptr()] = storage.nbytes()
+            except NotImplementedError:  # oneDNN's packed weight: no storage to share
+                sizes[id(t)] = t.numel() * t.element_size()
+        return sum(sizes.values())
 
     def checkpoint_name(self, name: str) -> str | None:
         """Our parameter name for checkpoint tensor ``name`` (without ``model.``), or None to

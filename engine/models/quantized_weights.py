@@ -20,7 +20,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-QUANT_METHODS = ("mxfp4", "fp8")
+DEQUANTIZED_METHODS = ("mxfp4", "fp8")
+# Kept packed (engine/quantization): the loader takes them past ``dequantized``.
+QUANT_METHODS = (*DEQUANTIZED_METHODS, "gptq", "awq", "compressed-tensors")
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -89,7 +91,7 @@ def dequantized(
     """The checkpoint's named tensors with quantized pairs joined and dequantized; the others
     unchanged. A quantized tensor without its partner is refused, naming it."""
     method = quantization_method(config)
-    if method is None:
+    if method not in DEQUANTIZED_METHODS:
         yield from weights
         return
     qc = config.quantization_config

@@ -174,5 +174,15 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[rows, vocab]`` (every rank gets them all)."""
-        local = F.linear(hidden.float(), self.weight.float())
-        return all_gather_last(local)[..., : self.full_vocab]
+        return gathered_logits(hidden, self.weight, self.full_vocab)
+
+
+def gathered_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab: int) -> torch.Tensor:
+    """fp32 logits over a vocabulary-parallel table (``weight``: this rank's rows), every
+    rank's columns side by side: fp32 sums of the model dtype's products."""
+    from engine.models.linear import linear_fp32_out
+
+    logits = linear_fp32_out(hidden, weight)
+    if tp_size() > 1:
+        logits = all_gather_last(logits)[..., :vocab]
+    return logits

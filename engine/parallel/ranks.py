@@ -58,7 +58,8 @@ def _backend(config) -> str:
     return "nccl" if str(config.device).startswith("cuda") else "gloo"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1 (rank 0's store)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -87,7 +88,7 @@ class RankGroup:
                 int(os.environ["RANK"]), world, "env://", _backend(config), timeout_s
             )
             return cls([])
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         processes = []
         for rank in range(1, tensor_parallel_size):

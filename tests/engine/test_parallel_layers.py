@@ -3,8 +3,6 @@ output, each rank loading its slice from the whole checkpoint tensor and holding
 
 from __future__ import annotations
 
-import socket
-
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -19,15 +17,10 @@ from engine.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from engine.parallel.ranks import free_port
 from engine.parallel.state import destroy_tensor_parallel, init_tensor_parallel, tp_rank
 
 HIDDEN, INTER, VOCAB, HEAD_DIM = 64, 96, 101, 16  # a vocabulary that 2 ranks do not divide
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -98,7 +91,7 @@ def _check_layers(rank: int) -> None:
 
 
 def test_two_ranks_give_the_unsharded_layers_outputs():
-    mp.spawn(_rank_checks, args=(_free_port(),), nprocs=2, join=True)
+    mp.spawn(_rank_checks, args=(free_port(),), nprocs=2, join=True)
 
 
 @torch.inference_mode()

@@ -101,23 +101,13 @@ def test_prefix_cache_swap_samples_and_json_match_one_rank(hybrid):
     jsonschema.validate(json.loads(got[3]), SCHEMA)
 
 
-def _weight_bytes(model) -> int:
-    """Bytes of every weight: parameters, and the MoE experts packed for the CPU kernel."""
-    tensors = list(model.parameters())
-    for module in model.modules():
-        packed = getattr(module, "packed", None)
-        if isinstance(packed, tuple):  # FusedMoE's (a PackedLinear's is never made past 1 rank)
-            tensors += [t for t in packed if t is not None]
-    return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
-
-
 def test_each_rank_holds_about_half_the_weights(tmp_path_factory):
     folder, _ = built("qwen3-moe", tmp_path_factory)
     # A fresh load (the cached one may be packed for the CPU since).
     model = load_model.__wrapped__(str(folder), torch.float32, torch.device("cpu"), "auto")[0]
-    whole = _weight_bytes(model)
+    whole = model.weight_bytes()
     with two_ranks(folder) as llm:
-        rank0 = _weight_bytes(llm.llm_engine.model)
+        rank0 = llm.llm_engine.model.weight_bytes()
     # Norms, routers and the replicated KV head are whole on each rank: a little over half.
     assert 0.5 * whole <= rank0 <= 0.56 * whole, (rank0, whole)
 
