@@ -44,7 +44,8 @@ CASES = {
     "awq": ("llama", write_awq, {}),
     "w4a16": ("llama", write_compressed_tensors, dict(scheme="w4a16")),
     "w4a16-channel-zero-point": (
-        "llama", write_compressed_tensors, dict(scheme="w4a16", strategy="channel", symmetric=False),
+        "llama", write_compressed_tensors,
+        dict(scheme="w4a16", strategy="channel", symmetric=False),
     ),
     "w8a8-int8": ("llama", write_compressed_tensors, dict(scheme="w8a8-int8")),
     "w8a8-fp8-static": ("llama", write_compressed_tensors, dict(scheme="w8a8-fp8", dynamic=False)),
@@ -94,9 +95,7 @@ def test_four_bit_projections_take_about_a_quarter_of_their_bf16_bytes(tmp_path)
     plain_model = LLM(str(ref), dtype="bfloat16", kv_cache_memory=2**22).llm_engine.model
     layers = [m for m in packed_model.layers.modules() if isinstance(m, QuantizedLinear)]
     packed = sum(
-        t.numel() * t.element_size()
-        for m in layers
-        for t in (m.qweight, m.scales, m.zeros)
+        t.numel() * t.element_size() for m in layers for t in (m.qweight, m.scales, m.zeros)
     )
     weights = sum(m.in_features * m.out_features for m in layers)
     # 4 bits a weight, and an fp32 scale and zero per group of 128: 0.5625 bytes, bf16's 2.

@@ -1,9 +1,10 @@
 """Families beyond Llama through a real worker and Redis: a Gemma 3 (sliding and global layers,
 two RoPE bases, Gemma's chat template), a Phi-3 with longrope (length-dependent rotary), a
-DeepSeek-V3 (latent attention over a latent cache, grouped-sigmoid experts) and a Qwen3.5
-(hybrid linear attention: state slots beside paged KV), one worker each, all on the module's
-Redis. Token-id prompts give Hugging Face's greedy tokens; a chat, seeded n > 1 samples and a
-JSON schema give what the offline engine gives."""
+DeepSeek-V3 (latent attention over a latent cache, grouped-sigmoid experts), a Qwen3.5
+(hybrid linear attention: state slots beside paged KV) and a GPTQ llama (4-bit act-order weights
+kept packed), one worker each, all on the module's Redis. Token-id prompts give Hugging Face's
+greedy tokens; a chat, seeded n > 1 samples and a JSON schema give what the offline engine
+gives."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ from tests.engine.test_architectures import (
     tiny_llm,
 )
 from tests.engine.test_chat_templates import GEMMA_TEMPLATE, MESSAGES
+from tests.engine.test_quantized import built as quantized_built
 
 pytestmark = pytest.mark.slow
 
 CASES = ["gemma3-text", "phi3-longrope", "deepseek-v3", "qwen3-moe", "gpt-oss", "qwen3.5"]
+QUANTIZED = ["gptq-asym-act-order"]  # tests/engine/test_quantized.py's cases
 SCHEMA = {
     "type": "object",
     "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
@@ -40,8 +43,9 @@ SCHEMA = {
 def models(tmp_path_factory):
     """Each case's folder (Gemma's chat template added) and HF greedy tokens."""
     out = {}
-    for case_id in CASES:
-        folder, expected = built(case_id, tmp_path_factory)
+    for case_id in CASES + QUANTIZED:
+        build = quantized_built if case_id in QUANTIZED else built
+        folder, expected = build(case_id, tmp_path_factory)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         tokenizer.chat_template = GEMMA_TEMPLATE
         tokenizer.save_pretrained(folder)
@@ -71,7 +75,7 @@ def workers(models, worker_factory):
     return started
 
 
-@pytest.mark.parametrize("case_id", CASES)
+@pytest.mark.parametrize("case_id", CASES + QUANTIZED)
 def test_worker_gives_hf_greedy_and_the_offline_engine(private_redis, models, workers, case_id):
     folder, expected = models[case_id]
     client = make_client(private_redis.url, f"q-{case_id}")
