@@ -6,6 +6,20 @@ import torch
 from torch import nn
 
 
+class KeepsPackedDtypes(nn.Module):
+    """A module whose parameters marked ``keep_dtype`` (packed quantized weights, their fp32
+    scales) keep their dtype when the model is cast to bf16 (which would round the scales);
+    they still move between devices with it."""
+
+    def _apply(self, fn, recurse=True):
+        def move_only(t: torch.Tensor) -> torch.Tensor:
+            if getattr(t, "keep_dtype", False):
+                return t.to(fn(t.new_empty(0)).device)
+            return fn(t)
+
+        return super()._apply(move_only, recurse)
+
+
 class MergedLinear(nn.Linear):
     """One linear made of named output shards, e.g. ``qkv_proj`` of ``q_proj``, ``k_proj``,
     ``v_proj``: one GEMM a step instead of three. A checkpoint may bring each shard on its own

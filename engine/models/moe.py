@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from engine.models.causal_lm import CausalLM
+from engine.models.linear import KeepsPackedDtypes
 from engine.models.routers import Router
 from engine.parallel.state import all_reduce, divide, moe_parallel, tp_rank, tp_size
 from kernels import select_backend
@@ -40,7 +41,7 @@ from kernels.reference import fused_experts_torch
 ACTIVATIONS = ("silu", "swigluoai")
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(KeepsPackedDtypes):
     """``out = sum_j weight_j * expert_j(x)`` over each token's ``top_k`` experts (``gate``
     picks them), plus ``shared_expert(x)`` where one is given, scaled by
     ``sigmoid(shared_expert_gate(x))`` with ``shared_expert_gate=True`` (Qwen2-MoE)."""
@@ -109,6 +110,9 @@ class FusedMoE(nn.Module):
             nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
         )
         self.packed = None  # the C++ kernel's weights, once `prepack` ran
+        # (weight type, group sizes of w13 and w2) where the experts stay quantized
+        # (engine/quantization/moe.py: packed stacks replace w13_weight and w2_weight).
+        self.quant: tuple[str, int, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[tokens, hidden]`` through the routed experts (and the shared one)."""
@@ -148,6 +152,10 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """The weighted sum of this rank's experts (``topk_ids`` among them), ``[tokens,
         hidden]`` as ``out_dtype`` (x's dtype, or fp32)."""
+        if self.quant is not None:
+            from engine.quantization.moe import quantized_experts
+
+            return quantized_experts(self, x, topk_weights, topk_ids, out_dtype)
         options = dict(activation=self.activation, alpha=self.alpha, limit=self.limit)
         if self.packed is not None:
             from kernels.cpu_moe import fused_moe_cpu
@@ -209,6 +217,8 @@ class FusedMoE(nn.Module):
         released. Idempotent; call after loading, with the model on its device and dtype."""
         if self.packed is not None:
             return True
+        if self.quant is not None:
+            return False
         weight = self.w13_weight
         if select_backend(weight.device, self.backend) != "cpu":
             return False
@@ -225,7 +235,9 @@ class FusedMoE(nn.Module):
 
 # Checkpoint names of experts: per expert (``experts.N.gate_proj.weight``; Mixtral's first
 # checkpoints ``experts.N.w1`` gate, ``w3`` up, ``w2`` down) or fused 3-D (transformers 5).
-_PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|qweight|scales|zeros)$"
+)
 _FUSED = re.compile(r"^(.*)\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 _PARTS = {
     "gate_proj": "gate",
@@ -242,9 +254,9 @@ def expert_target(name: str) -> tuple[str, object] | None:
     when ``name`` is not an expert weight."""
     match = _PER_EXPERT.match(name)
     if match:
-        prefix, expert, part = match.groups()
+        prefix, expert, part, kind = match.groups()
         part = _PARTS[part]
-        target = "w2_weight" if part == "down" else "w13_weight"
+        target = f"{'w2' if part == 'down' else 'w13'}_{kind}"  # kind: packed experts' parts
         return f"{prefix}.{target}", (int(expert), part)
     match = _FUSED.match(name)
     if match:

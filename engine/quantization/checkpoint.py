@@ -18,6 +18,7 @@ from engine.quantization.awq import AWQFormat
 from engine.quantization.compressed_tensors import SKIPPED_PARTS, CompressedTensorsFormat
 from engine.quantization.gptq import GPTQFormat
 from engine.quantization.linear import QuantizedLinear, swappable
+from engine.quantization.moe import quantize_experts
 
 log = logging.getLogger(__name__)
 
@@ -52,39 +53,57 @@ class QuantizedCheckpoint:
 
     def quantize_layers(self, net: nn.Module) -> None:
         """Swap every layer the checkpoint quantizes, and pagedq can run packed, for a
-        ``QuantizedLinear``; the others load dequantized."""
-        by_module: dict[str, list[str]] = {}
+        ``QuantizedLinear`` (MoE experts: packed stacks in their ``FusedMoE``); the others load
+        dequantized."""
+        from engine.models.moe import FusedMoE
+
+        by_target: dict[str, list[str]] = {}
         for prefix in self.parts:
             name = net.checkpoint_name(prefix.removeprefix("model.") + ".weight")
-            if name is None:
+            if name is not None:
+                by_target.setdefault(net.split_target(name)[0], []).append(prefix)
+        experts: dict[str, dict[str, list[str]]] = {}
+        for target, prefixes in by_target.items():
+            path, _, attr = target.rpartition(".")
+            owner = _submodule(net, path)
+            if isinstance(owner, FusedMoE) and attr in ("w13_weight", "w2_weight"):
+                experts.setdefault(path, {})[attr] = prefixes
                 continue
-            target, _ = net.split_target(name)
-            by_module.setdefault(target.removesuffix(".weight"), []).append(prefix)
-        for path, prefixes in by_module.items():
-            try:
-                module = net.get_submodule(path)
-            except AttributeError:
+            module = _submodule(net, target.removesuffix(".weight"))
+            if module is None or not swappable(module):
                 continue
-            if not swappable(module):
-                continue
-            specs = {prefix: self._spec(prefix, module) for prefix in prefixes}
-            if len(set(specs.values())) > 1:
-                raise ValueError(
-                    f"the projections merged into {path!r} are quantized differently: {specs}"
-                )
-            parent, _, attr = path.rpartition(".")
-            owner = net.get_submodule(parent) if parent else net
-            setattr(owner, attr, QuantizedLinear(module, *next(iter(specs.values()))))
+            spec = self._same_spec(target, prefixes, module.in_features * tp_size_of(module))
+            parent, _, name = target.removesuffix(".weight").rpartition(".")
+            setattr(_submodule(net, parent), name, QuantizedLinear(module, *spec))
             self.swapped.update(prefixes)
+        for path, stems in experts.items():
+            moe = _submodule(net, path)
+            if set(stems) != {"w13_weight", "w2_weight"}:
+                continue
+            spec13 = self._same_spec(path, stems["w13_weight"], moe.hidden_size)
+            spec2 = self._same_spec(path, stems["w2_weight"], moe.intermediate_size)
+            if spec13[0] != spec2[0] or spec13[2] != spec2[2] or spec13[3] or spec2[3]:
+                continue  # mixed schemes or act order: dequantized
+            quantize_experts(moe, spec13[0], spec13[1], spec2[1], spec13[2])
+            self.swapped.update(stems["w13_weight"] + stems["w2_weight"])
         log.info(
             "%s checkpoint: %d projections stay packed, %d load dequantized",
             self.method, len(self.swapped), len(self.parts) - len(self.swapped),
         )  # fmt: skip
 
-    def _spec(self, prefix: str, module: nn.Linear) -> tuple[str, int, bool, bool]:
-        """(weight type, groups over the whole input, zero points?, act order?) of a layer."""
+    def _same_spec(self, where: str, prefixes: list[str], full_in: int) -> tuple:
+        """The one spec of the checkpoint layers that load into ``where``."""
+        specs = {prefix: self._spec(prefix, full_in) for prefix in prefixes}
+        if len(set(specs.values())) > 1:
+            raise ValueError(
+                f"the projections loaded into {where!r} are quantized differently: {specs}"
+            )
+        return next(iter(specs.values()))
+
+    def _spec(self, prefix: str, full_in: int) -> tuple[str, int, bool, bool]:
+        """(weight type, groups over the whole input, zero points?, act order?) of a layer
+        of ``full_in`` input features."""
         parts, shape = self.parts[prefix], self.tensors
-        full_in = module.in_features * (tp_size_of(module))
         if self.method in ("gptq", "awq"):
             groups = shape[f"{prefix}.scales"][0][0]
             bits = self.format.bits if self.method == "gptq" else 4
@@ -137,6 +156,13 @@ class QuantizedCheckpoint:
         return (
             "g_idx" in parts and getattr(self.format, "desc_act", False)
         ) or "weight_g_idx" in parts
+
+
+def _submodule(net: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return net.get_submodule(path) if path else net
+    except AttributeError:
+        return None
 
 
 def _in_features(packed) -> int:

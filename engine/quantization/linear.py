@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.linear import MergedLinear
+from engine.models.linear import KeepsPackedDtypes, MergedLinear
 from engine.parallel.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -27,7 +27,6 @@ SWAPPABLE = (
     nn.Linear, MergedLinear, ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
     RowParallelLinear,
 )  # fmt: skip
-PACKED = ("qweight", "scales", "zeros", "perm")
 
 
 def swappable(module: nn.Module) -> bool:
@@ -40,7 +39,7 @@ def swappable(module: nn.Module) -> bool:
     return loader is None or getattr(loader, "__self__", None) is module
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(KeepsPackedDtypes):
     """``y = x @ dequantize(W).T + b`` of the layer it replaces, ``W`` packed; past one rank
     a row-parallel layer all-reduces as before."""
 
@@ -114,16 +113,6 @@ class QuantizedLinear(nn.Module):
                 f"(shard {shard!r}): pagedq runs them as one GEMM over one input order"
             )
 
-    def _apply(self, fn, recurse=True):
-        # The packed tensors keep their dtypes when the model is cast (bf16 would round the
-        # scales); they move with it between devices.
-        packed = {id(getattr(self, name)) for name in PACKED if getattr(self, name) is not None}
-
-        def move_only(t: torch.Tensor) -> torch.Tensor:
-            return t.to(fn(t.new_empty(0)).device) if id(t) in packed else fn(t)
-
-        return super()._apply(move_only, recurse)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
@@ -136,4 +125,6 @@ class QuantizedLinear(nn.Module):
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t, requires_grad=False)
+    param = nn.Parameter(t, requires_grad=False)
+    param.keep_dtype = True
+    return param

@@ -17,6 +17,7 @@ from quantized_checkpoints import write_awq, write_compressed_tensors, write_gpt
 from tiny_models import default_tokenizer, tiny_hf_model
 
 from engine import LLM
+from engine.models.moe import FusedMoE
 from engine.quantization.linear import QuantizedLinear
 from tests.engine.test_architectures import (
     GREEDY,
@@ -81,8 +82,12 @@ def test_quantized_checkpoint_gives_hf_greedy_tokens_of_its_dequantized_weights(
     llm = tiny_llm(folder)
     model = llm.llm_engine.model
     packed = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    # Every attention projection of the llama and the MoE, and the llama's MLP, stay packed.
+    # Every attention projection and MLP of the llama, every projection and expert of the MoE,
+    # stay packed.
     assert len(packed) == (4 if CASES[case_id][0] == "llama" else 2) * 2
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert all(m.quant is not None and m.w13_weight is None for m in moes)
+    assert len(moes) == (0 if CASES[case_id][0] == "llama" else 2)
     assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
 
 
@@ -158,12 +163,15 @@ def test_an_unknown_weight_strategy_is_refused_naming_the_group(tmp_path):
     )
 
 
-def test_two_ranks_give_the_same_tokens(tmp_path_factory):
+@pytest.mark.parametrize("case_id", ["gptq-v2", "qwen3-moe-awq"])
+def test_two_ranks_give_the_same_tokens(case_id, tmp_path_factory):
     # Last in the module: a process has one tensor-parallel group at a time.
-    folder, expected = built("gptq-v2", tmp_path_factory)
+    folder, expected = built(case_id, tmp_path_factory)
     with LLM(str(folder), dtype="float32", tensor_parallel_size=2, kv_cache_memory=2**22) as llm:
         model = llm.llm_engine.model
-        assert isinstance(model.layers[0].mlp.down_proj, QuantizedLinear)
-        assert model.layers[0].mlp.down_proj.qweight.shape == (64, 32)  # half the input, packed
+        if case_id == "gptq-v2":  # half the down projection's input, two values a byte
+            assert model.layers[0].mlp.down_proj.qweight.shape == (64, 32)
+        else:  # half the experts, packed
+            assert model.layers[0].mlp.w13_qweight.shape == (2, 128, 32)
         assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
     torch.set_num_threads(1)
