@@ -102,7 +102,9 @@ class RankGroup:
             processes.append(p)
         group = cls(processes)
         try:
-            init_tensor_parallel(0, tensor_parallel_size, init_method, _backend(config), timeout_s)
+            init_tensor_parallel(
+                0, tensor_parallel_size, init_method, _backend(config), timeout_s, group.check
+            )
         except Exception:
             group.kill()
             raise

@@ -5,6 +5,8 @@ written for N ranks runs unchanged at N = 1."""
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -44,9 +46,12 @@ def moe_parallel() -> str:
 
 def init_tensor_parallel(
     rank: int, world_size: int, init_method: str, backend: str | None = None,
-    timeout_s: float | None = None,
+    timeout_s: float | None = None, check_ranks: Callable[[], None] | None = None,
 ) -> None:  # fmt: skip
-    """Join the group of ``world_size`` ranks as ``rank`` (gloo on the CPU, NCCL on CUDA)."""
+    """Join the group of ``world_size`` ranks as ``rank`` (gloo on the CPU, NCCL on CUDA).
+    ``check_ranks``: called by rank 0 while it waits for the others at a ``tcp://``
+    rendezvous; it raises when one of them has exited, so a rank that dies before it joins is
+    named at once rather than after the rendezvous timeout."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must be in [0, tensor_parallel_size={world_size})")
     if backend is None:
@@ -58,8 +63,12 @@ def init_tensor_parallel(
         host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
         store = dist.TCPStore(
             host, int(port), world_size, is_master=rank == 0,
-            timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+            timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S), wait_for_workers=False,
         )  # fmt: skip
+        if rank > 0:
+            store.add(_JOINED, 1)
+        else:
+            _wait_for_ranks(store, world_size, check_ranks)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
@@ -67,6 +76,22 @@ def init_tensor_parallel(
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
     )
+
+
+_JOINED = "pagedq/ranks_joined"
+
+
+def _wait_for_ranks(store, world_size: int, check_ranks: Callable[[], None] | None) -> None:
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+    while (joined := store.add(_JOINED, 0)) < world_size - 1:
+        if check_ranks is not None:
+            check_ranks()
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{joined} of the {world_size - 1} other tensor-parallel ranks joined within "
+                f"{RENDEZVOUS_TIMEOUT_S:.0f} s"
+            )
+        time.sleep(0.05)
 
 
 def destroy_tensor_parallel() -> None:

@@ -3,6 +3,9 @@ output, each rank loading its slice from the whole checkpoint tensor and holding
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -17,7 +20,7 @@ from engine.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from engine.parallel.ranks import free_port
+from engine.parallel.ranks import RankFailure, RankGroup, free_port
 from engine.parallel.state import destroy_tensor_parallel, init_tensor_parallel, tp_rank
 
 HIDDEN, INTER, VOCAB, HEAD_DIM = 64, 96, 101, 16  # a vocabulary that 2 ranks do not divide
@@ -117,3 +120,23 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_it():
         assert "'up.weight'" in str(exc) and str((INTER, HIDDEN)) in str(exc)
     else:
         raise AssertionError("a wrong shape was loaded")
+
+
+def _refuse_to_unpickle():
+    raise RuntimeError("this rank dies before it joins")
+
+
+class _DiesOnArrival:
+    """A config whose copy in the spawned rank cannot be rebuilt: the rank exits at start."""
+
+    device = "cpu"
+
+    def __reduce__(self):
+        return _refuse_to_unpickle, ()
+
+
+def test_a_rank_that_dies_before_joining_is_named_at_once():
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="tensor-parallel rank 1 exited"):
+        RankGroup.start(_DiesOnArrival(), 2)
+    assert time.monotonic() - start < 60  # not the 600 s rendezvous timeout
