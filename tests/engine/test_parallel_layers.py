@@ -1,5 +1,6 @@
 """The tensor-parallel layers at two ranks (gloo, one thread each) give the unsharded layer's
-output, each rank loading its slice from the whole checkpoint tensor and holding half of it."""
+output, each rank loading its slice from the whole checkpoint tensor and holding half of it; a
+rank that dies before it joins the group is named at once."""
 
 from __future__ import annotations
 
