@@ -1,5 +1,5 @@
-"""The `pagedq` command: producer subcommands from producer.cli, `worker` and `demo` from
-worker.cli and `serve` from gateway.cli, each imported only when asked for, so a producer-only
+"""The `pagedq` command: producer subcommands from producer.cli, `worker`, `demo` and `models`
+from worker.cli and `serve` from gateway.cli, each imported only when asked for, so a producer-only
 install (`pip install pagedq`) runs submit/status/result/cancel and explains what `pagedq
 worker` and `pagedq serve` need."""
 
@@ -9,7 +9,7 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
-WORKER_COMMANDS = ("worker", "demo")
+WORKER_COMMANDS = ("worker", "demo", "models")
 # What `pip install 'pagedq[worker]'` adds and worker/ needs at once.
 WORKER_EXTRA_MODULES = ("torch", "transformers", "gguf", "structlog", "prometheus_client")
 # What `pip install 'pagedq[gateway]'` adds for `pagedq serve` (no torch).
@@ -45,9 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
-        from worker.cli import demo_main, worker_main
+        from worker.cli import demo_main, models_main, worker_main
 
-        return (worker_main if argv[0] == "worker" else demo_main)(argv[1:]) or 0
+        command = {"worker": worker_main, "demo": demo_main, "models": models_main}[argv[0]]
+        return command(argv[1:]) or 0
     from producer.cli import main as producer_main
 
     return producer_main(argv)

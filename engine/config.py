@@ -13,6 +13,8 @@ from engine.dtype_probe import probe_cpu_dtype
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "auto": Triton on CUDA, the C++ kernels on the CPU (torch reference without a compiler).
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
+# "auto": the native family where the registry has one, else the Transformers backend.
+MODEL_IMPLS = ("auto", "native", "transformers")
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -137,6 +139,15 @@ class EngineConfig:
             choices=("ep", "tp"),
         ),
     )
+    model_impl: str = field(
+        default="auto",
+        metadata=_doc(
+            "which implementation runs the model: auto (pagedq's native family where it has "
+            "one, else the Transformers modeling backend), native (refuse other model types) or "
+            "transformers (the backend even for a native family)",
+            choices=MODEL_IMPLS,
+        ),
+    )
     max_grammar_compile_s: float = field(
         default=10.0,
         metadata=_doc(
@@ -208,6 +219,10 @@ class EngineConfig:
         if self.moe_parallel not in ("ep", "tp"):
             raise ValueError(
                 f"moe_parallel={self.moe_parallel!r} is invalid: must be one of ['ep', 'tp']"
+            )
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(
+                f"model_impl={self.model_impl!r} is invalid: must be one of {list(MODEL_IMPLS)}"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(

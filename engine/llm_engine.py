@@ -23,6 +23,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_spec import LatentAttentionSpec, make_layout
 from engine.model_loader import cached_source, load_model, resolve_model
 from engine.model_runner import ModelRunner
+from engine.models import check_parallel
 from engine.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -128,11 +129,12 @@ class LLMEngine:
         self.model_name = config.model
         self.ranks, self.plan_channel = None, None
         if tp > 1:
+            check_parallel(config.model, config.model_impl, tp)  # before any rank starts
             self._join_ranks(config, threads)
         set_moe_parallel(config.moe_parallel)
         self.model, self.hf_config, self.tokenizer = load_model(
             config.model, self.dtype, self.device, config.attention_backend, tp,
-            config.moe_parallel,
+            config.moe_parallel, config.model_impl,
         )  # fmt: skip
         max_position = self.model.max_position
         self.kv_layout = make_layout(self.model.kv_cache_specs())

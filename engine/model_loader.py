@@ -291,11 +291,12 @@ def generation_eos_token_ids(folder: str) -> frozenset[int]:
 @lru_cache(maxsize=2)
 def load_model(
     model: str, dtype: torch.dtype, device: torch.device, attention_backend: str,
-    tensor_parallel_size: int = 1, moe_parallel: str = "ep",
+    tensor_parallel_size: int = 1, moe_parallel: str = "ep", model_impl: str = "auto",
 ):  # fmt: skip
     """(model, hf_config, tokenizer), loaded once per process and argument set; at
     ``tensor_parallel_size`` > 1, this rank's shard (the group must be joined), its MoE layers
-    split as ``moe_parallel`` says (``set_moe_parallel``: the caller sets it).
+    split as ``moe_parallel`` says (``set_moe_parallel``: the caller sets it); ``model_impl``
+    picks the native family or the Transformers backend (``engine.models.model_class``).
 
     The model holds no per-request state, so engines in one process may share it.
     """
@@ -315,7 +316,7 @@ def load_model(
     tokenizer = load_tokenizer(source)
     hf_config = load_config(source)
     max_position = max_position_of(hf_config)
-    cls = model_class(hf_config)
+    cls = model_class(hf_config, model_impl)
     method = quantization_method(hf_config)
     with _skip_weight_init():
         net = cls(hf_config, max_position, attention_backend)

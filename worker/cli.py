@@ -1,4 +1,5 @@
-"""`pagedq worker` and `pagedq demo` (the `pagedq` entry module, pagedq_cli.py, dispatches here)."""
+"""`pagedq worker`, `pagedq demo` and `pagedq models` (the `pagedq` entry module, pagedq_cli.py,
+dispatches here)."""
 
 from __future__ import annotations
 
@@ -168,6 +169,27 @@ def demo_main(argv: list[str] | None = None) -> int:
     from worker.demo import run_demo
 
     return run_demo(argv)
+
+
+def models_main(argv: list[str] | None = None) -> int:
+    """`pagedq models`: every model type pagedq claims, and the path that serves it."""
+    argparse.ArgumentParser(
+        prog="pagedq models",
+        description="List the supported model types: native (a family file of pagedq's) or "
+        "transformers (the Transformers modeling backend, verified by its tests).",
+    ).parse_args(argv)
+    from engine.models import model_impls
+
+    impls = model_impls()
+    width = max(map(len, impls))
+    print(f"{'model_type':<{width}}  path")
+    for model_type, path in impls.items():
+        print(f"{model_type:<{width}}  {path}")
+    print(
+        "\n--model-impl transformers runs a native type on the backend too; other decoder-only "
+        "attention families run on it unverified, and what it cannot run is refused at load."
+    )
+    return 0
 
 
 if __name__ == "__main__":

@@ -2,12 +2,15 @@
 
 Shared layers (attention with its options, rotary embeddings, norms, MLPs, the decoder block,
 the causal-LM shell) live beside the family files; a family file composes them and says only
-what is new in it.
+what is new in it. A family without a file runs on the Transformers modeling backend
+(``engine/models/transformers/``), as ``model_impl`` chooses.
 """
 
 from __future__ import annotations
 
 import importlib
+
+from engine.config import MODEL_IMPLS
 
 # model_type -> (module, class). Imported on first use, so a family's imports cost nothing
 # to the others.
@@ -35,17 +38,53 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
 
 
 def supported_model_types() -> tuple[str, ...]:
-    """Every ``model_type`` pagedq runs, sorted."""
+    """Every ``model_type`` pagedq runs natively, sorted."""
     return tuple(sorted(MODEL_REGISTRY))
 
 
-def model_class(config) -> type:
-    """The class that runs ``config.model_type``; unknown types are refused naming the
-    supported ones."""
+def model_impls() -> dict[str, str]:
+    """Each claimed ``model_type`` -> the path ``model_impl="auto"`` serves it on: "native" or
+    "transformers" (the backend's verified types, ``TRANSFORMERS_BACKEND_TYPES``)."""
+    from engine.models.transformers import TRANSFORMERS_BACKEND_TYPES
+
+    impls = dict.fromkeys(TRANSFORMERS_BACKEND_TYPES, "transformers")
+    impls.update(dict.fromkeys(MODEL_REGISTRY, "native"))
+    return dict(sorted(impls.items()))
+
+
+def model_class(config, model_impl: str = "auto") -> type:
+    """The class that runs ``config.model_type``: its native family ("native", or "auto" where
+    the registry has one), else the Transformers backend ("transformers", or "auto" for any
+    other type: the backend refuses at load what it cannot run, naming why)."""
+    from engine.models.transformers import MODEL_CLASS
+
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl={model_impl!r} is invalid: must be one of {MODEL_IMPLS}")
     model_type = getattr(config, "model_type", None)
-    if model_type not in MODEL_REGISTRY:
+    native = model_type in MODEL_REGISTRY
+    if model_impl == "native" and not native:
         raise ValueError(
-            f"model_type={model_type!r} is not supported: must be one of {supported_model_types()}"
+            f"model_type={model_type!r} has no native implementation: with "
+            f"model_impl='native' it must be one of {supported_model_types()}; "
+            "model_impl='auto' or 'transformers' runs it on the Transformers backend"
         )
-    module, name = MODEL_REGISTRY[model_type]
+    module, name = (
+        MODEL_REGISTRY[model_type] if native and model_impl != "transformers" else MODEL_CLASS
+    )
     return getattr(importlib.import_module(module), name)
+
+
+def check_parallel(model: str, model_impl: str, tensor_parallel_size: int) -> None:
+    """Refuse ``tensor_parallel_size`` > 1 for a model the Transformers backend would run,
+    before any rank starts (its layers are transformers' own, not pagedq's parallel ones)."""
+    from engine.model_loader import cached_source, load_config, resolve_model
+
+    if tensor_parallel_size == 1 or model_impl == "native":
+        return
+    config = load_config(cached_source(resolve_model(model)))
+    if model_impl == "transformers" or config.model_type not in MODEL_REGISTRY:
+        raise ValueError(
+            f"model_impl={model_impl!r} serves model_type={config.model_type!r} on the "
+            f"Transformers backend, which runs at tensor_parallel_size=1 only, got "
+            f"{tensor_parallel_size}"
+        )

@@ -1,0 +1,291 @@
+"""The Transformers modeling backend: each model type it claims (``TRANSFORMERS_BACKEND_TYPES``,
+what ``pagedq models`` lists) gives Hugging Face's greedy tokens (fp32) from a tiny random
+checkpoint, with sliding windows shorter than the prompts and several experts per token; native
+families run through it give the native tokens; chunked prefill, preemption, a JSON schema,
+quantized checkpoints and the Triton kernels hold on it; what it cannot run is refused at load,
+naming the layer class or config field."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from quantized_checkpoints import write_awq, write_gptq
+from tiny_models import default_tokenizer, make_tiny_model, tiny_hf_model
+
+from engine import LLM, SamplingParams
+from engine.models import model_impls
+from engine.models.transformers import TRANSFORMERS_BACKEND_TYPES
+from engine.quantization.linear import QuantizedLinear
+from engine.structured_outputs import StructuredOutputsParams
+from tests.engine.test_architectures import (  # noqa: F401
+    GREEDY,
+    MAX_TOKENS,
+    PROMPTS,
+    built,
+    hf_greedy,
+    one_thread,
+    tiny_llm,
+    token_ids,
+)
+
+pytestmark = pytest.mark.slow
+
+WINDOW = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+
+# (id, model_type, config overrides): one row per claimed type at least. Windows of 8 tokens
+# (the prompts run to 33), MoE routing 3 experts of 6-8 per token.
+CASES = [
+    ("apertus", "apertus", {}),  # xIELU activation, QK-norm
+    ("arcee", "arcee", {}),  # ReLU^2 MLP
+    ("cohere", "cohere", {}),  # parallel block, LayerNorm, logit_scale
+    ("cohere2", "cohere2", WINDOW),  # windows, no RoPE on the full layers
+    ("ernie4_5", "ernie4_5", {}),
+    (
+        "ernie4_5_moe",
+        "ernie4_5_moe",
+        {"moe_num_experts": 8, "moe_k": 3, "moe_intermediate_size": 32,
+         "moe_num_shared_experts": 1, "tie_word_embeddings": False},
+    ),
+    ("exaone4", "exaone4", WINDOW),  # post-norms, QK-norm, windows
+    ("glm", "glm", {"pad_token_id": 0}),  # partial interleaved RoPE
+    ("glm4", "glm4", {"pad_token_id": 0}),
+    ("gpt_neox", "gpt_neox", {}),  # base model `gpt_neox`, LM head `embed_out` on disk
+    (
+        "granite",  # every multiplier of its own: softmax scale, embeddings, residual, logits
+        "granite",
+        {"attention_multiplier": 0.2, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+         "logits_scaling": 4.0},
+    ),
+    ("granitemoe", "granitemoe",
+     {"num_local_experts": 6, "num_experts_per_tok": 3, "logits_scaling": 2.0}),
+    ("helium", "helium", {"head_dim": 16}),
+    ("hunyuan_v1_dense", "hunyuan_v1_dense", {"head_dim": 16}),
+    ("ministral", "ministral", {"head_dim": 16, **WINDOW}),
+    ("ministral3", "ministral3", {}),  # YaRN RoPE
+    ("nemotron", "nemotron", {}),  # partial RoPE, LayerNorm1P
+    ("olmo", "olmo", {}),  # LayerNorm without parameters
+    ("olmoe", "olmoe", {"num_experts": 8, "num_experts_per_tok": 3}),
+    ("olmoe-fused", "olmoe",  # transformers 5's own layout: fused 3-D experts on disk
+     {"num_experts": 8, "num_experts_per_tok": 3, "save_original_format": False}),
+    ("seed_oss", "seed_oss", {}),
+    (
+        "smollm3",  # every other layer without RoPE, and windowed
+        "smollm3",
+        {"pad_token_id": 0, "no_rope_layers": [1, 0], "use_sliding_window": True,
+         "sliding_window": 8},
+    ),
+    ("stablelm", "stablelm", {"use_qkv_bias": True}),  # partial RoPE, LayerNorm, QKV bias
+    ("starcoder2", "starcoder2", {"sliding_window": 8}),  # window on every layer
+    (
+        "vaultgemma",  # attention soft-capping and final soft-capping, windows
+        "vaultgemma",
+        {"head_dim": 16, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0, **WINDOW},
+    ),
+]  # fmt: skip
+CASE_BY_ID = {case_id: (model_type, overrides) for case_id, model_type, overrides in CASES}
+# Native families through the backend: their cases of test_architectures.py, and qwen2.
+NATIVE_CASES = ["llama", "qwen3-moe", "qwen2-bias"]
+_BUILT: dict[str, tuple[object, list[list[int]]]] = {}
+
+
+def backend_case(case_id, tmp_path_factory):
+    """``(folder, HF greedy tokens of PROMPTS)`` of a backend case, made once per module."""
+    if case_id not in _BUILT:
+        model_type, overrides = CASE_BY_ID[case_id]
+        folder = make_tiny_model(tmp_path_factory.mktemp(case_id), model_type, **overrides)
+        _BUILT[case_id] = folder, hf_greedy(folder, PROMPTS, MAX_TOKENS)
+    return _BUILT[case_id]
+
+
+def test_every_claimed_type_has_a_case():
+    claimed = {model_type for _, model_type, _ in CASES}
+    assert set(TRANSFORMERS_BACKEND_TYPES) == claimed
+    assert {t: model_impls()[t] for t in claimed} == dict.fromkeys(claimed, "transformers")
+
+
+def test_pagedq_models_lists_each_type_and_the_path_that_serves_it(capsys):
+    import pagedq_cli
+
+    assert pagedq_cli.main(["models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["model_type", "path"]
+    rows = dict(line.split() for line in lines[1:] if len(line.split()) == 2)
+    assert rows == model_impls()
+    assert rows["llama"] == "native" and rows["cohere2"] == "transformers"
+
+
+@pytest.mark.parametrize("case_id", list(CASE_BY_ID))
+def test_backend_matches_hf(tmp_path_factory, case_id):
+    folder, expected = backend_case(case_id, tmp_path_factory)
+    llm = tiny_llm(folder)  # model_impl="auto": no native family, the backend
+    assert type(llm.llm_engine.model).__name__ == "TransformersForCausalLM"
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+
+
+@pytest.mark.parametrize("case_id", ["cohere", "granite", "vaultgemma"])
+def test_scaled_and_capped_logits_match_hf(tmp_path_factory, case_id):
+    """``logit_scale``, ``logits_scaling`` and final soft-capping keep the argmax: the first
+    token's logprobs show them."""
+    from transformers import AutoModelForCausalLM
+
+    folder, _ = backend_case(case_id, tmp_path_factory)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = hf(torch.tensor(PROMPTS[:1])).logits[0, -1].log_softmax(-1)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    got = tiny_llm(folder).generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    assert len(got.logprobs[0]) >= 5
+    for token, logprob in got.logprobs[0].items():
+        assert logprob == pytest.approx(want[token].item(), abs=1e-4)
+
+
+def test_the_triton_kernels_run_the_backend(tmp_path_factory):
+    """``attention_backend="triton"`` (interpreted on the CPU here, compiled on CUDA): paged
+    attention and the fused experts run on pagedq's Triton kernels and give HF's tokens."""
+    folder, expected = backend_case("olmoe", tmp_path_factory)
+    llm = tiny_llm(folder, attention_backend="triton")
+    model = llm.llm_engine.model
+    experts = [m for m in model.modules() if getattr(m, "pagedq_backend", None) == "triton"]
+    assert len(experts) == 2 and all(getattr(m, "packed", None) is None for m in experts)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    assert token_ids(llm.generate(PROMPTS[:1], params, use_tqdm=False)) == [expected[0][:3]]
+
+
+@pytest.mark.parametrize("case_id", NATIVE_CASES)
+def test_native_family_through_the_backend_gives_the_native_tokens(tmp_path_factory, case_id):
+    folder, expected = built(case_id, tmp_path_factory)
+    native = token_ids(tiny_llm(folder).generate(PROMPTS, GREEDY, use_tqdm=False))
+    backend = tiny_llm(folder, model_impl="transformers")
+    assert type(backend.llm_engine.model).__name__ == "TransformersForCausalLM"
+    assert token_ids(backend.generate(PROMPTS, GREEDY, use_tqdm=False)) == native == expected
+
+
+def test_windows_free_blocks_and_regimes_match_hf(tmp_path_factory):
+    """On a windowed backend family: sliding layers get their own KV group, and chunked
+    prefill, preemption (recompute and swap) and a JSON schema hold."""
+    folder, expected = backend_case("cohere2", tmp_path_factory)
+    chunked = tiny_llm(folder, max_num_batched_tokens=8)
+    assert [kind for kind, _ in chunked.stats.kv_blocks_by_group] == [
+        "sliding_window=8",
+        "full_attention",
+    ]
+    assert token_ids(chunked.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    assert chunked.stats.num_chunked_prefills > 0
+
+    engine = tiny_llm(folder).llm_engine
+    longest = max(len(p) for p in PROMPTS) + MAX_TOKENS
+    num_blocks = engine.kv_cache_manager.num_blocks_for(longest) + 1
+    for swap_space, kind in ((0, "recompute"), (0.01, "swap")):
+        small = tiny_llm(
+            folder, kv_cache_memory=num_blocks * engine._kv_bytes_per_block(), swap_space=swap_space
+        )
+        assert token_ids(small.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+        assert getattr(small.stats, f"num_preemptions_{kind}") > 0, kind
+
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+        "required": ["color", "ok"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    out = chunked.generate(PROMPTS[0:1], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.parametrize(
+    "model_type,write,options,overrides",
+    [
+        ("olmo", write_gptq, dict(bits=4, sym=False, desc_act=True), {}),
+        ("olmoe", write_awq, {}, dict(num_experts=4, num_experts_per_tok=2)),
+    ],
+)
+def test_quantized_checkpoints_of_backend_families(tmp_path, model_type, write, options, overrides):
+    """GPTQ and AWQ checkpoints swap the backend's linears (the checkpoint's names are the
+    model's) and give HF's greedy tokens on their dequantized weights; experts in transformers'
+    fused layout load dequantized."""
+    model = tiny_hf_model(model_type, vocab_size=len(default_tokenizer()), **overrides)
+    quant, ref = write(model, tmp_path / "quant", tmp_path / "ref", **options)
+    llm = tiny_llm(quant)
+    modules = list(llm.llm_engine.model.modules())
+    # q, k, v, o, gate, up, down in both layers (MoE: attention only)
+    assert sum(isinstance(m, QuantizedLinear) for m in modules) == (8 if overrides else 14)
+    expected = hf_greedy(str(ref), PROMPTS, MAX_TOKENS)
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+
+
+@pytest.mark.parametrize(
+    "model_type,overrides,match",
+    [
+        ("lfm2", {"layer_types": ["conv", "full_attention"]}, r"Lfm2ShortConv .*convolution"),
+        ("mamba", {}, r"MambaBlock .*recurrent"),
+        ("minimax", {"layer_types": ["linear_attention", "full_attention"]},
+         r"config\.layer_types has \['linear_attention'\]"),
+        ("diffllama", {}, r"attention layer indices \[0, 0, 1, 1\]"),  # two softmaxes a layer
+        ("doge", {}, r"DogeAttention builds an attention mask of its own"),
+    ],
+)  # fmt: skip
+def test_what_the_backend_cannot_run_is_refused_at_load(tmp_path, model_type, overrides, match):
+    folder = make_tiny_model(tmp_path / "m", model_type, **overrides)
+    with pytest.raises(ValueError, match=match):
+        tiny_llm(folder)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ("shape", r"weight 'model\.layers\.1\.mlp\.down_proj\.weight': shape \(64, 64\)"),
+        ("unknown", r"unexpected weight 'model\.layers\.1\.mlp\.extra_proj\.weight'"),
+        ("missing", r"missing weights: \['model\.layers\.1\.mlp\.down_proj\.weight'\]"),
+    ],
+)
+def test_a_checkpoint_that_does_not_match_its_config_is_refused(tmp_path, change, match):
+    from safetensors.torch import load_file, save_file
+
+    folder = make_tiny_model(tmp_path / "m", "olmo")
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    if change == "shape":
+        tensors[name] = tensors[name][:, :64].contiguous()
+    elif change == "unknown":
+        tensors[name.replace("down_proj", "extra_proj")] = tensors[name].clone()
+    else:
+        del tensors[name]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=match):
+        tiny_llm(folder)
+
+
+def test_an_encoder_decoder_is_refused(tmp_path):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("t5", vocab_size=len(default_tokenizer())).save_pretrained(tmp_path)
+    default_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model_type='t5': config\.is_encoder_decoder=True"):
+        tiny_llm(tmp_path)
+
+
+def test_native_only_refuses_a_backend_family(tmp_path_factory):
+    folder, _ = backend_case("olmo", tmp_path_factory)
+    with pytest.raises(ValueError, match=r"model_type='olmo' has no native implementation"):
+        tiny_llm(folder, model_impl="native")
+
+
+def test_a_length_dependent_rope_is_refused(tmp_path_factory):
+    folder, _ = built("rope-dynamic", tmp_path_factory)
+    with pytest.raises(ValueError, match=r"rope_type='dynamic'"):
+        tiny_llm(folder, model_impl="transformers")
+
+
+def test_tensor_parallel_is_refused_naming_both_settings(tmp_path_factory):
+    folder, _ = backend_case("olmo", tmp_path_factory)
+    match = r"model_impl='auto' serves model_type='olmo' on the Transformers backend, which "
+    match += r"runs at tensor_parallel_size=1 only, got 2"
+    with pytest.raises(ValueError, match=match):  # before any rank starts: none to stop
+        LLM(str(folder), dtype="float32", kv_cache_memory=2**22, tensor_parallel_size=2)
