@@ -39,6 +39,7 @@ SOURCES = tuple(
         "gated_delta_cpu.cpp",
         "causal_conv1d_cpu.cpp",
         "mla_cpu.cpp",
+        "quant_linear_cpu.cpp",
     )
 )
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -65,7 +66,9 @@ def build_flags() -> list[str]:
 def extension_name() -> str:
     """A name unique to the source, the flags and the torch version, so stale builds never load."""
     digest = hashlib.sha256()
-    for path in sorted(CSRC.glob("*.[ch]*")):  # sources and the header they share
+    # The compiled sources and the headers they share: a .cpp not (yet) in SOURCES must not
+    # name a build that lacks it.
+    for path in sorted((*SOURCES, *CSRC.glob("*.h"))):
         digest.update(path.name.encode() + path.read_bytes())
     digest.update(" ".join(build_flags()).encode())
     digest.update(torch.__version__.encode())

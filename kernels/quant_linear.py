@@ -108,11 +108,7 @@ def quant_linear_cpu_available() -> bool:
     """True where the C++ kernels (``torch.ops.pagedq.quant_linear``) are built and loaded."""
     from kernels import cpu_attention
 
-    if not cpu_attention.cpu_kernels_available():
-        return False
-    return hasattr(torch.ops.pagedq, "quant_linear") and bool(
-        torch.ops.pagedq.quant_linear_available()
-    )
+    return cpu_attention.cpu_kernels_available() and bool(torch.ops.pagedq.quant_linear_available())
 
 
 def quant_linear(
