@@ -32,7 +32,7 @@ from engine.parallel.cache_ops import (
 class RecurrentStateSpec:
     """One linear-attention layer's state per sequence: ``conv_shape`` ``(conv_dim,
     kernel_size - 1)`` in the model's dtype and ``state_shape`` ``(num_v_heads, k_dim, v_dim)``
-    in fp32."""
+    in fp32; ``(0, 0, 0)`` for a layer with a conv window only (LFM2's short convolution)."""
 
     conv_shape: tuple[int, int]
     state_shape: tuple[int, int, int]

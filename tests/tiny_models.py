@@ -53,7 +53,7 @@ def tiny_hf_model(model_type: str, seed: int = 0, **overrides):
             elif "norm" in name:  # around its init: 1 (Llama) or 0 (Gemma's 1 + w)
                 p.add_(torch.randn_like(p) * 0.1)
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # zeros at init: routing ignores it
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # zeros at init
                 b.normal_(0, 0.1)
     return model
 

@@ -34,6 +34,8 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "qwen3_5_moe_text": ("engine.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
     "qwen3_next": ("engine.models.qwen3_5", "Qwen3NextForCausalLM"),
     "deepseek_v3": ("engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "lfm2": ("engine.models.lfm2", "Lfm2ForCausalLM"),
+    "lfm2_moe": ("engine.models.lfm2", "Lfm2MoeForCausalLM"),
 }
 
 

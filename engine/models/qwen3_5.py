@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kv_cache_spec import FullAttentionSpec
 from engine.models.attention import Attention, AttentionOptions
 from engine.models.causal_lm import PACKED_MODULES
 from engine.models.config_fields import head_dim_of, num_kv_heads_of
 from engine.models.decoder import DecoderLayer
+from engine.models.hybrid import HybridLayers
 from engine.models.mlp import GatedMLP
 from engine.models.moe import FusedMoE, MoECausalLM
 from engine.models.qwen3_moe import is_sparse_layer
@@ -161,7 +161,7 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(num_tokens, self.value_size))
 
 
-class Qwen3_5ForCausalLM(MoECausalLM):
+class Qwen3_5ForCausalLM(HybridLayers, MoECausalLM):
     """Qwen3.5's hybrid stack (dense MLPs); the MoE variant overrides ``make_mlp``."""
 
     packed_modules = {
@@ -206,45 +206,6 @@ class Qwen3_5ForCausalLM(MoECausalLM):
     def make_mlp(self, config, i: int) -> nn.Module:
         """Layer ``i``'s feed-forward block."""
         return GatedMLP(config.hidden_size, config.intermediate_size, self.backend)
-
-    def _linear_layers(self) -> list[GatedDeltaNet]:
-        mixers = [layer.self_attn for layer in self.layers]
-        return [m for m in mixers if isinstance(m, GatedDeltaNet)]
-
-    def kv_cache_specs(self) -> list[FullAttentionSpec]:
-        """The full-attention layers' specs only: ``kv_caches`` and ``meta`` hold one entry per
-        full-attention layer, in order."""
-        return [
-            FullAttentionSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
-            for layer in self.layers
-            if not isinstance(layer.self_attn, GatedDeltaNet)
-        ]
-
-    def kv_cache_indices(self) -> list[int]:
-        """One cache per full-attention layer, in order (the linear layers take none)."""
-        return list(range(len(self.kv_cache_specs())))
-
-    def recurrent_state_specs(self) -> list[RecurrentStateSpec]:
-        """The linear-attention layers' per-sequence states, in order."""
-        return [mixer.state_spec() for mixer in self._linear_layers()]
-
-    def bind_state_cache(self, cache) -> None:
-        """Point every linear layer at its pools of ``cache`` (an engine StateCache)."""
-        for j, mixer in enumerate(self._linear_layers()):
-            mixer.bind_state(cache.conv_states[j], cache.ssm_states[j])
-
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        caches, metas = iter(kv_caches), iter(meta)
-        first = meta[0]
-        layer_caches, layer_meta = [], []
-        for layer in self.layers:
-            if isinstance(layer.self_attn, GatedDeltaNet):
-                layer_caches.append(None)
-                layer_meta.append(first)
-            else:
-                layer_caches.append(next(caches))
-                layer_meta.append(next(metas))
-        return super().forward(input_ids, positions, layer_caches, layer_meta)
 
     def checkpoint_name(self, name: str) -> str | None:
         return super().checkpoint_name(name.replace(".linear_attn.", ".self_attn."))

@@ -45,6 +45,7 @@ def grouped_topk_sigmoid(
     topk_group: int,
     renormalize: bool,
     routed_scaling_factor: float,
+    renormalize_eps: float = 1e-20,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights fp32, ids)`` of DeepSeek-V3's grouped sigmoid routing (fp32 ``logits``)."""
     num_tokens, num_experts = logits.shape
@@ -58,7 +59,7 @@ def grouped_topk_sigmoid(
     ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if renormalize:
-        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+        weights /= weights.sum(dim=-1, keepdim=True) + renormalize_eps
     return weights * routed_scaling_factor, ids
 
 
@@ -85,6 +86,7 @@ class Router(nn.Module):
         topk_group: int = 1,
         routed_scaling_factor: float = 1.0,
         round_weights: bool = False,
+        renormalize_eps: float = 1e-20,  # LFM2-MoE adds 1e-6 to the sum it divides by
     ) -> None:
         super().__init__()
         if scoring not in SCORING:
@@ -102,6 +104,7 @@ class Router(nn.Module):
         self.n_group, self.topk_group = n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
         self.round_weights = round_weights
+        self.renormalize_eps = renormalize_eps
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
         if scoring == "grouped_topk_sigmoid":  # a parameter, so that checkpoints load it
@@ -124,6 +127,7 @@ class Router(nn.Module):
                 self.topk_group,
                 self.renormalize,
                 self.routed_scaling_factor,
+                self.renormalize_eps,
             )
         if self.round_weights:
             weights = weights.to(x.dtype)

@@ -73,6 +73,11 @@ QWEN3_5 = {
     "linear_value_head_dim": 16,
 }  # fmt: skip
 
+LFM2 = {
+    "num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"],
+    "conv_L_cache": 3, "block_multiple_of": 32, "norm_eps": 1e-6,
+}  # fmt: skip
+
 # Three layers, the first dense; experts in 4 groups of 2, 3 experts per token from the best 2.
 DEEPSEEK = {
     "num_hidden_layers": 3, "first_k_dense_replace": 1, "num_key_value_heads": 4,
@@ -232,6 +237,14 @@ CASES = [
         "qwen3_next",
         {**QWEN3_5, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
          "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]},
+    ),
+    # Gated short convolutions around one attention layer; the MLP width adjusted (2/3, x96).
+    ("lfm2", "lfm2", LFM2),
+    (
+        "lfm2-moe",  # a dense first layer, then sigmoid routing with an expert bias
+        "lfm2_moe",
+        {**LFM2, "num_dense_layers": 1, "num_experts": 6, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "routed_scaling_factor": 1.5},
     ),
     # Latent attention: DeepSeek-V3's own options (q LoRA, interleaved rope, yarn's mscale in
     # the softmax scale), and the q_proj path with plain rope.

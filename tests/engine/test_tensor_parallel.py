@@ -1,8 +1,9 @@
 """Tensor parallel at two ranks (gloo, one thread each): greedy tokens equal those at one rank
-(Hugging Face's) for a dense, an MoE (both MoE splits), a sinks-and-windows, a latent-attention
-and a hybrid linear-attention model; prefix caching, preemption by swap, n > 1 seeded samples
-and a JSON schema give what one rank gives; each rank holds about half the weights; a rank
-that dies or hangs stops the engine with ``RankFailure`` instead of a hang.
+(Hugging Face's) for a dense, an MoE (both MoE splits), a sinks-and-windows, a latent-attention,
+a hybrid linear-attention and a short-convolution (LFM2) model; prefix caching, preemption by
+swap, n > 1 seeded samples and a JSON schema give what one rank gives; each rank holds about
+half the weights; a rank that dies or hangs stops the engine with ``RankFailure`` instead of a
+hang.
 
 Every two-rank engine here is made after the one-rank engines it is compared with: a process
 has one tensor-parallel group at a time, and its layers read it."""
@@ -26,7 +27,7 @@ from tests.engine.test_architectures import PROMPTS, built, one_thread  # noqa: 
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["llama", "qwen3-moe", "gpt-oss", "deepseek-v3", "qwen3.5"]
+FAMILIES = ["llama", "qwen3-moe", "gpt-oss", "deepseek-v3", "qwen3.5", "lfm2"]
 SCHEMA = {
     "type": "object",
     "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},

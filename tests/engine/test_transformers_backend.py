@@ -234,7 +234,7 @@ def test_quantized_checkpoints_of_backend_families(tmp_path, model_type, write, 
 def test_what_the_backend_cannot_run_is_refused_at_load(tmp_path, model_type, overrides, match):
     folder = make_tiny_model(tmp_path / "m", model_type, **overrides)
     with pytest.raises(ValueError, match=match):
-        tiny_llm(folder)
+        tiny_llm(folder, model_impl="transformers")  # lfm2 is native under "auto"
 
 
 @pytest.mark.parametrize(

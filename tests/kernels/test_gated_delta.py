@@ -233,6 +233,21 @@ def test_conv_varlen_batch(rng, backend):
     assert torch.equal(pool[2], want_pool[2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", CONV_FORMS.values(), ids=CONV_FORMS.keys())
+def test_conv_without_activation_matches_transformers(rng, backend, dtype):
+    """``activation=None`` (LFM2's short convolution): a prompt in two chunks equals
+    transformers' convolution with no activation, and the pool its last inputs."""
+    x, weight, bias, pool = _conv_inputs(rng, 10, dtype)
+    want = causal_conv1d_fn(x.t()[None], weight, bias, activation=None)[0].t()
+    first = causal_conv1d(x[:3], weight, bias, pool, _loc([3]), torch.tensor([1]),
+                          torch.tensor([False]), None, backend=backend)  # fmt: skip
+    rest = causal_conv1d(x[3:], weight, bias, pool, _loc([7]), torch.tensor([1]),
+                         torch.tensor([True]), None, backend=backend)  # fmt: skip
+    _conv_close(torch.cat([first, rest]), want)
+    assert torch.equal(pool[1], x[-(KERNEL - 1) :].t())
+
+
 def test_conv_update_reference_is_the_varlen_reference(rng):
     x, weight, bias, pool = _conv_inputs(rng, 3, torch.float32)
     other = pool.clone()

@@ -1,0 +1,106 @@
+"""LFM2 (gated short convolutions with a conv state slot per sequence, full-attention layers
+with paged KV) through the engine's regimes: chunked prefill carries the conv window from chunk
+to chunk, preemption drops it (recompute) or moves it (swap), a prefix-cache hit starts from a
+snapshot, n > 1 and JSON schemas hold."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+
+from engine import SamplingParams
+from engine.models.lfm2 import ShortConv
+from engine.structured_outputs import StructuredOutputsParams
+from tests.engine.test_architectures import (
+    MAX_TOKENS,
+    PROMPTS,
+    built,
+    hf_greedy,
+    one_thread,  # noqa: F401
+    tiny_llm,
+    token_ids,
+)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+LONG = [[(7 * i + 3) % 4000 + 5 for i in range(50)]]  # longer than three 16-token blocks
+
+
+def test_conv_layers_keep_only_a_conv_window(tmp_path_factory):
+    """Each conv layer's state is its last ``L_cache - 1`` inputs per channel, nothing more;
+    the attention layer alone takes a KV cache."""
+    folder, _ = built("lfm2", tmp_path_factory)
+    engine = tiny_llm(folder).llm_engine
+    convs = [layer.self_attn for layer in engine.model.layers]
+    assert [isinstance(m, ShortConv) for m in convs] == [True, False, True, True]
+    assert len(engine.model.kv_cache_specs()) == 1
+    state = engine.state_cache
+    assert [tuple(t.shape[1:]) for t in state.conv_states] == [(64, 2)] * 3
+    assert state.bytes_per_slot == 3 * 64 * 2 * 4  # fp32, no recurrent state
+
+
+def test_regimes_match_hf(tmp_path_factory):
+    """Chunked prefill on a small token budget, preemption by recompute and by swap on a small
+    pool give Hugging Face's greedy tokens."""
+    folder, expected = built("lfm2", tmp_path_factory)
+    prompts = PROMPTS + LONG
+    expected = expected + hf_greedy(folder, LONG, MAX_TOKENS)
+    chunked = tiny_llm(folder, max_num_batched_tokens=8)
+    assert token_ids(chunked.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert chunked.stats.num_chunked_prefills > 0
+
+    engine = tiny_llm(folder).llm_engine
+    longest = max(len(p) for p in prompts) + MAX_TOKENS
+    num_blocks = engine.kv_cache_manager.num_blocks_for(longest) + 1
+    state_bytes = 3 * engine.state_cache.bytes_per_slot  # two slots, one snapshot
+    for swap_space, kind in ((0, "recompute"), (0.01, "swap")):
+        small = tiny_llm(
+            folder,
+            kv_cache_memory=num_blocks * engine._kv_bytes_per_block() + state_bytes,
+            swap_space=swap_space,
+            max_num_seqs=2,
+        )
+        assert small.llm_engine.state_cache.num_slots == 2
+        assert token_ids(small.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        stats = small.stats
+        assert getattr(stats, f"num_preemptions_{kind}") > 0, kind
+        assert dict(stats.kv_blocks_by_group)["recurrent_state"] == 0  # all given back
+
+
+def test_prefix_hit_on_shared_system_prompt(tmp_path_factory):
+    """Two prompts sharing a two-block system prompt: the second starts from the first's conv
+    snapshot at the block boundary (the hit counted), and both give HF's tokens."""
+    folder, _ = built("lfm2", tmp_path_factory)
+    system = [(11 * i + 5) % 3000 + 7 for i in range(32)]
+    prompts = [system + [101, 102, 103, 104, 105], system + [201, 202, 203, 204, 205, 206, 207]]
+    expected = hf_greedy(folder, prompts, MAX_TOKENS)
+    cached = tiny_llm(folder)
+    got = [token_ids(cached.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+    assert got == expected
+    assert cached.stats.prefix_cache_hits == 32
+    assert cached.llm_engine.state_cache.snapshots
+
+
+def test_seeded_samples_and_json_schema(tmp_path_factory):
+    """n > 1 with a seed gives the same samples alone and in a batch; a JSON schema holds."""
+    folder, _ = built("lfm2", tmp_path_factory)
+    llm = tiny_llm(folder)
+    seeded = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1:2], seeded, use_tqdm=False)[0]
+    batched = llm.generate(PROMPTS, seeded, use_tqdm=False)[1]
+    samples = [c.token_ids for c in alone.outputs]
+    assert len(samples) == 3 and samples == [c.token_ids for c in batched.outputs]
+    assert len({tuple(s) for s in samples}) > 1
+
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+        "required": ["color", "ok"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    out = llm.generate(PROMPTS[0:1], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), schema)
