@@ -318,6 +318,37 @@ def test_regimes_match_hf(tmp_path_factory, case_id):
     assert cached.stats.prefix_cache_hits >= 32
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+    "required": ["color", "ok"],
+    "additionalProperties": False,
+}
+
+
+def check_seeded_samples(llm) -> None:
+    """n > 1 with a seed gives the same three samples alone and in a batch, three different
+    ones (three seeds, not one sample three times)."""
+    seeded = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1:2], seeded, use_tqdm=False)[0]
+    batched = llm.generate(PROMPTS, seeded, use_tqdm=False)[1]
+    samples = [c.token_ids for c in alone.outputs]
+    assert len(samples) == 3 and samples == [c.token_ids for c in batched.outputs]
+    assert len({tuple(s) for s in samples}) > 1
+
+
+def check_json_schema(llm) -> None:
+    """A greedy generation under ``SCHEMA`` stops on its own and validates."""
+    import jsonschema
+
+    params = SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+    )
+    out = llm.generate(PROMPTS[0:1], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
 @pytest.mark.parametrize(
     "case_id", ["gemma3-text", "phi3-longrope", "deepseek-v3", "qwen3-moe", "gpt-oss"]
 )
@@ -325,27 +356,8 @@ def test_seeded_samples_and_json_schema(tmp_path_factory, case_id):
     """n > 1 with a seed gives the same samples alone and in a batch; a JSON schema holds."""
     folder, _ = built(case_id, tmp_path_factory)
     llm = tiny_llm(folder)
-    seeded = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
-    alone = llm.generate(PROMPTS[1:2], seeded, use_tqdm=False)[0]
-    batched = llm.generate(PROMPTS, seeded, use_tqdm=False)[1]
-    samples = [c.token_ids for c in alone.outputs]
-    assert len(samples) == 3 and samples == [c.token_ids for c in batched.outputs]
-    assert len({tuple(s) for s in samples}) > 1  # three seeds, not one sample three times
-
-    import jsonschema
-
-    schema = {
-        "type": "object",
-        "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
-        "required": ["color", "ok"],
-        "additionalProperties": False,
-    }
-    params = SamplingParams(
-        temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema)
-    )
-    out = llm.generate(PROMPTS[0:1], params, use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "stop"
-    jsonschema.validate(json.loads(out.text), schema)
+    check_seeded_samples(llm)
+    check_json_schema(llm)
 
 
 def test_latent_cache_keeps_one_row_per_token_per_layer(tmp_path_factory):

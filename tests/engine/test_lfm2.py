@@ -5,17 +5,14 @@ snapshot, n > 1 and JSON schemas hold."""
 
 from __future__ import annotations
 
-import json
-
-import jsonschema
-
 from engine import SamplingParams
 from engine.models.lfm2 import ShortConv
-from engine.structured_outputs import StructuredOutputsParams
 from tests.engine.test_architectures import (
     MAX_TOKENS,
     PROMPTS,
     built,
+    check_json_schema,
+    check_seeded_samples,
     hf_greedy,
     one_thread,  # noqa: F401
     tiny_llm,
@@ -85,22 +82,5 @@ def test_seeded_samples_and_json_schema(tmp_path_factory):
     """n > 1 with a seed gives the same samples alone and in a batch; a JSON schema holds."""
     folder, _ = built("lfm2", tmp_path_factory)
     llm = tiny_llm(folder)
-    seeded = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
-    alone = llm.generate(PROMPTS[1:2], seeded, use_tqdm=False)[0]
-    batched = llm.generate(PROMPTS, seeded, use_tqdm=False)[1]
-    samples = [c.token_ids for c in alone.outputs]
-    assert len(samples) == 3 and samples == [c.token_ids for c in batched.outputs]
-    assert len({tuple(s) for s in samples}) > 1
-
-    schema = {
-        "type": "object",
-        "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
-        "required": ["color", "ok"],
-        "additionalProperties": False,
-    }
-    params = SamplingParams(
-        temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema)
-    )
-    out = llm.generate(PROMPTS[0:1], params, use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "stop"
-    jsonschema.validate(json.loads(out.text), schema)
+    check_seeded_samples(llm)
+    check_json_schema(llm)

@@ -23,17 +23,11 @@ from engine import LLM, SamplingParams
 from engine.model_loader import load_model
 from engine.parallel.ranks import RankFailure
 from engine.structured_outputs import StructuredOutputsParams
-from tests.engine.test_architectures import PROMPTS, built, one_thread  # noqa: F401
+from tests.engine.test_architectures import PROMPTS, SCHEMA, built, one_thread  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
 FAMILIES = ["llama", "qwen3-moe", "gpt-oss", "deepseek-v3", "qwen3.5", "lfm2"]
-SCHEMA = {
-    "type": "object",
-    "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
-    "required": ["color", "ok"],
-    "additionalProperties": False,
-}
 
 
 def two_ranks(folder, **kwargs) -> LLM:

@@ -7,9 +7,6 @@ naming the layer class or config field."""
 
 from __future__ import annotations
 
-import json
-
-import jsonschema
 import pytest
 import torch
 from quantized_checkpoints import write_awq, write_gptq
@@ -19,12 +16,13 @@ from engine import LLM, SamplingParams
 from engine.models import model_impls
 from engine.models.transformers import TRANSFORMERS_BACKEND_TYPES
 from engine.quantization.linear import QuantizedLinear
-from engine.structured_outputs import StructuredOutputsParams
 from tests.engine.test_architectures import (  # noqa: F401
     GREEDY,
     MAX_TOKENS,
     PROMPTS,
     built,
+    check_json_schema,
+    check_seeded_samples,
     hf_greedy,
     one_thread,
     tiny_llm,
@@ -185,18 +183,7 @@ def test_windows_free_blocks_and_regimes_match_hf(tmp_path_factory):
         assert token_ids(small.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
         assert getattr(small.stats, f"num_preemptions_{kind}") > 0, kind
 
-    schema = {
-        "type": "object",
-        "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
-        "required": ["color", "ok"],
-        "additionalProperties": False,
-    }
-    params = SamplingParams(
-        temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema)
-    )
-    out = chunked.generate(PROMPTS[0:1], params, use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "stop"
-    jsonschema.validate(json.loads(out.text), schema)
+    check_json_schema(chunked)
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from engine.structured_outputs import StructuredOutputsParams
 from tests.engine.test_architectures import (
     MAX_TOKENS,
     PROMPTS,
+    SCHEMA,
     built,
     one_thread,  # noqa: F401
     tiny_llm,
@@ -31,12 +32,6 @@ pytestmark = pytest.mark.slow
 
 CASES = ["gemma3-text", "phi3-longrope", "deepseek-v3", "qwen3-moe", "gpt-oss", "qwen3.5"]
 QUANTIZED = ["gptq-asym-act-order"]  # tests/engine/test_quantized.py's cases
-SCHEMA = {
-    "type": "object",
-    "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
-    "required": ["color", "ok"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture(scope="module")

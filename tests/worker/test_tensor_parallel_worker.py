@@ -17,8 +17,7 @@ from worker_helpers import make_client, submit_running
 
 from engine import SamplingParams
 from producer.contract.keys import worker_key
-from tests.engine.test_architectures import MAX_TOKENS, PROMPTS, built, tiny_llm
-from tests.engine.test_tensor_parallel import SCHEMA
+from tests.engine.test_architectures import MAX_TOKENS, PROMPTS, SCHEMA, built, tiny_llm
 
 pytestmark = pytest.mark.slow
 
