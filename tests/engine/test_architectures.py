@@ -257,16 +257,24 @@ CASES = [
 
 
 CASE_BY_ID = {case_id: (model_type, overrides) for case_id, model_type, overrides in CASES}
-_BUILT: dict[str, tuple[object, list[list[int]]]] = {}
 
 
-def built(case_id, tmp_path_factory):
-    """``(folder, HF greedy tokens of PROMPTS)`` of a case, made once per module."""
-    if case_id not in _BUILT:
-        model_type, overrides = CASE_BY_ID[case_id]
-        folder = make_tiny_model(tmp_path_factory.mktemp(case_id), model_type, **overrides)
-        _BUILT[case_id] = folder, hf_greedy(folder, PROMPTS, MAX_TOKENS)
-    return _BUILT[case_id]
+def case_builder(case_by_id: dict[str, tuple[str, dict]]):
+    """``built(case_id, tmp_path_factory)``: ``(folder, HF greedy tokens of PROMPTS)`` of one
+    of ``case_by_id``'s cases, made once per module."""
+    made: dict[str, tuple[object, list[list[int]]]] = {}
+
+    def built(case_id, tmp_path_factory):
+        if case_id not in made:
+            model_type, overrides = case_by_id[case_id]
+            folder = make_tiny_model(tmp_path_factory.mktemp(case_id), model_type, **overrides)
+            made[case_id] = folder, hf_greedy(folder, PROMPTS, MAX_TOKENS)
+        return made[case_id]
+
+    return built
+
+
+built = case_builder(CASE_BY_ID)
 
 
 def token_ids(outputs):
@@ -326,10 +334,14 @@ SCHEMA = {
 }
 
 
+# Seeded n > 1 sampling, as job fields (a worker's) and as SamplingParams (the engine's).
+SEEDED = dict(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+
+
 def check_seeded_samples(llm) -> None:
     """n > 1 with a seed gives the same three samples alone and in a batch, three different
     ones (three seeds, not one sample three times)."""
-    seeded = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    seeded = SamplingParams(**SEEDED)
     alone = llm.generate(PROMPTS[1:2], seeded, use_tqdm=False)[0]
     batched = llm.generate(PROMPTS, seeded, use_tqdm=False)[1]
     samples = [c.token_ids for c in alone.outputs]

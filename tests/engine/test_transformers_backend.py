@@ -16,15 +16,14 @@ from engine import LLM, SamplingParams
 from engine.models import model_impls
 from engine.models.transformers import TRANSFORMERS_BACKEND_TYPES
 from engine.quantization.linear import QuantizedLinear
-from tests.engine.test_architectures import (  # noqa: F401
+from tests.engine.test_architectures import (
     GREEDY,
     MAX_TOKENS,
     PROMPTS,
     built,
+    case_builder,  # noqa: F401
     check_json_schema,
-    check_seeded_samples,
     hf_greedy,
-    one_thread,
     tiny_llm,
     token_ids,
 )
@@ -86,16 +85,7 @@ CASES = [
 CASE_BY_ID = {case_id: (model_type, overrides) for case_id, model_type, overrides in CASES}
 # Native families through the backend: their cases of test_architectures.py, and qwen2.
 NATIVE_CASES = ["llama", "qwen3-moe", "qwen2-bias"]
-_BUILT: dict[str, tuple[object, list[list[int]]]] = {}
-
-
-def backend_case(case_id, tmp_path_factory):
-    """``(folder, HF greedy tokens of PROMPTS)`` of a backend case, made once per module."""
-    if case_id not in _BUILT:
-        model_type, overrides = CASE_BY_ID[case_id]
-        folder = make_tiny_model(tmp_path_factory.mktemp(case_id), model_type, **overrides)
-        _BUILT[case_id] = folder, hf_greedy(folder, PROMPTS, MAX_TOKENS)
-    return _BUILT[case_id]
+backend_case = case_builder(CASE_BY_ID)
 
 
 def test_every_claimed_type_has_a_case():

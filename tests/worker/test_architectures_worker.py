@@ -21,6 +21,7 @@ from tests.engine.test_architectures import (
     MAX_TOKENS,
     PROMPTS,
     SCHEMA,
+    SEEDED,
     built,
     one_thread,  # noqa: F401
     tiny_llm,
@@ -77,9 +78,7 @@ def test_worker_gives_hf_greedy_and_the_offline_engine(private_redis, models, wo
     greedy = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
     job_ids = client.submit_many({"prompt": p, **greedy} for p in PROMPTS)
     chat_id = client.submit(messages=MESSAGES, temperature=0.0, max_tokens=8, ignore_eos=True)
-    seeded_id = client.submit(
-        prompt=PROMPTS[1], n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True
-    )
+    seeded_id = client.submit(prompt=PROMPTS[1], **SEEDED)
     json_id = client.submit(
         prompt=PROMPTS[0],
         temperature=0.0,
@@ -93,8 +92,7 @@ def test_worker_gives_hf_greedy_and_the_offline_engine(private_redis, models, wo
     chat = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert client.result(chat_id, timeout=300).token_ids == chat.outputs[0].token_ids
 
-    seeded = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
-    offline = llm.generate(PROMPTS[1:2], seeded, use_tqdm=False)[0]
+    offline = llm.generate(PROMPTS[1:2], SamplingParams(**SEEDED), use_tqdm=False)[0]
     got = client.result(seeded_id, timeout=300)
     assert [c.token_ids for c in got.choices] == [c.token_ids for c in offline.outputs]
 

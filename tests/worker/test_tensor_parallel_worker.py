@@ -17,7 +17,7 @@ from worker_helpers import make_client, submit_running
 
 from engine import SamplingParams
 from producer.contract.keys import worker_key
-from tests.engine.test_architectures import MAX_TOKENS, PROMPTS, SCHEMA, built, tiny_llm
+from tests.engine.test_architectures import MAX_TOKENS, PROMPTS, SCHEMA, SEEDED, built, tiny_llm
 
 pytestmark = pytest.mark.slow
 
@@ -63,9 +63,7 @@ def test_two_ranks_serve_hf_greedy_samples_and_json(private_redis, model, tp_wor
     client = make_client(private_redis.url, "q-tp")
     greedy = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
     job_ids = client.submit_many({"prompt": p, **greedy} for p in PROMPTS)
-    seeded_id = client.submit(
-        prompt=PROMPTS[1], n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True
-    )
+    seeded_id = client.submit(prompt=PROMPTS[1], **SEEDED)
     json_id = client.submit(
         prompt=PROMPTS[0], temperature=0.0, max_tokens=60, structured_outputs={"json": SCHEMA}
     )
@@ -73,8 +71,7 @@ def test_two_ranks_serve_hf_greedy_samples_and_json(private_redis, model, tp_wor
     assert [r.token_ids for r in results] == expected, tp_worker.log_tail()
 
     llm = tiny_llm(folder)  # one rank, in this process
-    seeded = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
-    offline = llm.generate(PROMPTS[1:2], seeded, use_tqdm=False)[0]
+    offline = llm.generate(PROMPTS[1:2], SamplingParams(**SEEDED), use_tqdm=False)[0]
     got = client.result(seeded_id, timeout=300)
     assert [c.token_ids for c in got.choices] == [c.token_ids for c in offline.outputs]
 
