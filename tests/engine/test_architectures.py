@@ -400,18 +400,11 @@ def test_unsupported_architecture_is_refused(tmp_path):
         LLM(str(folder), dtype="float32", kv_cache_memory=2**22)
 
 
-@pytest.mark.parametrize(
-    "change,match",
-    [
-        ("shape", r"weight 'model\.layers\.1\.mlp\.down_proj\.weight': shape \(64, 64\)"),
-        ("unknown", r"unexpected weight 'model\.layers\.1\.mlp\.extra_proj\.weight'"),
-        ("missing", r"missing weights: \['layers\.1\.mlp\.down_proj\.weight'\]"),
-    ],
-)
-def test_checkpoint_that_does_not_match_its_config_is_refused(tmp_path, change, match):
+def mismatch_checkpoint(folder, change: str) -> None:
+    """Break ``folder``'s checkpoint against its config: layer 1's ``down_proj`` of the wrong
+    ``"shape"``, an ``"unknown"`` tensor beside it, or it ``"missing"``."""
     from safetensors.torch import load_file, save_file
 
-    folder = make_tiny_model(tmp_path / "m", "gemma2", **GEMMA, sliding_window=8)
     path = folder / "model.safetensors"
     tensors = load_file(path)
     name = "model.layers.1.mlp.down_proj.weight"
@@ -422,6 +415,19 @@ def test_checkpoint_that_does_not_match_its_config_is_refused(tmp_path, change, 
     else:
         del tensors[name]
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ("shape", r"weight 'model\.layers\.1\.mlp\.down_proj\.weight': shape \(64, 64\)"),
+        ("unknown", r"unexpected weight 'model\.layers\.1\.mlp\.extra_proj\.weight'"),
+        ("missing", r"missing weights: \['layers\.1\.mlp\.down_proj\.weight'\]"),
+    ],
+)
+def test_checkpoint_that_does_not_match_its_config_is_refused(tmp_path, change, match):
+    folder = make_tiny_model(tmp_path / "m", "gemma2", **GEMMA, sliding_window=8)
+    mismatch_checkpoint(folder, change)
     with pytest.raises(ValueError, match=match):
         tiny_llm(folder)
 

@@ -24,6 +24,7 @@ from tests.engine.test_architectures import (
     case_builder,  # noqa: F401
     check_json_schema,
     hf_greedy,
+    mismatch_checkpoint,
     tiny_llm,
     token_ids,
 )
@@ -223,18 +224,8 @@ def test_what_the_backend_cannot_run_is_refused_at_load(tmp_path, model_type, ov
     ],
 )
 def test_a_checkpoint_that_does_not_match_its_config_is_refused(tmp_path, change, match):
-    from safetensors.torch import load_file, save_file
-
     folder = make_tiny_model(tmp_path / "m", "olmo")
-    tensors = load_file(folder / "model.safetensors")
-    name = "model.layers.1.mlp.down_proj.weight"
-    if change == "shape":
-        tensors[name] = tensors[name][:, :64].contiguous()
-    elif change == "unknown":
-        tensors[name.replace("down_proj", "extra_proj")] = tensors[name].clone()
-    else:
-        del tensors[name]
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    mismatch_checkpoint(folder, change)
     with pytest.raises(ValueError, match=match):
         tiny_llm(folder)
 
