@@ -1,10 +1,12 @@
-"""The linear-attention and latent-attention kernels on the CPU: torch reference against C++.
+"""The recurrent-state and latent-attention kernels on the CPU: torch reference against C++.
 
     python bench/hybrid_kernels.py [--repeats 5]
 
 Shapes of the real models' layers: a Qwen3.5 Gated DeltaNet layer (16 key heads, 32 value
-heads, 128 x 128 states; conv over 8,192 channels, kernel 4) and a DeepSeek-V3 latent layer
-(kv_lora_rank 512, rope 64, 16 heads: one tensor-parallel shard of 128). Each case runs both
+heads, 128 x 128 states; conv over 8,192 channels, kernel 4), a Kimi Linear KDA layer (32 heads,
+128 x 128 states, a decay per key channel), a Granite 4.0-H Mamba-2 layer (48 heads of 64, one
+group, 128-wide states) and a DeepSeek-V3 latent layer (kv_lora_rank 512, rope 64, 16 heads: one
+tensor-parallel shard of 128). Each case runs both
 backends in alternating rounds (so a noisy host hits them alike) and prints the best time of
 each and the ratio reference / C++.
 """
@@ -27,10 +29,22 @@ from kernels.gated_delta import (  # noqa: E402
     gated_delta_rule_cpu,
     gated_delta_rule_recurrent_torch,
 )
+from kernels.kimi_delta import (  # noqa: E402
+    kimi_delta_rule_chunked_torch,
+    kimi_delta_rule_cpu,
+    kimi_delta_rule_recurrent_torch,
+)
+from kernels.mamba_ssm import (  # noqa: E402
+    mamba_chunk_scan_chunked_torch,
+    mamba_chunk_scan_cpu,
+    mamba_chunk_scan_recurrent_torch,
+)
 from kernels.mla import mla_attention_cpu, mla_attention_torch  # noqa: E402
 
 HK, HV, K, V, CONV_DIM = 16, 32, 128, 128, 8192
 RANK, ROPE, HEADS, BLOCK = 512, 64, 16, 16
+KDA_HEADS = 32
+SSM_HEADS, SSM_P, SSM_N = 48, 64, 128
 
 
 def _race(label: str, reference, cpp, repeats: int) -> None:
@@ -50,6 +64,18 @@ def _delta_inputs(num_tokens: int, dtype: torch.dtype):
     q, k = torch.randn(2, num_tokens, HK, K).to(dtype)
     v = torch.randn(num_tokens, HV, V).to(dtype)
     return q, k, v, -torch.rand(num_tokens, HV) * 0.3, torch.rand(num_tokens, HV)
+
+
+def _kda_inputs(num_tokens: int):
+    q, k, v = torch.randn(3, num_tokens, KDA_HEADS, K)
+    return q, k, v, -torch.rand(num_tokens, KDA_HEADS, K) * 0.3, torch.rand(num_tokens, KDA_HEADS)
+
+
+def _ssm_inputs(num_tokens: int):
+    x = torch.randn(num_tokens, SSM_HEADS, SSM_P)
+    dt, b, c = torch.randn(num_tokens, SSM_HEADS), *torch.randn(2, num_tokens, 1, SSM_N)
+    a, d, dt_bias = -torch.rand(SSM_HEADS) - 0.5, torch.ones(SSM_HEADS), torch.zeros(SSM_HEADS)
+    return x, dt, a, b, c, d, dt_bias
 
 
 def main() -> None:
@@ -73,6 +99,23 @@ def main() -> None:
     _race("gated delta, one 512-token chunk (torch chunked)",
           lambda: gated_delta_rule_chunked_torch(*x, pool, *prompt),
           lambda: gated_delta_rule_cpu(*x, pool, *prompt), max(1, n // 2))  # fmt: skip
+    kda_pool = torch.randn(batch + 1, KDA_HEADS, K, V) * 0.1
+    ssm_pool = torch.randn(batch + 1, SSM_HEADS, SSM_P, SSM_N) * 0.1
+    cases = (
+        ("KDA", _kda_inputs, kda_pool, kimi_delta_rule_recurrent_torch,
+         kimi_delta_rule_chunked_torch, kimi_delta_rule_cpu),
+        ("Mamba-2 scan", _ssm_inputs, ssm_pool, mamba_chunk_scan_recurrent_torch,
+         mamba_chunk_scan_chunked_torch, mamba_chunk_scan_cpu),
+    )  # fmt: skip
+    for name, inputs, state, recurrent, chunked, cpp in cases:
+        x = inputs(batch)
+        _race(f"{name}, {batch} decodes, float32",
+              lambda x=x, s=state, f=recurrent: f(*x, s, *decode),
+              lambda x=x, s=state, f=cpp: f(*x, s, *decode), n)  # fmt: skip
+        x = inputs(512)
+        _race(f"{name}, one 512-token chunk (torch chunked)",
+              lambda x=x, s=state, f=chunked: f(*x, s, *prompt),
+              lambda x=x, s=state, f=cpp: f(*x, s, *prompt), max(1, n // 2))  # fmt: skip
     weight, conv_pool = torch.randn(CONV_DIM, 4), torch.randn(batch + 1, CONV_DIM, 3)
     for tokens, meta in ((batch, decode), (512, prompt)):
         xs = torch.randn(tokens, CONV_DIM)

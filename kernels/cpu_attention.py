@@ -37,6 +37,8 @@ SOURCES = tuple(
         "linear_cpu.cpp",
         "moe_cpu.cpp",
         "gated_delta_cpu.cpp",
+        "mamba_ssm_cpu.cpp",
+        "kimi_delta_cpu.cpp",
         "causal_conv1d_cpu.cpp",
         "mla_cpu.cpp",
         "quant_linear_cpu.cpp",

@@ -36,6 +36,11 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "deepseek_v3": ("engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "lfm2": ("engine.models.lfm2", "Lfm2ForCausalLM"),
     "lfm2_moe": ("engine.models.lfm2", "Lfm2MoeForCausalLM"),
+    "kimi_linear": ("engine.models.kimi_linear", "KimiLinearForCausalLM"),
+    "granitemoehybrid": ("engine.models.granitemoehybrid", "GraniteMoeHybridForCausalLM"),
+    "bamba": ("engine.models.bamba", "BambaForCausalLM"),
+    "nemotron_h": ("engine.models.nemotron_h", "NemotronHForCausalLM"),
+    "falcon_h1": ("engine.models.falcon_h1", "FalconH1ForCausalLM"),
 }
 
 
@@ -77,16 +82,20 @@ def model_class(config, model_impl: str = "auto") -> type:
 
 
 def check_parallel(model: str, model_impl: str, tensor_parallel_size: int) -> None:
-    """Refuse ``tensor_parallel_size`` > 1 for a model the Transformers backend would run,
-    before any rank starts (its layers are transformers' own, not pagedq's parallel ones)."""
+    """Refuse ``tensor_parallel_size`` > 1 for a model the Transformers backend would run but
+    cannot split (no tensor-parallel plan in its config, heads that do not divide), before any
+    rank starts; what only the built model shows is refused as each rank builds it."""
     from engine.model_loader import cached_source, load_config, resolve_model
+    from engine.models.transformers.parallel import refusal
 
     if tensor_parallel_size == 1 or model_impl == "native":
         return
     config = load_config(cached_source(resolve_model(model)))
     if model_impl == "transformers" or config.model_type not in MODEL_REGISTRY:
-        raise ValueError(
-            f"model_impl={model_impl!r} serves model_type={config.model_type!r} on the "
-            f"Transformers backend, which runs at tensor_parallel_size=1 only, got "
-            f"{tensor_parallel_size}"
-        )
+        reason = refusal(config, tensor_parallel_size)
+        if reason is not None:
+            raise ValueError(
+                f"model_impl={model_impl!r} serves model_type={config.model_type!r} on the "
+                f"Transformers backend, which cannot split it over "
+                f"tensor_parallel_size={tensor_parallel_size}: {reason}"
+            )

@@ -96,7 +96,8 @@ class Attention(nn.Module):
         param.data.copy_(tensor.narrow(0, tp_rank() * self.num_heads, self.num_heads))
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """``rope`` is the step's ``(cos, signed_sin)`` from ``RotaryEmbedding.cos_sin``."""
+        """``rope`` is the step's ``(cos, signed_sin)`` from ``RotaryEmbedding.cos_sin``, or None
+        for a layer without positions (NoPE: Granite 4.0-H, Nemotron-H)."""
         num_tokens, heads = hidden.shape[0], self.num_heads
         qkv = self.qkv_proj(hidden)
         gate = None
@@ -120,9 +121,9 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
         # In place on qkv where the backend can (the C++ kernel on the CPU).
-        if self.rotary_dim == self.head_dim:
+        if rope is not None and self.rotary_dim == self.head_dim:
             qk = apply_rotary(qk, *rope, backend=self.backend)
-        else:
+        elif rope is not None:
             part = qk[..., : self.rotary_dim]
             part.copy_(apply_rotary(part, *rope, backend=self.backend))
         v = qkv[:, qk_size:].view(num_tokens, -1, self.head_dim)

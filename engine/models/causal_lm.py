@@ -31,7 +31,8 @@ class CausalLM(nn.Module):
     """The model over a flat batch of tokens: ``forward`` gives hidden states, then logits.
 
     Subclasses set ``self.layers`` (each with a ``rope_key`` naming its rotary embedding in
-    ``self.rotaries``) and may set ``embed_scale`` (Gemma) and ``final_logit_softcapping``.
+    ``self.rotaries``) and may set ``embed_scale`` (Gemma, Granite), ``logits_scale`` (Granite's
+    ``1 / logits_scaling``, Falcon-H1's ``lm_head_multiplier``) and ``final_logit_softcapping``.
     """
 
     packed_modules = PACKED_MODULES
@@ -44,6 +45,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.embed_scale: float | None = None
         self.final_logit_softcapping: float | None = None
+        self.logits_scale: float | None = None
         self.rotaries: dict[str, RotaryEmbedding] = {}
         self.layers = nn.ModuleList()
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -71,7 +73,8 @@ class CausalLM(nn.Module):
         }
         residual = None
         for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, meta):
-            hidden, residual = layer(ropes[layer.rope_key], hidden, residual, kv_cache, layer_meta)
+            rope = ropes.get(layer.rope_key)  # None: a layer without rotary (NoPE)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, layer_meta)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
     @property
@@ -132,6 +135,8 @@ class CausalLM(nn.Module):
         else:
             weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
             logits = gathered_logits(hidden, weight, self.config.vocab_size)
+        if self.logits_scale is not None:
+            logits = logits * self.logits_scale
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -139,7 +144,8 @@ class CausalLM(nn.Module):
 
     def greedy_token_ids(self, hidden: torch.Tensor) -> list[int] | None:
         """``compute_logits(hidden).argmax(-1)`` where the packed LM head can take the argmax in
-        its GEMM (no logits written), else None. Soft-capping is monotonic: same argmax."""
+        its GEMM (no logits written), else None. Soft-capping and a positive ``logits_scale`` are
+        monotonic: same argmax."""
         head = self.packed_lm_head
         if head is None or not head.fuses_argmax(hidden.shape[0]):
             return None

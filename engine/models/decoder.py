@@ -28,11 +28,15 @@ class DecoderLayer(nn.Module):
         backend: str,
         norm_style: str = "pre",
         unit_offset: bool = False,
+        residual_multiplier: float | None = None,
     ) -> None:
         super().__init__()
         if norm_style not in NORM_STYLES:
             raise ValueError(f"norm_style={norm_style!r}: must be one of {NORM_STYLES}")
         self.self_attn, self.mlp, self.norm_style = self_attn, mlp, norm_style
+        if residual_multiplier is not None and norm_style != "pre":
+            raise ValueError("residual_multiplier is supported with norm_style='pre' only")
+        self.residual_multiplier = residual_multiplier  # Granite: residual + m * block(x)
 
         def norm() -> RMSNorm:
             return RMSNorm(hidden_size, eps, backend, unit_offset)
@@ -45,6 +49,10 @@ class DecoderLayer(nn.Module):
         if norm_style != "pre":
             self.post_feedforward_layernorm = norm()
 
+    def _scaled(self, out):
+        m = self.residual_multiplier
+        return out if m is None else out * m
+
     def forward(self, rope, hidden, residual, kv_cache, meta):
         """``(block output, residual stream)``; ``residual`` is None before the first layer
         and after every layer of a style that adds its own residuals."""
@@ -53,9 +61,9 @@ class DecoderLayer(nn.Module):
                 residual, hidden = hidden.float(), self.input_layernorm(hidden)
             else:
                 hidden, residual = self.input_layernorm(hidden, residual)
-            hidden = self.self_attn(rope, hidden, kv_cache, meta)
+            hidden = self._scaled(self.self_attn(rope, hidden, kv_cache, meta))
             hidden, residual = self.post_attention_layernorm(hidden, residual)
-            return self.mlp(hidden), residual
+            return self._scaled(self.mlp(hidden)), residual
         if residual is not None:  # the stream a "pre" layer before this one handed on
             hidden = (hidden + residual).to(hidden.dtype)
         if self.norm_style == "sandwich":

@@ -10,30 +10,47 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kv_cache_spec import FullAttentionSpec
+from engine.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from engine.parallel.state import tp_rank, tp_size
 from engine.state_cache import RecurrentStateSpec
 
 
-def is_stateful(mixer: nn.Module) -> bool:
+def is_stateful(mixer: nn.Module | None) -> bool:
     """True for a mixer that keeps a state slot per sequence instead of paged KV."""
     return hasattr(mixer, "state_spec")
+
+
+def mixer_of(layer: nn.Module) -> nn.Module | None:
+    """A layer's token mixer (``self_attn``), or None for a layer without one (Nemotron-H's MLP
+    and MoE blocks), which takes neither KV nor a state."""
+    return getattr(layer, "self_attn", None)
+
+
+def takes_kv(layer: nn.Module) -> bool:
+    """True for a layer with paged KV: a mixer that is not stateful."""
+    mixer = mixer_of(layer)
+    return mixer is not None and not is_stateful(mixer)
+
+
+def kv_spec_of(mixer: nn.Module) -> KVCacheSpec:
+    """What a full-attention mixer keeps per token: its own ``kv_cache_spec()`` where it has
+    one, else per-head K and V."""
+    own = getattr(mixer, "kv_cache_spec", None)
+    return own() if own is not None else FullAttentionSpec(mixer.num_kv_heads, mixer.head_dim)
 
 
 class HybridLayers:
     """Mixin of a ``CausalLM`` whose ``layers`` mix stateful mixers and full attention."""
 
     def _stateful_mixers(self) -> list[nn.Module]:
-        mixers = [layer.self_attn for layer in self.layers]
+        mixers = [mixer_of(layer) for layer in self.layers]
         return [m for m in mixers if is_stateful(m)]
 
-    def kv_cache_specs(self) -> list[FullAttentionSpec]:
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
         """The full-attention layers' specs only: ``kv_caches`` and ``meta`` hold one entry per
-        full-attention layer, in order."""
-        return [
-            FullAttentionSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
-            for layer in self.layers
-            if not is_stateful(layer.self_attn)
-        ]
+        full-attention layer, in order. A mixer with a ``kv_cache_spec()`` of its own (latent
+        attention: Kimi Linear) gives it; any other keeps per-head K and V."""
+        return [kv_spec_of(layer.self_attn) for layer in self.layers if takes_kv(layer)]
 
     def kv_cache_indices(self) -> list[int]:
         """One cache per full-attention layer, in order (the stateful layers take none)."""
@@ -52,7 +69,30 @@ class HybridLayers:
         caches, metas = iter(kv_caches), iter(meta)
         layer_caches, layer_meta = [], []
         for layer in self.layers:
-            stateful = is_stateful(layer.self_attn)
-            layer_caches.append(None if stateful else next(caches))
-            layer_meta.append(meta[0] if stateful else next(metas))
+            kv = takes_kv(layer)
+            layer_caches.append(next(caches) if kv else None)
+            layer_meta.append(next(metas) if kv else meta[0])
         return super().forward(input_ids, positions, layer_caches, layer_meta)
+
+
+def split_by_heads(param: nn.Parameter, shards: dict[str | None, list[int]]) -> None:
+    """``param`` loads from whole checkpoint tensors: ``shards`` maps each (``None``: the
+    parameter's own tensor) to the sizes of its consecutive row blocks (q, k, v, ...). This
+    rank keeps its ``1 / N`` of every block, the shards side by side in order."""
+    n, offsets, offset = tp_size(), {}, 0
+    for name, sizes in shards.items():
+        offsets[name] = offset
+        offset += sum(sizes) // n
+
+    def load(p: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
+        sizes = shards[shard]
+        blocks = tensor.split(sizes)
+        local = torch.cat(
+            [b.narrow(0, tp_rank() * (s // n), s // n) for b, s in zip(blocks, sizes)]
+        )
+        p.data[offsets[shard] : offsets[shard] + local.shape[0]].copy_(local)
+
+    param.weight_loader = load
+    param.checkpoint_shape = lambda shard: (sum(shards[shard]), *param.shape[1:])
+    if None not in shards:
+        param.expected_shards = set(shards)

@@ -87,7 +87,8 @@ class LatentAttention(nn.Module):
         return LatentAttentionSpec(self.kv_lora_rank, self.rope_dim)
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """``rope`` is the step's ``(cos, signed_sin)`` of width ``qk_rope_head_dim``;
+        """``rope`` is the step's ``(cos, signed_sin)`` of width ``qk_rope_head_dim``, or None
+        for a model without positions (Kimi Linear: the rope part is used as it is);
         ``kv_cache`` the layer's ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``."""
         num_tokens, heads, rank = hidden.shape[0], self.num_heads, self.kv_lora_rank
         if self.q_lora_rank is not None:
@@ -101,11 +102,12 @@ class LatentAttention(nn.Module):
         latent = self.kv_a_layernorm(kv_a[:, :rank])
         # Every head's rope query and the shared rope key: one rotation for all of them.
         pe = torch.cat((q_pe, kv_a[:, None, rank:]), dim=1)
-        if self.rope_interleave:
-            # Pairs (x0, x1), (x2, x3)... rotate together: as transformers does, rotate the
-            # even features with the odd ones, laid out [evens | odds] (rotate-half's layout).
-            pe = torch.cat((pe[..., 0::2], pe[..., 1::2]), dim=-1)
-        pe = apply_rotary(pe, *rope, backend=self.backend)
+        if rope is not None:
+            if self.rope_interleave:
+                # Pairs (x0, x1), (x2, x3)... rotate together: as transformers does, rotate the
+                # even features with the odd ones, laid out [evens | odds] (rotate-half's).
+                pe = torch.cat((pe[..., 0::2], pe[..., 1::2]), dim=-1)
+            pe = apply_rotary(pe, *rope, backend=self.backend)
         backend = self._backend(hidden.device)
         write_latent(latent, pe[:, heads], kv_cache, meta.slot_mapping, backend=backend)
         w_uk, w_uv = split_kv_b_proj(self.kv_b_proj.weight, heads, self.nope_dim, self.v_head_dim)

@@ -32,14 +32,14 @@ from engine.models.attention import Attention, AttentionOptions
 from engine.models.causal_lm import PACKED_MODULES
 from engine.models.config_fields import head_dim_of, num_kv_heads_of
 from engine.models.decoder import DecoderLayer
-from engine.models.hybrid import HybridLayers
+from engine.models.hybrid import HybridLayers, split_by_heads
 from engine.models.mlp import GatedMLP
 from engine.models.moe import FusedMoE, MoECausalLM
 from engine.models.qwen3_moe import is_sparse_layer
 from engine.models.rotary import RotaryEmbedding, rope_parameters
 from engine.models.routers import Router
 from engine.parallel.layers import RowParallelLinear
-from engine.parallel.state import divide, tp_rank, tp_size
+from engine.parallel.state import divide, tp_size
 from engine.state_cache import RecurrentStateSpec
 from kernels.causal_conv1d import causal_conv1d
 from kernels.gated_delta import gated_delta_rule, gdn_gating
@@ -61,29 +61,6 @@ class RMSNormGated(nn.Module):
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * normed.to(dtype)
         return (out * F.silu(gate.float())).to(dtype)
-
-
-def _split_by_heads(param: nn.Parameter, shards: dict[str | None, list[int]]) -> None:
-    """``param`` loads from whole checkpoint tensors: ``shards`` maps each (``None``: the
-    parameter's own tensor) to the sizes of its consecutive row blocks (q, k, v, ...). This
-    rank keeps its ``1 / N`` of every block, the shards side by side in order."""
-    n, offsets, offset = tp_size(), {}, 0
-    for name, sizes in shards.items():
-        offsets[name] = offset
-        offset += sum(sizes) // n
-
-    def load(p: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
-        sizes = shards[shard]
-        blocks = tensor.split(sizes)
-        local = torch.cat(
-            [b.narrow(0, tp_rank() * (s // n), s // n) for b, s in zip(blocks, sizes)]
-        )
-        p.data[offsets[shard] : offsets[shard] + local.shape[0]].copy_(local)
-
-    param.weight_loader = load
-    param.checkpoint_shape = lambda shard: (sum(shards[shard]), *param.shape[1:])
-    if None not in shards:
-        param.expected_shards = set(shards)
 
 
 class GatedDeltaNet(nn.Module):
@@ -117,10 +94,10 @@ class GatedDeltaNet(nn.Module):
         )
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
-        _split_by_heads(self.in_proj.weight, shards)
-        _split_by_heads(self.conv1d.weight, {None: [q, q, v]})
-        _split_by_heads(self.dt_bias, {None: [h]})
-        _split_by_heads(self.A_log, {None: [h]})
+        split_by_heads(self.in_proj.weight, shards)
+        split_by_heads(self.conv1d.weight, {None: [q, q, v]})
+        split_by_heads(self.dt_bias, {None: [h]})
+        split_by_heads(self.A_log, {None: [h]})
         self.norm = RMSNormGated(self.v_dim, config.rms_norm_eps)
         self.out_proj = RowParallelLinear(v, hidden)
         self.backend = backend

@@ -78,12 +78,37 @@ LFM2 = {
     "conv_L_cache": 3, "block_multiple_of": 32, "norm_eps": 1e-6,
 }  # fmt: skip
 
+# Mamba-2 layers around one attention layer: 8 heads of 16 in 2 groups, 8-wide states, HF's
+# chunks shorter than the longest prompt.
+GRANITE_H = {
+    "num_hidden_layers": 3, "layer_types": ["mamba", "attention", "mamba"], "mamba_n_heads": 8,
+    "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_chunk_size": 16,
+    "shared_intermediate_size": 48,
+}  # fmt: skip
+
+FALCON_H1 = {
+    "num_hidden_layers": 2, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_ssm": 128,
+    "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_chunk_size": 16,
+}  # fmt: skip
+
 # Three layers, the first dense; experts in 4 groups of 2, 3 experts per token from the best 2.
 DEEPSEEK = {
     "num_hidden_layers": 3, "first_k_dense_replace": 1, "num_key_value_heads": 4,
     "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 24,
     "n_routed_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
     "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.0,
+}  # fmt: skip
+
+# KDA layers first and last around a NoPE latent-attention one (q_proj, as Kimi ships it); the
+# first MLP dense, then DeepSeek's experts under Kimi's names. HF's pad id (163839) is past
+# this vocabulary.
+KDA = "linear_attention"
+KIMI_LINEAR = {
+    "num_hidden_layers": 3, "layer_types": [KDA, "full_attention", KDA], "linear_num_heads": 4,
+    "linear_head_dim": 16, "num_key_value_heads": 4, "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 24, "num_experts": 8,
+    "num_experts_per_tok": 3, "moe_intermediate_size": 32, "n_group": 4, "topk_group": 2,
+    "n_shared_experts": 1, "routed_scaling_factor": 2.0, "pad_token_id": 0,
 }  # fmt: skip
 
 CASES = [
@@ -246,6 +271,48 @@ CASES = [
         {**LFM2, "num_dense_layers": 1, "num_experts": 6, "num_experts_per_tok": 2,
          "moe_intermediate_size": 32, "routed_scaling_factor": 1.5},
     ),
+    # Mamba-2 hybrids. Granite 4.0-H: no positions in attention, experts beside a shared MLP,
+    # Granite's four multipliers; the dense variant with RoPE.
+    (
+        "granite-4.0-h",
+        "granitemoehybrid",
+        {**GRANITE_H, "num_local_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 32,
+         "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
+         "logits_scaling": 1.5},
+    ),
+    (
+        "granite-4.0-h-dense-rope",
+        "granitemoehybrid",
+        {**GRANITE_H, "num_local_experts": 0, "position_embedding_type": "rope"},
+    ),
+    (
+        "bamba",  # Granite 4.0-H's parent: half-rotary attention at one index, SwiGLU MLPs
+        "bamba",
+        {"num_hidden_layers": 3, "attn_layer_indices": [1], "mamba_n_heads": 8,
+         "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_chunk_size": 16},
+    ),
+    (
+        "nemotron-h",  # one mixer per block: Mamba-2, routed ReLU^2 experts, attention, MLP
+        "nemotron_h",
+        {"layers_block_type": ["mamba", "moe", "attention", "mlp", "mamba"], "mamba_num_heads": 8,
+         "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 8, "chunk_size": 16,
+         "head_dim": 16, "n_routed_experts": 6, "num_experts_per_tok": 2, "n_group": 2,
+         "topk_group": 1, "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48,
+         "intermediate_size": 48, "routed_scaling_factor": 1.5},
+    ),
+    (
+        "falcon-h1",  # Mamba-2 beside attention in every layer, every µP multiplier set
+        "falcon_h1",
+        {**FALCON_H1, "embedding_multiplier": 2.0, "lm_head_multiplier": 0.5,
+         "key_multiplier": 0.7, "attention_in_multiplier": 1.2, "attention_out_multiplier": 0.8,
+         "ssm_in_multiplier": 1.3, "ssm_out_multiplier": 0.9, "mlp_multipliers": [1.1, 0.9],
+         "ssm_multipliers": [1.1, 0.9, 1.2, 0.8, 1.05]},
+    ),
+    (
+        "falcon-h1-rmsnorm",  # the grouped norm after the gate
+        "falcon_h1",
+        {**FALCON_H1, "mamba_rms_norm": True, "mamba_norm_before_gate": False},
+    ),
     # Latent attention: DeepSeek-V3's own options (q LoRA, interleaved rope, yarn's mscale in
     # the softmax scale), and the q_proj path with plain rope.
     ("deepseek-v3", "deepseek_v3", {**DEEPSEEK, "q_lora_rank": 24, "rope_parameters": {
@@ -253,6 +320,8 @@ CASES = [
         "mscale_all_dim": 1.0, "original_max_position_embeddings": 32}}),
     ("deepseek-v3-q-proj", "deepseek_v3",
      {**DEEPSEEK, "q_lora_rank": None, "rope_interleave": False}),
+    # Kimi Delta Attention (a decay per key channel) beside latent attention without RoPE.
+    ("kimi-linear", "kimi_linear", KIMI_LINEAR),
 ]  # fmt: skip
 
 

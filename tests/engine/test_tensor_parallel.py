@@ -27,7 +27,9 @@ from tests.engine.test_architectures import PROMPTS, SCHEMA, built, one_thread  
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["llama", "qwen3-moe", "gpt-oss", "deepseek-v3", "qwen3.5", "lfm2"]
+FAMILIES = [
+    "llama", "qwen3-moe", "gpt-oss", "deepseek-v3", "qwen3.5", "lfm2", "falcon-h1",
+]  # fmt: skip
 
 
 def two_ranks(folder, **kwargs) -> LLM:

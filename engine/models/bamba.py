@@ -1,0 +1,57 @@
+"""IBM's Bamba (``bamba``), the model Granite 4.0-H grew from: pre-norm blocks whose token
+mixer is a Mamba-2 layer (engine/models/mamba2.py) or, at ``attn_layer_indices``, full
+attention with half the head dims rotated; a SwiGLU MLP in every block. No multipliers, no
+experts."""
+
+from __future__ import annotations
+
+from engine.models.attention import Attention, AttentionOptions
+from engine.models.causal_lm import CausalLM
+from engine.models.config_fields import head_dim_of, num_kv_heads_of
+from engine.models.decoder import DecoderLayer
+from engine.models.granitemoehybrid import MAMBA, mamba_mixer
+from engine.models.hybrid import HybridLayers
+from engine.models.mlp import GatedMLP
+from engine.models.norm import RMSNorm
+from engine.models.rotary import RotaryEmbedding, rope_parameters
+
+_RENAMES = (
+    (".mamba.", ".self_attn."),
+    (".feed_forward.", ".mlp."),
+    (".pre_ff_layernorm.", ".post_attention_layernorm."),
+)
+
+
+class BambaForCausalLM(HybridLayers, CausalLM):
+    """Bamba's stack: Mamba-2 and partial-RoPE attention layers, SwiGLU MLPs."""
+
+    def __init__(self, config, max_position: int, backend: str = "auto") -> None:
+        super().__init__(config, max_position, backend)
+        head_dim, hidden, eps = head_dim_of(config), config.hidden_size, config.rms_norm_eps
+        factor = rope_parameters(config).get(
+            "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)
+        )
+        rotary_dim = int(head_dim * factor)
+        self.rotaries["default"] = RotaryEmbedding(config, head_dim, max_position, rotary_dim)
+        bias = bool(config.attention_bias)
+        opts = AttentionOptions(qkv_bias=bias, o_bias=bias, rotary_dim=rotary_dim)
+        for layer_type in config.layers_block_type:
+            if layer_type == MAMBA:
+                mixer = mamba_mixer(config, backend)
+            else:
+                mixer = Attention(
+                    hidden, config.num_attention_heads, num_kv_heads_of(config), head_dim,
+                    backend, opts,
+                )  # fmt: skip
+            mlp = GatedMLP(hidden, config.intermediate_size, backend, bool(config.mlp_bias))
+            layer = DecoderLayer(mixer, mlp, hidden, eps, backend)
+            layer.rope_key = "default"
+            self.layers.append(layer)
+        self.norm = RMSNorm(hidden, eps, backend)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if name == "final_layernorm.weight":
+            return "norm.weight"
+        for theirs, ours in _RENAMES:
+            name = name.replace(theirs, ours)
+        return super().checkpoint_name(name)

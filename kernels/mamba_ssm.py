@@ -1,0 +1,232 @@
+"""The Mamba-2 selective state-space scan (SSD; Granite 4, Falcon-H1) over a varlen batch.
+
+Each sequence ``i`` of a flat batch owns rows ``query_start_loc[i]:query_start_loc[i+1]`` of
+``x`` ``[num_tokens, num_heads, head_dim]``, ``dt`` ``[num_tokens, num_heads]`` (raw, before
+bias and softplus) and ``B``/``C`` ``[num_tokens, num_groups, state_dim]``, and one slot
+``state_indices[i]`` of the state pool ``[num_slots, num_heads, head_dim, state_dim]`` (fp32).
+Head ``h`` reads group ``h // (num_heads // num_groups)`` of ``B`` and ``C``.
+
+Per token and head, with ``A = -exp(A_log)`` (one scalar per head)::
+
+    d = clamp(softplus(dt + dt_bias), *dt_limit);  S = exp(d A) S + d x B^T;  y = S C + D x
+
+A call starts from the slot's state (zero where ``has_initial_state[i]`` is False) and writes
+the final state back, so a prompt split over several engine steps equals one pass.
+
+- ``mamba_chunk_scan_recurrent_torch``: token by token, all sequences of the batch at once (the
+  decode form).
+- ``mamba_chunk_scan_chunked_torch``: chunks of 64 tokens per sequence, the SSD form of the
+  Mamba-2 paper (inside a chunk ``y = (C B^T * L) (d x)`` with ``L`` the causal decay; the state
+  carried between chunks): the prefill form.
+- ``mamba_chunk_scan``: the dispatch: Triton on CUDA, C++ on the CPU (``kernels/csrc/
+  mamba_ssm_cpu.cpp``), else the reference (decodes recurrent, longer sequences chunked).
+
+Everything runs in fp32 (float64 when the inputs or the pool are float64, to check the fp32
+forms against), and the output is rounded once to ``x``'s dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.shape_checks import check_mamba_ssm
+
+CHUNK_SIZE = 64
+NO_DT_LIMIT = (0.0, float("inf"))
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _step_sizes(
+    dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_limit: tuple[float, float],
+    dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """``clamp(softplus(dt + dt_bias), *dt_limit)`` in ``dtype``, ``[num_tokens, num_heads]``."""
+    dt = dt.to(dtype)
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dtype)
+    return F.softplus(dt).clamp(dt_limit[0], dt_limit[1])
+
+
+def _per_head(bc: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """B or C ``[T, groups, N]`` as ``[T, heads, N]``: each group serves consecutive heads."""
+    return bc.to(dtype).repeat_interleave(num_heads // bc.shape[1], dim=1)
+
+
+def _initial_states(
+    state_pool: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    states = state_pool[slots].to(dtype)
+    if has_initial_state is not None:
+        states = states * has_initial_state.to(states.device, torch.bool)[:, None, None, None]
+    return states
+
+
+def _skip(x: torch.Tensor, D: torch.Tensor | None) -> torch.Tensor | float:
+    """The ``D x`` skip term (``x`` already in the compute dtype)."""
+    return 0.0 if D is None else D.to(x.dtype)[:, None] * x
+
+
+def mamba_chunk_scan_recurrent_torch(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: torch.Tensor | None, dt_bias: torch.Tensor | None, state_pool: torch.Tensor,
+    query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] = NO_DT_LIMIT, out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The token-by-token form: step ``t`` advances every sequence that has a ``t``-th token."""
+    check_mamba_ssm(x, dt, A, B, C, D, dt_bias, state_pool, query_start_loc, state_indices,
+                    has_initial_state)  # fmt: skip
+    dtype = _compute_dtype(x, state_pool)
+    num_heads = x.shape[1]
+    xx, d = x.to(dtype), _step_sizes(dt, dt_bias, dt_limit, dtype)
+    decay = (d * A.to(dtype)).exp()
+    Bh, Ch = _per_head(B, num_heads, dtype), _per_head(C, num_heads, dtype)
+    out = torch.empty_like(x) if out is None else out
+    starts, ends = query_start_loc[:-1].long(), query_start_loc[1:].long()
+    lens = ends - starts
+    slots = state_indices.long()
+    states = _initial_states(state_pool, slots, has_initial_state, dtype)
+    for t in range(int(lens.max()) if lens.numel() else 0):
+        active = (lens > t).nonzero().flatten()
+        rows = starts[active] + t
+        dx = d[rows][:, :, None] * xx[rows]  # [b, H, P]
+        s = states[active] * decay[rows][:, :, None, None] + dx[..., None] * Bh[rows][:, :, None]
+        y = torch.einsum("bhpn,bhn->bhp", s, Ch[rows]) + _skip(xx[rows], D)
+        out[rows] = y.to(out.dtype)
+        states[active] = s
+    ran = lens > 0
+    state_pool[slots[ran]] = states[ran].to(state_pool.dtype)
+    return out
+
+
+def _chunked_one(
+    x: torch.Tensor, d: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    state: torch.Tensor, chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One sequence, heads first: x ``[H, L, P]``, d ``[H, L]``, B/C ``[H, L, N]``, A ``[H]``,
+    state ``[H, P, N]``; returns ``(y [H, L, P] without the D term, final state)``."""
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[1], chunk_size):
+        sl = slice(start, start + chunk_size)
+        dx, Bc, Cc = x[:, sl] * d[:, sl, None], B[:, sl], C[:, sl]
+        n = dx.shape[1]
+        cum = (d[:, sl] * A[:, None]).cumsum(-1)  # log of the decay from the chunk's start
+        rel = cum[:, :, None] - cum[:, None, :]  # decay from token j to token i (i >= j)
+        lower = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        L = rel.masked_fill(~lower, float("-inf")).exp()
+        y_diag = (Cc @ Bc.transpose(1, 2) * L) @ dx
+        y_off = cum.exp()[:, :, None] * (Cc @ state.transpose(1, 2))
+        out[:, sl] = y_diag + y_off
+        tail = (cum[:, -1:] - cum).exp()[:, :, None]  # decay from token j to the chunk's end
+        state = state * cum[:, -1, None, None].exp() + (dx * tail).transpose(1, 2) @ Bc
+    return out, state
+
+
+def mamba_chunk_scan_chunked_torch(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: torch.Tensor | None, dt_bias: torch.Tensor | None, state_pool: torch.Tensor,
+    query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] = NO_DT_LIMIT, out: torch.Tensor | None = None,
+    chunk_size: int = CHUNK_SIZE,
+) -> torch.Tensor:  # fmt: skip
+    """The SSD form, one sequence at a time, chunks of ``chunk_size`` from its first row."""
+    check_mamba_ssm(x, dt, A, B, C, D, dt_bias, state_pool, query_start_loc, state_indices,
+                    has_initial_state)  # fmt: skip
+    dtype = _compute_dtype(x, state_pool)
+    num_heads = x.shape[1]
+    xx, d, AA = x.to(dtype), _step_sizes(dt, dt_bias, dt_limit, dtype), A.to(dtype)
+    Bh, Ch = _per_head(B, num_heads, dtype), _per_head(C, num_heads, dtype)
+    out = torch.empty_like(x) if out is None else out
+    bounds = query_start_loc.tolist()
+    slots = state_indices.long()
+    states = _initial_states(state_pool, slots, has_initial_state, dtype)
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        if end == start:
+            continue
+        heads_first = [t[start:end].transpose(0, 1) for t in (xx, d, Bh, Ch)]
+        xs, ds, Bs, Cs = heads_first
+        y, state = _chunked_one(xs, ds, AA, Bs, Cs, states[i], chunk_size)
+        out[start:end] = (y.transpose(0, 1) + _skip(xx[start:end], D)).to(out.dtype)
+        state_pool[slots[i]] = state.to(state_pool.dtype)
+    return out
+
+
+def mamba_chunk_scan_torch(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: torch.Tensor | None, dt_bias: torch.Tensor | None, state_pool: torch.Tensor,
+    query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] = NO_DT_LIMIT, out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The reference of a mixed step: a decode-only batch steps recurrently, any other batch
+    goes chunked (a one-token sequence is one chunk of one)."""
+    args = (x, dt, A, B, C, D, dt_bias, state_pool, query_start_loc, state_indices,
+            has_initial_state, dt_limit, out)  # fmt: skip
+    if x.shape[0] == state_indices.shape[0]:  # every sequence has exactly one token
+        return mamba_chunk_scan_recurrent_torch(*args)
+    return mamba_chunk_scan_chunked_torch(*args)
+
+
+def mamba_chunk_scan(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: torch.Tensor | None, dt_bias: torch.Tensor | None, state_pool: torch.Tensor,
+    query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] = NO_DT_LIMIT, out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:  # fmt: skip
+    """The Mamba-2 scan of one layer over a step's varlen batch; returns
+    ``[num_tokens, num_heads, head_dim]`` in ``x``'s dtype and updates ``state_pool`` in place."""
+    from kernels import select_backend
+
+    args = (x, dt, A, B, C, D, dt_bias, state_pool, query_start_loc, state_indices,
+            has_initial_state, dt_limit, out)  # fmt: skip
+    chosen = select_backend(x.device, backend)
+    if chosen == "triton":
+        from kernels.triton_mamba_ssm import mamba_chunk_scan_triton
+
+        return mamba_chunk_scan_triton(*args)
+    if (
+        chosen == "cpu"
+        and state_pool.dtype == torch.float32
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.dtype == B.dtype == C.dtype
+    ):
+        return mamba_chunk_scan_cpu(*args)
+    return mamba_chunk_scan_torch(*args)
+
+
+def _fp32_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float().contiguous()
+
+
+def mamba_chunk_scan_cpu(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: torch.Tensor | None, dt_bias: torch.Tensor | None, state_pool: torch.Tensor,
+    query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] = NO_DT_LIMIT, out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """C++ twin of the reference (``kernels/csrc/mamba_ssm_cpu.cpp``): fp32 state in place,
+    x/B/C fp32 or bf16 (one dtype), the recurrent form for every sequence."""
+    from kernels import cpu_attention
+
+    check_mamba_ssm(x, dt, A, B, C, D, dt_bias, state_pool, query_start_loc, state_indices,
+                    has_initial_state)  # fmt: skip
+    cpu_attention._require()
+    out = torch.empty_like(x) if out is None else out
+    has_initial = None if has_initial_state is None else has_initial_state.to(torch.bool)
+    has_initial = None if has_initial is None else has_initial.contiguous()
+    torch.ops.pagedq.mamba_chunk_scan(
+        x, dt.float().contiguous(), A.float().contiguous(), B, C, _fp32_or_none(D),
+        _fp32_or_none(dt_bias), state_pool, query_start_loc.long().contiguous(),
+        state_indices.long().contiguous(), has_initial, float(dt_limit[0]), float(dt_limit[1]),
+        out,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,221 @@
+"""The Mamba-2 scan: recurrent == chunked == a plain float64 loop == transformers' functions; a
+prompt split over calls equals one pass; varlen batches with state slots; the C++ and Triton
+(interpreter) kernels against the reference; the dispatch and the argument checks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
+    mamba2_chunk_scan,
+    mamba2_selective_state_update,
+)
+
+import kernels.mamba_ssm as mamba_ssm
+from kernels import triton_available
+from kernels.cpu_attention import cpu_kernels_available
+from kernels.mamba_ssm import (
+    mamba_chunk_scan,
+    mamba_chunk_scan_chunked_torch,
+    mamba_chunk_scan_recurrent_torch,
+)
+
+HEADS, HEAD_DIM, STATE_DIM = 4, 8, 20  # 20: a full vector of the C++ loop and a tail
+needs_cpu = pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ kernels here")
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+FORMS = {
+    "recurrent": mamba_chunk_scan_recurrent_torch,
+    "chunked": mamba_chunk_scan_chunked_torch,
+    "torch": lambda *a, **kw: mamba_chunk_scan(*a, **kw, backend="torch"),
+    "cpu": lambda *a, **kw: mamba_chunk_scan(*a, **kw, backend="cpu"),
+    "triton": lambda *a, **kw: mamba_chunk_scan(*a, **kw, backend="triton"),
+}
+MARKS = {"cpu": needs_cpu, "triton": needs_triton}
+NAMES = [pytest.param(n, marks=MARKS[n]) if n in MARKS else n for n in FORMS]
+
+
+def _inputs(rng, num_tokens, num_groups=2, extras=True, dtype=torch.float32, num_slots=5):
+    """x, dt, A, B, C, D, dt_bias of a varlen batch, and a pool of random states. x is a view
+    with unit stride last only (as a split of the input projection gives)."""
+    x = torch.randn(num_tokens, HEADS, 2 * HEAD_DIM, generator=rng)[..., :HEAD_DIM]
+    dt = torch.randn(num_tokens, HEADS, generator=rng) - 1.0
+    A = -torch.rand(HEADS, generator=rng).mul(4).add(0.1)
+    B, C = torch.randn(2, num_tokens, num_groups, STATE_DIM, generator=rng).mul(0.5)
+    D = torch.randn(HEADS, generator=rng) if extras else None
+    dt_bias = torch.randn(HEADS, generator=rng) if extras else None
+    pool = torch.randn(num_slots, HEADS, HEAD_DIM, STATE_DIM, generator=rng) * 0.3
+    return x.to(dtype), dt.to(dtype), A, B.to(dtype), C.to(dtype), D, dt_bias, pool
+
+
+def _loc(lens):
+    return torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+
+
+def _naive(x, dt, A, B, C, D, dt_bias, pool, lens, slots, has_initial, dt_limit):
+    """Sequence by sequence, token by token, head by head, in float64: the oracle."""
+    x, dt, A, B, C, pool = (t.double() for t in (x, dt, A, B, C, pool))
+    D = torch.zeros(HEADS) if D is None else D
+    dt_bias = torch.zeros(HEADS) if dt_bias is None else dt_bias
+    out, t = torch.zeros_like(x), 0
+    heads_per_group = HEADS // B.shape[1]
+    for i, n in enumerate(lens):
+        for h in range(HEADS):
+            g = h // heads_per_group
+            state = pool[slots[i], h].clone() if has_initial[i] else torch.zeros_like(pool[0, 0])
+            for r in range(t, t + n):
+                d = F.softplus(dt[r, h] + dt_bias[h]).clamp(*dt_limit)
+                state = torch.exp(d * A[h]) * state + d * torch.outer(x[r, h], B[r, g])
+                out[r, h] = state @ C[r, g] + D[h] * x[r, h]
+            if n:
+                pool[slots[i], h] = state
+        t += n
+    return out, pool
+
+
+CASES = {
+    "one-group-plain": dict(num_groups=1, extras=False, dt_limit=(0.0, float("inf"))),
+    "two-groups-D-bias-limit": dict(num_groups=2, extras=True, dt_limit=(0.05, 0.8)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("name", NAMES)
+def test_varlen_batch_matches_float64_loop(rng, name, case):
+    """A long prefill chunk (past two chunks, the last partial), decodes and an empty sequence
+    in one call, fresh and continued, each on its own slot: outputs and written-back states
+    equal the float64 loop; unnamed slots and the empty sequence's slot stay as they were."""
+    opts = CASES[case]
+    lens = [130, 1, 0, 5, 1]
+    slots = [4, 1, 0, 3, 2]
+    fresh = torch.tensor([True, False, True, False, True])
+    x, dt, A, B, C, D, dt_bias, pool = _inputs(
+        rng, sum(lens), opts["num_groups"], opts["extras"], num_slots=7
+    )
+    want, want_pool = _naive(x, dt, A, B, C, D, dt_bias, pool, lens, slots, fresh,
+                             opts["dt_limit"])  # fmt: skip
+    before = pool.clone()
+    got = FORMS[name](x, dt, A, B, C, D, dt_bias, pool, _loc(lens), torch.tensor(slots),
+                      has_initial_state=fresh, dt_limit=opts["dt_limit"])  # fmt: skip
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool.double(), want_pool, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool[[0, 5, 6]], before[[0, 5, 6]])
+
+
+def test_reference_matches_transformers(rng):
+    """One 80-token sequence from a non-zero state equals transformers' ``mamba2_chunk_scan``
+    (output and final state); the next token equals ``mamba2_selective_state_update``."""
+    x, dt, A, B, C, D, dt_bias, pool = _inputs(rng, 81)
+    x = x.contiguous()
+    want, want_state = mamba2_chunk_scan(
+        x[None, :80], dt[None, :80], A, B[None, :80], C[None, :80], 64, D=D, dt_bias=dt_bias,
+        initial_states=pool[3:4].clone(), dt_softplus=True, return_final_states=True,
+    )  # fmt: skip
+    for form in (mamba_chunk_scan_recurrent_torch, mamba_chunk_scan_chunked_torch):
+        p = pool.clone()
+        got = form(x[:80], dt[:80], A, B[:80], C[:80], D, dt_bias, p, _loc([80]),
+                   torch.tensor([3]))  # fmt: skip
+        torch.testing.assert_close(got, want[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(p[3], want_state[0], atol=1e-5, rtol=1e-5)
+    hf_state = want_state.clone()
+    per_channel = dict(dt=dt[80:, :, None].expand(-1, -1, HEAD_DIM),  # as transformers' mixer
+                       A=A[:, None, None].expand(-1, HEAD_DIM, STATE_DIM),
+                       D=D[:, None].expand(-1, HEAD_DIM),
+                       dt_bias=dt_bias[:, None].expand(-1, HEAD_DIM))  # fmt: skip
+    want_decode = mamba2_selective_state_update(
+        hf_state, x[80:], B=B[80:], C=C[80:], dt_softplus=True, **per_channel
+    )
+    got = mamba_chunk_scan_recurrent_torch(x[80:], dt[80:], A, B[80:], C[80:], D, dt_bias, p,
+                                           _loc([1]), torch.tensor([3]))  # fmt: skip
+    torch.testing.assert_close(got, want_decode, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(p[3], hf_state[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_split_over_steps_equals_one_pass(rng, name):
+    """A prompt cut at arbitrary points (inside and across chunks, single tokens) carries its
+    state from call to call and equals one pass; a first call without an initial state starts
+    from zero whatever the slot held."""
+    form = FORMS[name]
+    cuts = [0, 1, 37, 38, 70, 99, 140]
+    n = cuts[-1]
+    x, dt, A, B, C, D, dt_bias, pool = _inputs(rng, n)
+    whole_pool = pool.clone()
+    whole = form(x, dt, A, B, C, D, dt_bias, whole_pool, _loc([n]), torch.tensor([2]),
+                 has_initial_state=torch.tensor([False]))  # fmt: skip
+    for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
+        part = form(x[a:b], dt[a:b], A, B[a:b], C[a:b], D, dt_bias, pool, _loc([b - a]),
+                    torch.tensor([2]), has_initial_state=torch.tensor([i > 0]))  # fmt: skip
+        torch.testing.assert_close(part, whole[a:b], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(pool, whole_pool, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_batch_into_out(rng, name):
+    """One token for each of four sequences (the decode step), slots out of order, written
+    into a given ``out``."""
+    x, dt, A, B, C, D, dt_bias, pool = _inputs(rng, 4)
+    slots = torch.tensor([3, 0, 4, 1])
+    want_pool = pool.clone()
+    want = mamba_chunk_scan_chunked_torch(x, dt, A, B, C, D, dt_bias, want_pool,
+                                          _loc([1] * 4), slots)  # fmt: skip
+    out = torch.full((4, HEADS, HEAD_DIM), float("nan"))
+    got = FORMS[name](x, dt, A, B, C, D, dt_bias, pool, _loc([1] * 4), slots, out=out)
+    assert got is out
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("cpu", marks=needs_cpu), pytest.param("triton", marks=needs_triton)]
+)
+@pytest.mark.parametrize("lens", [[33, 1, 1], [1, 1, 1]], ids=["prefill", "decode"])
+def test_bf16_inputs(rng, backend, lens):
+    """bf16 x/dt/B/C with the fp32 state: the kernel equals the reference on the same inputs up
+    to bf16 rounding of the output; the states agree to fp32 rounding."""
+    x, dt, A, B, C, D, dt_bias, pool = _inputs(rng, sum(lens), dtype=torch.bfloat16)
+    slots = torch.tensor([1, 2, 3])
+    want_pool = pool.clone()
+    want = mamba_ssm.mamba_chunk_scan_torch(x, dt, A, B, C, D, dt_bias, want_pool, _loc(lens),
+                                            slots)  # fmt: skip
+    got = mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, pool, _loc(lens), slots, backend=backend)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)
+
+
+@needs_cpu
+def test_auto_on_cpu_picks_the_cpp_kernel_for_its_dtypes(rng, monkeypatch):
+    """fp32 and bf16 go to the C++ op; fp16 (which it does not take) to the reference."""
+    calls = []
+    for fn in ("mamba_chunk_scan_cpu", "mamba_chunk_scan_torch"):
+        real = getattr(mamba_ssm, fn)
+        monkeypatch.setattr(mamba_ssm, fn, lambda *a, _f=real, _n=fn: calls.append(_n) or _f(*a))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x, dt, A, B, C, D, dt_bias, pool = _inputs(rng, 3, dtype=dtype)
+        mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, pool, _loc([2, 1]), torch.tensor([0, 1]))
+    assert calls == ["mamba_chunk_scan_cpu", "mamba_chunk_scan_cpu", "mamba_chunk_scan_torch"]
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(dt=lambda t: t[:, :2]), "^dt "),
+        (dict(A=lambda t: t[:2]), "^A "),
+        (dict(D=lambda t: t[:2]), "^D "),
+        (dict(dt_bias=lambda t: t[:2]), "^dt_bias "),
+        (dict(B=lambda t: t[:, :, :4]), "^C .* B "),
+        (dict(B=lambda t: t.expand(-1, 3, -1), C=lambda t: t.expand(-1, 3, -1)), "^B .*groups"),
+        (dict(pool=lambda t: t[:, :2]), "^state_pool "),
+        (dict(slots=lambda t: t[:1]), "^state_indices "),
+        (dict(fresh=lambda t: t[:1]), "^has_initial_state "),
+    ],
+)
+def test_bad_shapes_are_named(rng, bad, match):
+    x, dt, A, B, C, D, dt_bias, pool = _inputs(rng, 4, num_groups=1)
+    args = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, pool=pool, loc=_loc([3, 1]),
+                slots=torch.tensor([0, 1]), fresh=torch.tensor([True, True]))  # fmt: skip
+    for key, change in bad.items():
+        args[key] = change(args[key])
+    with pytest.raises(ValueError, match=match):
+        mamba_chunk_scan(*args.values())
