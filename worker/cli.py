@@ -173,11 +173,21 @@ def demo_main(argv: list[str] | None = None) -> int:
 
 def models_main(argv: list[str] | None = None) -> int:
     """`pagedq models`: every model type pagedq claims, and the path that serves it."""
-    argparse.ArgumentParser(
+    p = argparse.ArgumentParser(
         prog="pagedq models",
         description="List the supported model types: native (a family file of pagedq's) or "
         "transformers (the Transformers modeling backend, verified by its tests).",
-    ).parse_args(argv)
+    )
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print README's table instead: model_type, the path serving it, the tests holding it",
+    )
+    if p.parse_args(argv).markdown:
+        from worker.models_table import models_markdown
+
+        print(models_markdown())
+        return 0
     from engine.models import model_impls
 
     impls = model_impls()
