@@ -9,21 +9,19 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
+from tests.engine.hybrid_checks import GREEDY, check_prefix_hit, check_regimes, long_prompt
 from tests.engine.test_architectures import (
-    MAX_TOKENS,
     PROMPTS,
     built,
     check_json_schema,
     check_seeded_samples,
-    hf_greedy,
     one_thread,  # noqa: F401
     tiny_llm,
     token_ids,
 )
 
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # Longer than the delta rule's 64-token chunk and than two 16-token blocks.
-LONG = [[(7 * i + 3) % 4000 + 5 for i in range(90)]]
+LONG = [long_prompt(90, vocab=4000)]
 
 HOLDS = ("qwen3_5_text", "qwen3_5_moe_text")  # README's table names this file
 
@@ -31,50 +29,15 @@ HOLDS = ("qwen3_5_text", "qwen3_5_moe_text")  # README's table names this file
 @pytest.mark.parametrize("case_id", ["qwen3.5", "qwen3.5-moe"])
 def test_regimes_match_hf(tmp_path_factory, case_id):
     """Chunked prefill on a small token budget, preemption by recompute and by swap on a small
-    pool, and a repeated prompt give Hugging Face's greedy tokens."""
-    folder, expected = built(case_id, tmp_path_factory)
-    prompts = PROMPTS + LONG
-    expected = expected + hf_greedy(folder, LONG, MAX_TOKENS)
-    chunked = tiny_llm(folder, max_num_batched_tokens=8)
-    assert token_ids(chunked.generate(prompts, GREEDY, use_tqdm=False)) == expected
-    assert chunked.stats.num_chunked_prefills > 0
-
-    engine = tiny_llm(folder).llm_engine
-    kv = engine.kv_cache_manager
-    longest = max(len(p) for p in prompts) + MAX_TOKENS
-    num_blocks = kv.num_blocks_for(longest) + 1
-    # Two state slots (two running requests), one snapshot, blocks for the longest request.
-    state_bytes = 3 * engine.state_cache.bytes_per_slot
-    for swap_space, kind in ((0, "recompute"), (0.01, "swap")):
-        small = tiny_llm(
-            folder,
-            kv_cache_memory=num_blocks * engine._kv_bytes_per_block() + state_bytes,
-            swap_space=swap_space,
-            max_num_seqs=2,
-        )
-        assert small.llm_engine.state_cache.num_slots == 2
-        assert token_ids(small.generate(prompts, GREEDY, use_tqdm=False)) == expected
-        stats = small.stats
-        assert stats.num_preemptions > 0, kind
-        assert getattr(stats, f"num_preemptions_{kind}") > 0
-        assert dict(stats.kv_blocks_by_group)["recurrent_state"] == 0  # all given back
+    pool give Hugging Face's greedy tokens."""
+    check_regimes(*built(case_id, tmp_path_factory), LONG)
 
 
-@pytest.mark.parametrize("case_id", ["qwen3.5"])
-def test_prefix_hit_on_shared_system_prompt(tmp_path_factory, case_id):
-    """Two prompts sharing a two-block system prompt: the second starts from the first's
-    state snapshot at the block boundary (the hit counted), and both give HF's tokens."""
-    folder, _ = built(case_id, tmp_path_factory)
-    system = [(11 * i + 5) % 3000 + 7 for i in range(32)]
-    prompts = [system + [101, 102, 103, 104, 105], system + [201, 202, 203, 204, 205, 206, 207]]
-    expected = hf_greedy(folder, prompts, MAX_TOKENS)
-    cached = tiny_llm(folder)
-    got = [token_ids(cached.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
-    assert got == expected
-    stats = cached.stats
-    assert stats.prefix_cache_hits == 32
-    assert cached.llm_engine.state_cache.snapshots  # kept at the system prompt's end
-    # A repeated prompt hits its own snapshot too; the long one's chunked prefill as well.
+def test_prefix_hit_on_shared_system_prompt(tmp_path_factory):
+    """The second of two prompts sharing a two-block system prompt starts from the first's
+    state snapshot at the block boundary (the hit counted); a repeated prompt hits its own
+    snapshot too; every answer is HF's."""
+    cached, prompts, expected = check_prefix_hit(built("qwen3.5", tmp_path_factory)[0], 3000)
     again = token_ids(cached.generate(prompts[1:], GREEDY, use_tqdm=False))
     assert again == expected[1:] and cached.stats.prefix_cache_hits == 64
 

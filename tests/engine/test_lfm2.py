@@ -5,22 +5,17 @@ snapshot, n > 1 and JSON schemas hold."""
 
 from __future__ import annotations
 
-from engine import SamplingParams
 from engine.models.lfm2 import ShortConv
+from tests.engine.hybrid_checks import check_prefix_hit, check_regimes, long_prompt
 from tests.engine.test_architectures import (
-    MAX_TOKENS,
-    PROMPTS,
     built,
     check_json_schema,
     check_seeded_samples,
-    hf_greedy,
     one_thread,  # noqa: F401
     tiny_llm,
-    token_ids,
 )
 
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-LONG = [[(7 * i + 3) % 4000 + 5 for i in range(50)]]  # longer than three 16-token blocks
+LONG = [long_prompt(50, vocab=4000)]  # longer than three 16-token blocks
 
 
 def test_conv_layers_keep_only_a_conv_window(tmp_path_factory):
@@ -39,43 +34,13 @@ def test_conv_layers_keep_only_a_conv_window(tmp_path_factory):
 def test_regimes_match_hf(tmp_path_factory):
     """Chunked prefill on a small token budget, preemption by recompute and by swap on a small
     pool give Hugging Face's greedy tokens."""
-    folder, expected = built("lfm2", tmp_path_factory)
-    prompts = PROMPTS + LONG
-    expected = expected + hf_greedy(folder, LONG, MAX_TOKENS)
-    chunked = tiny_llm(folder, max_num_batched_tokens=8)
-    assert token_ids(chunked.generate(prompts, GREEDY, use_tqdm=False)) == expected
-    assert chunked.stats.num_chunked_prefills > 0
-
-    engine = tiny_llm(folder).llm_engine
-    longest = max(len(p) for p in prompts) + MAX_TOKENS
-    num_blocks = engine.kv_cache_manager.num_blocks_for(longest) + 1
-    state_bytes = 3 * engine.state_cache.bytes_per_slot  # two slots, one snapshot
-    for swap_space, kind in ((0, "recompute"), (0.01, "swap")):
-        small = tiny_llm(
-            folder,
-            kv_cache_memory=num_blocks * engine._kv_bytes_per_block() + state_bytes,
-            swap_space=swap_space,
-            max_num_seqs=2,
-        )
-        assert small.llm_engine.state_cache.num_slots == 2
-        assert token_ids(small.generate(prompts, GREEDY, use_tqdm=False)) == expected
-        stats = small.stats
-        assert getattr(stats, f"num_preemptions_{kind}") > 0, kind
-        assert dict(stats.kv_blocks_by_group)["recurrent_state"] == 0  # all given back
+    check_regimes(*built("lfm2", tmp_path_factory), LONG)
 
 
 def test_prefix_hit_on_shared_system_prompt(tmp_path_factory):
-    """Two prompts sharing a two-block system prompt: the second starts from the first's conv
-    snapshot at the block boundary (the hit counted), and both give HF's tokens."""
-    folder, _ = built("lfm2", tmp_path_factory)
-    system = [(11 * i + 5) % 3000 + 7 for i in range(32)]
-    prompts = [system + [101, 102, 103, 104, 105], system + [201, 202, 203, 204, 205, 206, 207]]
-    expected = hf_greedy(folder, prompts, MAX_TOKENS)
-    cached = tiny_llm(folder)
-    got = [token_ids(cached.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
-    assert got == expected
-    assert cached.stats.prefix_cache_hits == 32
-    assert cached.llm_engine.state_cache.snapshots
+    """The second of two prompts sharing a two-block system prompt starts from the first's conv
+    snapshot at the block boundary (the hit counted); both give HF's tokens."""
+    check_prefix_hit(built("lfm2", tmp_path_factory)[0], vocab=3000)
 
 
 def test_seeded_samples_and_json_schema(tmp_path_factory):

@@ -7,22 +7,17 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
 from engine.models.mamba2 import Mamba2Mixer
+from tests.engine.hybrid_checks import check_prefix_hit, check_regimes, long_prompt
 from tests.engine.test_architectures import (
-    MAX_TOKENS,
-    PROMPTS,
     built,
     check_json_schema,
     check_seeded_samples,
-    hf_greedy,
     one_thread,  # noqa: F401
     tiny_llm,
-    token_ids,
 )
 
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-LONG = [[(7 * i + 3) % 900 + 5 for i in range(50)]]  # longer than three 16-token blocks
+LONG = [long_prompt(50)]  # longer than three 16-token blocks
 HYBRIDS = ["granite-4.0-h", "nemotron-h", "falcon-h1"]
 HOLDS = ("granitemoehybrid", "nemotron_h", "falcon_h1")  # README's table names this file
 
@@ -46,42 +41,14 @@ def test_state_per_sequence_is_conv_window_and_ssm_state(tmp_path_factory):
 def test_regimes_match_hf(tmp_path_factory, case_id):
     """Chunked prefill on a small token budget, preemption by recompute and by swap on a small
     pool give Hugging Face's greedy tokens."""
-    folder, expected = built(case_id, tmp_path_factory)
-    prompts = PROMPTS + LONG
-    expected = expected + hf_greedy(folder, LONG, MAX_TOKENS)
-    chunked = tiny_llm(folder, max_num_batched_tokens=8)
-    assert token_ids(chunked.generate(prompts, GREEDY, use_tqdm=False)) == expected
-    assert chunked.stats.num_chunked_prefills > 0
-
-    engine = tiny_llm(folder).llm_engine
-    longest = max(len(p) for p in prompts) + MAX_TOKENS
-    num_blocks = engine.kv_cache_manager.num_blocks_for(longest) + 1
-    state_bytes = 3 * engine.state_cache.bytes_per_slot  # two slots, one snapshot
-    for swap_space, kind in ((0, "recompute"), (0.01, "swap")):
-        small = tiny_llm(
-            folder,
-            kv_cache_memory=num_blocks * engine._kv_bytes_per_block() + state_bytes,
-            swap_space=swap_space,
-            max_num_seqs=2,
-        )
-        assert small.llm_engine.state_cache.num_slots == 2
-        assert token_ids(small.generate(prompts, GREEDY, use_tqdm=False)) == expected
-        assert getattr(small.stats, f"num_preemptions_{kind}") > 0, kind
+    check_regimes(*built(case_id, tmp_path_factory), LONG)
 
 
 @pytest.mark.parametrize("case_id", ["granite-4.0-h", "falcon-h1"])
 def test_prefix_hit_on_shared_system_prompt(tmp_path_factory, case_id):
-    """Two prompts sharing a two-block system prompt: the second starts from the first's
-    snapshot at the block boundary, and both give HF's tokens."""
-    folder, _ = built(case_id, tmp_path_factory)
-    system = [(11 * i + 5) % 900 + 7 for i in range(32)]
-    prompts = [system + [101, 102, 103, 104, 105], system + [201, 202, 203, 204, 205, 206, 207]]
-    expected = hf_greedy(folder, prompts, MAX_TOKENS)
-    cached = tiny_llm(folder)
-    got = [token_ids(cached.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
-    assert got == expected
-    assert cached.stats.prefix_cache_hits == 32
-    assert cached.llm_engine.state_cache.snapshots
+    """The second of two prompts sharing a two-block system prompt starts from the first's
+    snapshot at the block boundary; both give HF's tokens."""
+    check_prefix_hit(built(case_id, tmp_path_factory)[0])
 
 
 @pytest.mark.parametrize("case_id", ["nemotron-h", "falcon-h1"])
