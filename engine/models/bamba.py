@@ -5,11 +5,11 @@ experts."""
 
 from __future__ import annotations
 
-from engine.models.attention import Attention, AttentionOptions
+from engine.models.attention import AttentionOptions
 from engine.models.causal_lm import CausalLM
-from engine.models.config_fields import head_dim_of, num_kv_heads_of
+from engine.models.config_fields import head_dim_of
 from engine.models.decoder import DecoderLayer
-from engine.models.granitemoehybrid import MAMBA, mamba_mixer
+from engine.models.granitemoehybrid import token_mixer
 from engine.models.hybrid import HybridLayers
 from engine.models.mlp import GatedMLP
 from engine.models.norm import RMSNorm
@@ -36,14 +36,8 @@ class BambaForCausalLM(HybridLayers, CausalLM):
         bias = bool(config.attention_bias)
         opts = AttentionOptions(qkv_bias=bias, o_bias=bias, rotary_dim=rotary_dim)
         for layer_type in config.layers_block_type:
-            if layer_type == MAMBA:
-                mixer = mamba_mixer(config, backend)
-            else:
-                mixer = Attention(
-                    hidden, config.num_attention_heads, num_kv_heads_of(config), head_dim,
-                    backend, opts,
-                )  # fmt: skip
             mlp = GatedMLP(hidden, config.intermediate_size, backend, bool(config.mlp_bias))
+            mixer = token_mixer(config, layer_type, opts, backend)
             layer = DecoderLayer(mixer, mlp, hidden, eps, backend)
             layer.rope_key = "default"
             self.layers.append(layer)

@@ -48,13 +48,12 @@ class Glm4MoeForCausalLM(MoECausalLM):
         self.norm = self.make_norm()
 
     @staticmethod
-    def make_moe(config, backend: str) -> FusedMoE:
-        """Routed experts (grouped sigmoid routing in fp32) and the shared expert."""
-        hidden, experts, top_k = (
-            config.hidden_size,
-            config.n_routed_experts,
-            config.num_experts_per_tok,
-        )
+    def make_moe(config, backend: str, num_experts: int | None = None) -> FusedMoE:
+        """Routed experts (grouped sigmoid routing in fp32) and the shared expert of
+        ``moe_intermediate_size * n_shared_experts``; ``num_experts`` where the config names
+        it otherwise than ``n_routed_experts`` (Kimi Linear's ``num_experts``)."""
+        hidden, top_k = config.hidden_size, config.num_experts_per_tok
+        experts = config.n_routed_experts if num_experts is None else num_experts
         gate = Router(
             hidden, experts, top_k, scoring="grouped_topk_sigmoid",
             renormalize=config.norm_topk_prob, n_group=config.n_group,

@@ -48,6 +48,16 @@ def mamba_mixer(config, backend: str) -> Mamba2Mixer:
     )  # fmt: skip
 
 
+def token_mixer(config, layer_type: str, opts: AttentionOptions, backend: str) -> nn.Module:
+    """A Mamba-2 layer for ``"linear_attention"``, else attention with ``opts``."""
+    if layer_type == MAMBA:
+        return mamba_mixer(config, backend)
+    return Attention(
+        config.hidden_size, config.num_attention_heads, num_kv_heads_of(config),
+        head_dim_of(config), backend, opts,
+    )  # fmt: skip
+
+
 class GraniteMoeHybridForCausalLM(HybridLayers, MoECausalLM):
     """Granite 4.0-H's stack: Mamba-2 and attention layers, experts and a shared MLP."""
 
@@ -64,15 +74,9 @@ class GraniteMoeHybridForCausalLM(HybridLayers, MoECausalLM):
             scale=float(config.attention_multiplier),
         )  # fmt: skip
         for layer_type in self.layer_types:
-            if layer_type == MAMBA:
-                mixer = mamba_mixer(config, backend)
-            else:
-                mixer = Attention(
-                    hidden, config.num_attention_heads, num_kv_heads_of(config), head_dim,
-                    backend, opts,
-                )  # fmt: skip
             layer = DecoderLayer(
-                mixer, self.make_mlp(config), hidden, eps, backend,
+                token_mixer(config, layer_type, opts, backend), self.make_mlp(config), hidden,
+                eps, backend,
                 residual_multiplier=None if residual_multiplier == 1.0 else residual_multiplier,
             )  # fmt: skip
             layer.rope_key = "default" if rope else None

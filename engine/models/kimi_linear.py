@@ -29,12 +29,12 @@ import torch
 from torch import nn
 
 from engine.models.decoder import DecoderLayer
+from engine.models.glm4_moe import Glm4MoeForCausalLM
 from engine.models.hybrid import HybridLayers, split_by_heads
 from engine.models.latent_attention import LatentAttention
 from engine.models.linear import KeepsPackedDtypes, MergedLinear
 from engine.models.mlp import GatedMLP
-from engine.models.moe import FusedMoE, MoECausalLM
-from engine.models.routers import Router
+from engine.models.moe import MoECausalLM
 from engine.parallel.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -166,28 +166,13 @@ class KimiLinearForCausalLM(HybridLayers, MoECausalLM):
             else:
                 mixer = LatentAttention(config, backend)  # no rope_key: no rotation (NoPE)
             if config.mlp_layer_types[i] == "sparse":
-                mlp = self.make_moe(config, backend)
+                mlp = Glm4MoeForCausalLM.make_moe(config, backend, config.num_experts)
             else:
                 mlp = GatedMLP(hidden, config.intermediate_size, backend)
             layer = DecoderLayer(mixer, mlp, hidden, eps, backend)
             layer.rope_key = None  # no rotary anywhere: the step computes no cos/sin
             self.layers.append(layer)
         self.norm = self.make_norm()
-
-    @staticmethod
-    def make_moe(config, backend: str) -> FusedMoE:
-        """DeepSeek-V3's block under Kimi's config names: grouped sigmoid routing with a
-        correction bias, ``routed_scaling_factor``, a shared expert of
-        ``moe_intermediate_size * n_shared_experts``."""
-        hidden, experts, top_k = config.hidden_size, config.num_experts, config.num_experts_per_tok
-        gate = Router(
-            hidden, experts, top_k, scoring="grouped_topk_sigmoid",
-            renormalize=config.norm_topk_prob, n_group=config.n_group,
-            topk_group=config.topk_group, routed_scaling_factor=config.routed_scaling_factor,
-        )  # fmt: skip
-        inter = config.moe_intermediate_size
-        shared = GatedMLP(hidden, inter * config.n_shared_experts, backend)
-        return FusedMoE(experts, top_k, hidden, inter, gate, shared_expert=shared, backend=backend)
 
     def checkpoint_name(self, name: str) -> str | None:
         match = _LAYER.match(name)
