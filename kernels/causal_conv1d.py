@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.shape_checks import check_causal_conv1d
+from kernels.state_slots import choose_backend, cpu_slot_args
 
 
 def _finish(y: torch.Tensor, dtype: torch.dtype, activation: str | None) -> torch.Tensor:
@@ -84,18 +85,17 @@ def causal_conv1d(
 ) -> torch.Tensor:  # fmt: skip
     """The varlen causal convolution of one step (prefill chunks and decodes mixed); Triton on
     CUDA, C++ on the CPU, else the reference."""
-    from kernels import select_backend
-
     args = (x, weight, bias, conv_state_pool, query_start_loc, state_indices, has_initial_state)
-    chosen = select_backend(x.device, backend)
+    same = {x.dtype, weight.dtype, conv_state_pool.dtype} | (
+        {bias.dtype} if bias is not None else set()
+    )
+    cpu_fits = len(same) == 1 and x.dtype in (torch.float32, torch.bfloat16)
+    chosen = choose_backend(x.device, backend, cpu_fits)
     if chosen == "triton":
         from kernels.triton_causal_conv1d import causal_conv1d_triton
 
         return causal_conv1d_triton(*args, activation, out)
-    same = {x.dtype, weight.dtype, conv_state_pool.dtype} | (
-        {bias.dtype} if bias is not None else set()
-    )
-    if chosen == "cpu" and len(same) == 1 and x.dtype in (torch.float32, torch.bfloat16):
+    if chosen == "cpu":
         return causal_conv1d_cpu(*args, activation, out)
     return causal_conv1d_torch(*args, activation, out)
 
@@ -108,18 +108,12 @@ def causal_conv1d_cpu(
 ) -> torch.Tensor:  # fmt: skip
     """C++ twin of ``causal_conv1d_torch`` (``kernels/csrc/causal_conv1d_cpu.cpp``); x, weight,
     bias and the pool share one dtype, fp32 or bf16."""
-    from kernels import cpu_attention
-
     check_causal_conv1d(x, weight, conv_state_pool, activation)
-    cpu_attention._require()
+    slot_args = cpu_slot_args(query_start_loc, state_indices, has_initial_state)
     out = torch.empty_like(x) if out is None else out
-    has_initial = None if has_initial_state is None else has_initial_state.to(torch.bool)
-    has_initial = None if has_initial is None else has_initial.contiguous()
     torch.ops.pagedq.causal_conv1d(
-        x, weight, bias, conv_state_pool, query_start_loc.long().contiguous(),
-        state_indices.long().contiguous(), has_initial,
-        activation == "silu", out,
-    )  # fmt: skip
+        x, weight, bias, conv_state_pool, *slot_args, activation == "silu", out
+    )
     return out
 
 

@@ -19,6 +19,8 @@ the final state back, so a prompt split over several engine steps equals one pas
   DeltaNet paper (matmuls inside a chunk, the state carried between chunks): the prefill form.
 - ``gated_delta_rule``: the dispatch: Triton on CUDA, C++ on the CPU (``kernels/csrc/
   gated_delta_cpu.cpp``), else the reference (decodes recurrent, longer sequences chunked).
+- ``delta_rule_recurrent``, ``delta_rule_chunked`` (with ``prepare_qk``): what the two delta
+  rules share; ``kernels/kimi_delta.py`` runs on them with a decay per key channel.
 
 Everything runs in fp32 (float64 when the inputs or the pool are float64, to check the fp32
 forms against), and the output is rounded once to ``v``'s dtype.
@@ -26,10 +28,21 @@ forms against), and the output is rounded once to ``v``'s dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from kernels.shape_checks import check_gated_delta
+from kernels.state_slots import (
+    choose_backend,
+    compute_dtype,
+    cpu_slot_args,
+    cpu_takes,
+    fp32,
+    scan_sequences,
+    scan_tokens,
+)
 
 CHUNK_SIZE = 64
 
@@ -48,15 +61,13 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-def _prepare_qk(
-    q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2norm: bool, scale: float,
-    dtype: torch.dtype,
+def prepare_qk(
+    q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2norm: bool,
+    scale: float | None, dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """q, k in ``dtype``, normalised, q scaled, repeated to one head per value head."""
+    """q, k in ``dtype``, normalised (after the cast, as FLA does), q scaled (by ``k_dim ** -0.5``
+    where ``scale`` is None), repeated to one head per value head."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     q, k = q.to(dtype), k.to(dtype)
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
@@ -67,14 +78,52 @@ def _prepare_qk(
     return q, k
 
 
-def _initial_states(
-    state_pool: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor | None,
-    dtype: torch.dtype,
+def delta_rule_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None, use_qk_l2norm: bool, scale: float | None,
+    out: torch.Tensor | None, dtype: torch.dtype,
 ) -> torch.Tensor:  # fmt: skip
-    states = state_pool[slots].to(dtype)
-    if has_initial_state is not None:
-        states = states * has_initial_state.to(states.device, torch.bool)[:, None, None, None]
-    return states
+    """The token-by-token form of both delta rules (arguments checked), in ``dtype``: step ``t``
+    advances every sequence that has a ``t``-th token. ``g`` is ``[T, H, K]`` for a decay per key
+    channel (a row of S; Kimi Delta Attention) or ``[T, H, 1]`` for one per head."""
+    qn, kn = prepare_qk(q, k, v.shape[1], use_qk_l2norm, scale, dtype)
+    vv, decay, beta_ = v.to(dtype), g.to(dtype).exp(), beta.to(dtype)
+    out = torch.empty_like(v) if out is None else out
+
+    def step(s: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        s = s * decay[rows][:, :, :, None]
+        kt = kn[rows]
+        kv_mem = torch.einsum("bhkv,bhk->bhv", s, kt)
+        delta = (vv[rows] - kv_mem) * beta_[rows][:, :, None]
+        s = s + kt[:, :, :, None] * delta[:, :, None, :]
+        out[rows] = torch.einsum("bhkv,bhk->bhv", s, qn[rows]).to(out.dtype)
+        return s
+
+    scan_tokens(step, state_pool, query_start_loc, state_indices, has_initial_state, dtype)
+    return out
+
+
+def delta_rule_chunked(
+    chunked_one: Callable, chunk_size: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    g: torch.Tensor, beta: torch.Tensor, state_pool: torch.Tensor, query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor, has_initial_state: torch.Tensor | None, use_qk_l2norm: bool,
+    scale: float | None, out: torch.Tensor | None, dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """The chunked driver of both delta rules (arguments checked), in ``dtype``: one sequence at
+    a time, heads first, through ``chunked_one(q, k, v, g, beta, state, chunk_size) -> (o, final
+    state)``."""
+    qn, kn = prepare_qk(q, k, v.shape[1], use_qk_l2norm, scale, dtype)
+    out = torch.empty_like(v) if out is None else out
+
+    def run(start: int, end: int, state: torch.Tensor) -> torch.Tensor:
+        heads_first = [x[start:end].transpose(0, 1).to(dtype) for x in (qn, kn, v, g, beta)]
+        o, state = chunked_one(*heads_first, state, chunk_size)
+        out[start:end] = o.transpose(0, 1).to(out.dtype)
+        return state
+
+    scan_sequences(run, state_pool, query_start_loc, state_indices, has_initial_state, dtype)
+    return out
 
 
 def gated_delta_rule_recurrent_torch(
@@ -83,30 +132,11 @@ def gated_delta_rule_recurrent_torch(
     has_initial_state: torch.Tensor | None = None, use_qk_l2norm: bool = True,
     scale: float | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """The token-by-token form: step ``t`` advances every sequence that has a ``t``-th token."""
+    """The token-by-token form (``delta_rule_recurrent`` with one decay per head)."""
     check_gated_delta(q, k, v, g, beta, state_pool, query_start_loc, state_indices)
-    dtype = _compute_dtype(q, v, state_pool)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qn, kn = _prepare_qk(q, k, v.shape[1], use_qk_l2norm, scale, dtype)
-    vv, decay, beta_ = v.to(dtype), g.to(dtype).exp(), beta.to(dtype)
-    out = torch.empty_like(v) if out is None else out
-    starts, ends = query_start_loc[:-1].long(), query_start_loc[1:].long()
-    lens = ends - starts
-    slots = state_indices.long()
-    states = _initial_states(state_pool, slots, has_initial_state, dtype)
-    for t in range(int(lens.max()) if lens.numel() else 0):
-        active = (lens > t).nonzero().flatten()
-        rows = starts[active] + t
-        s = states[active] * decay[rows][:, :, None, None]
-        kt = kn[rows]
-        kv_mem = torch.einsum("bhkv,bhk->bhv", s, kt)
-        delta = (vv[rows] - kv_mem) * beta_[rows][:, :, None]
-        s = s + kt[:, :, :, None] * delta[:, :, None, :]
-        out[rows] = torch.einsum("bhkv,bhk->bhv", s, qn[rows]).to(out.dtype)
-        states[active] = s
-    ran = lens > 0
-    state_pool[slots[ran]] = states[ran].to(state_pool.dtype)
-    return out
+    args = (state_pool, query_start_loc, state_indices, has_initial_state, use_qk_l2norm, scale)
+    dtype = compute_dtype(q, v, state_pool)
+    return delta_rule_recurrent(q, k, v, g[:, :, None], beta, *args, out, dtype)
 
 
 def _chunked_one(
@@ -147,21 +177,9 @@ def gated_delta_rule_chunked_torch(
 ) -> torch.Tensor:  # fmt: skip
     """The chunked form, one sequence at a time, chunks of ``chunk_size`` from its first row."""
     check_gated_delta(q, k, v, g, beta, state_pool, query_start_loc, state_indices)
-    dtype = _compute_dtype(q, v, state_pool)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qn, kn = _prepare_qk(q, k, v.shape[1], use_qk_l2norm, scale, dtype)
-    out = torch.empty_like(v) if out is None else out
-    bounds = query_start_loc.tolist()
-    slots = state_indices.long()
-    states = _initial_states(state_pool, slots, has_initial_state, dtype)
-    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        if end == start:
-            continue
-        heads_first = [x[start:end].transpose(0, 1).to(dtype) for x in (qn, kn, v, g, beta)]
-        o, state = _chunked_one(*heads_first, states[i], chunk_size)
-        out[start:end] = o.transpose(0, 1).to(out.dtype)
-        state_pool[slots[i]] = state.to(state_pool.dtype)
-    return out
+    args = (q, k, v, g, beta, state_pool, query_start_loc, state_indices, has_initial_state)
+    dtype = compute_dtype(q, v, state_pool)
+    return delta_rule_chunked(_chunked_one, chunk_size, *args, use_qk_l2norm, scale, out, dtype)
 
 
 def gated_delta_rule_torch(
@@ -186,20 +204,13 @@ def gated_delta_rule(
 ) -> torch.Tensor:  # fmt: skip
     """The gated delta rule of one linear-attention layer over a step's varlen batch; returns
     ``[num_tokens, num_v_heads, v_dim]`` in ``v``'s dtype and updates ``state_pool`` in place."""
-    from kernels import select_backend
-
     args = (q, k, v, g, beta, state_pool, query_start_loc, state_indices, has_initial_state)
-    chosen = select_backend(q.device, backend)
+    chosen = choose_backend(q.device, backend, cpu_takes(state_pool, q, k, v))
     if chosen == "triton":
         from kernels.triton_gated_delta import gated_delta_rule_triton
 
         return gated_delta_rule_triton(*args, use_qk_l2norm, scale, out)
-    if (
-        chosen == "cpu"
-        and state_pool.dtype == torch.float32
-        and q.dtype in (torch.float32, torch.bfloat16)
-        and q.dtype == k.dtype == v.dtype
-    ):
+    if chosen == "cpu":
         return gated_delta_rule_cpu(*args, use_qk_l2norm, scale, out)
     return gated_delta_rule_torch(*args, use_qk_l2norm, scale, out)
 
@@ -212,17 +223,11 @@ def gated_delta_rule_cpu(
 ) -> torch.Tensor:  # fmt: skip
     """C++ twin of the reference (``kernels/csrc/gated_delta_cpu.cpp``): fp32 state in place,
     q/k/v fp32 or bf16 (one dtype), the recurrent form for every sequence."""
-    from kernels import cpu_attention
-
     check_gated_delta(q, k, v, g, beta, state_pool, query_start_loc, state_indices)
-    cpu_attention._require()
+    slot_args = cpu_slot_args(query_start_loc, state_indices, has_initial_state)
     out = torch.empty_like(v) if out is None else out
-    has_initial = None if has_initial_state is None else has_initial_state.to(torch.bool)
-    has_initial = None if has_initial is None else has_initial.contiguous()
     torch.ops.pagedq.gated_delta_rule(
-        q, k, v, g.float().contiguous(), beta.float().contiguous(), state_pool,
-        query_start_loc.long().contiguous(), state_indices.long().contiguous(),
-        has_initial, use_qk_l2norm,
+        q, k, v, fp32(g), fp32(beta), state_pool, *slot_args, use_qk_l2norm,
         float(q.shape[-1] ** -0.5 if scale is None else scale), out,
     )  # fmt: skip
     return out

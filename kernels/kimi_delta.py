@@ -30,35 +30,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.gated_delta import l2norm
+from kernels.gated_delta import delta_rule_chunked, delta_rule_recurrent
 from kernels.shape_checks import check_kimi_delta
+from kernels.state_slots import choose_backend, compute_dtype, cpu_slot_args, cpu_takes, fp32
 
 CHUNK_SIZE = 64
 SUB_CHUNK = 16  # rows of the per-element products inside a chunk (_decayed_products)
-
-
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-def _prepare_qk(
-    q: torch.Tensor, k: torch.Tensor, use_qk_l2norm: bool, scale: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k in ``dtype``, normalised (after the cast, as FLA does), q scaled."""
-    q, k = q.to(dtype), k.to(dtype)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    return q * scale, k
-
-
-def _initial_states(
-    state_pool: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor | None,
-    dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
-    states = state_pool[slots].to(dtype)
-    if has_initial_state is not None:
-        states = states * has_initial_state.to(states.device, torch.bool)[:, None, None, None]
-    return states
 
 
 def kimi_delta_rule_recurrent_torch(
@@ -67,30 +44,11 @@ def kimi_delta_rule_recurrent_torch(
     has_initial_state: torch.Tensor | None = None, use_qk_l2norm: bool = True,
     scale: float | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """The token-by-token form: step ``t`` advances every sequence that has a ``t``-th token."""
+    """The token-by-token form (``delta_rule_recurrent`` with a decay per key channel)."""
     check_kimi_delta(q, k, v, g, beta, state_pool, query_start_loc, state_indices)
-    dtype = _compute_dtype(q, v, g, state_pool)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qn, kn = _prepare_qk(q, k, use_qk_l2norm, scale, dtype)
-    vv, decay, beta_ = v.to(dtype), g.to(dtype).exp(), beta.to(dtype)
-    out = torch.empty_like(v) if out is None else out
-    starts, ends = query_start_loc[:-1].long(), query_start_loc[1:].long()
-    lens = ends - starts
-    slots = state_indices.long()
-    states = _initial_states(state_pool, slots, has_initial_state, dtype)
-    for t in range(int(lens.max()) if lens.numel() else 0):
-        active = (lens > t).nonzero().flatten()
-        rows = starts[active] + t
-        s = states[active] * decay[rows][:, :, :, None]  # one decay per key channel (row of S)
-        kt = kn[rows]
-        kv_mem = torch.einsum("bhkv,bhk->bhv", s, kt)
-        delta = (vv[rows] - kv_mem) * beta_[rows][:, :, None]
-        s = s + kt[:, :, :, None] * delta[:, :, None, :]
-        out[rows] = torch.einsum("bhkv,bhk->bhv", s, qn[rows]).to(out.dtype)
-        states[active] = s
-    ran = lens > 0
-    state_pool[slots[ran]] = states[ran].to(state_pool.dtype)
-    return out
+    args = (q, k, v, g, beta, state_pool, query_start_loc, state_indices, has_initial_state)
+    dtype = compute_dtype(q, v, g, state_pool)
+    return delta_rule_recurrent(*args, use_qk_l2norm, scale, out, dtype)
 
 
 def _decayed_products(x: torch.Tensor, y: torch.Tensor, cum: torch.Tensor) -> torch.Tensor:
@@ -151,21 +109,9 @@ def kimi_delta_rule_chunked_torch(
 ) -> torch.Tensor:  # fmt: skip
     """The chunked form, one sequence at a time, chunks of ``chunk_size`` from its first row."""
     check_kimi_delta(q, k, v, g, beta, state_pool, query_start_loc, state_indices)
-    dtype = _compute_dtype(q, v, g, state_pool)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qn, kn = _prepare_qk(q, k, use_qk_l2norm, scale, dtype)
-    out = torch.empty_like(v) if out is None else out
-    bounds = query_start_loc.tolist()
-    slots = state_indices.long()
-    states = _initial_states(state_pool, slots, has_initial_state, dtype)
-    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        if end == start:
-            continue
-        heads_first = [x[start:end].transpose(0, 1).to(dtype) for x in (qn, kn, v, g, beta)]
-        o, state = _chunked_one(*heads_first, states[i], chunk_size)
-        out[start:end] = o.transpose(0, 1).to(out.dtype)
-        state_pool[slots[i]] = state.to(state_pool.dtype)
-    return out
+    args = (q, k, v, g, beta, state_pool, query_start_loc, state_indices, has_initial_state)
+    dtype = compute_dtype(q, v, g, state_pool)
+    return delta_rule_chunked(_chunked_one, chunk_size, *args, use_qk_l2norm, scale, out, dtype)
 
 
 def kimi_delta_rule_torch(
@@ -190,21 +136,14 @@ def kimi_delta_rule(
 ) -> torch.Tensor:  # fmt: skip
     """Kimi Delta Attention of one linear-attention layer over a step's varlen batch; returns
     ``[num_tokens, num_heads, v_dim]`` in ``v``'s dtype and updates ``state_pool`` in place."""
-    from kernels import select_backend
-
     args = (q, k, v, g, beta, state_pool, query_start_loc, state_indices, has_initial_state)
-    chosen = select_backend(q.device, backend)
+    cpu_fits = cpu_takes(state_pool, q, k, v) and g.dtype != torch.float64
+    chosen = choose_backend(q.device, backend, cpu_fits)
     if chosen == "triton":
         from kernels.triton_kimi_delta import kimi_delta_rule_triton
 
         return kimi_delta_rule_triton(*args, use_qk_l2norm, scale, out)
-    if (
-        chosen == "cpu"
-        and state_pool.dtype == torch.float32
-        and q.dtype in (torch.float32, torch.bfloat16)
-        and q.dtype == k.dtype == v.dtype
-        and g.dtype != torch.float64
-    ):
+    if chosen == "cpu":
         return kimi_delta_rule_cpu(*args, use_qk_l2norm, scale, out)
     return kimi_delta_rule_torch(*args, use_qk_l2norm, scale, out)
 
@@ -217,17 +156,11 @@ def kimi_delta_rule_cpu(
 ) -> torch.Tensor:  # fmt: skip
     """C++ twin of the reference (``kernels/csrc/kimi_delta_cpu.cpp``): fp32 state in place,
     q/k/v fp32 or bf16 (one dtype), the recurrent form for every sequence."""
-    from kernels import cpu_attention
-
     check_kimi_delta(q, k, v, g, beta, state_pool, query_start_loc, state_indices)
-    cpu_attention._require()
+    slot_args = cpu_slot_args(query_start_loc, state_indices, has_initial_state)
     out = torch.empty_like(v) if out is None else out
-    has_initial = None if has_initial_state is None else has_initial_state.to(torch.bool)
-    has_initial = None if has_initial is None else has_initial.contiguous()
     torch.ops.pagedq.kimi_delta_rule(
-        q, k, v, g.float().contiguous(), beta.float().contiguous(), state_pool,
-        query_start_loc.long().contiguous(), state_indices.long().contiguous(),
-        has_initial, use_qk_l2norm,
+        q, k, v, fp32(g), fp32(beta), state_pool, *slot_args, use_qk_l2norm,
         float(q.shape[-1] ** -0.5 if scale is None else scale), out,
     )  # fmt: skip
     return out

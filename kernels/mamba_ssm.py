@@ -31,13 +31,18 @@ import torch
 import torch.nn.functional as F
 
 from kernels.shape_checks import check_mamba_ssm
+from kernels.state_slots import (
+    choose_backend,
+    compute_dtype,
+    cpu_slot_args,
+    cpu_takes,
+    fp32,
+    scan_sequences,
+    scan_tokens,
+)
 
 CHUNK_SIZE = 64
 NO_DT_LIMIT = (0.0, float("inf"))
-
-
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _step_sizes(
@@ -56,16 +61,6 @@ def _per_head(bc: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Ten
     return bc.to(dtype).repeat_interleave(num_heads // bc.shape[1], dim=1)
 
 
-def _initial_states(
-    state_pool: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor | None,
-    dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
-    states = state_pool[slots].to(dtype)
-    if has_initial_state is not None:
-        states = states * has_initial_state.to(states.device, torch.bool)[:, None, None, None]
-    return states
-
-
 def _skip(x: torch.Tensor, D: torch.Tensor | None) -> torch.Tensor | float:
     """The ``D x`` skip term (``x`` already in the compute dtype)."""
     return 0.0 if D is None else D.to(x.dtype)[:, None] * x
@@ -81,26 +76,21 @@ def mamba_chunk_scan_recurrent_torch(
     """The token-by-token form: step ``t`` advances every sequence that has a ``t``-th token."""
     check_mamba_ssm(x, dt, A, B, C, D, dt_bias, state_pool, query_start_loc, state_indices,
                     has_initial_state)  # fmt: skip
-    dtype = _compute_dtype(x, state_pool)
+    dtype = compute_dtype(x, state_pool)
     num_heads = x.shape[1]
     xx, d = x.to(dtype), _step_sizes(dt, dt_bias, dt_limit, dtype)
     decay = (d * A.to(dtype)).exp()
     Bh, Ch = _per_head(B, num_heads, dtype), _per_head(C, num_heads, dtype)
     out = torch.empty_like(x) if out is None else out
-    starts, ends = query_start_loc[:-1].long(), query_start_loc[1:].long()
-    lens = ends - starts
-    slots = state_indices.long()
-    states = _initial_states(state_pool, slots, has_initial_state, dtype)
-    for t in range(int(lens.max()) if lens.numel() else 0):
-        active = (lens > t).nonzero().flatten()
-        rows = starts[active] + t
+
+    def step(s: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         dx = d[rows][:, :, None] * xx[rows]  # [b, H, P]
-        s = states[active] * decay[rows][:, :, None, None] + dx[..., None] * Bh[rows][:, :, None]
+        s = s * decay[rows][:, :, None, None] + dx[..., None] * Bh[rows][:, :, None]
         y = torch.einsum("bhpn,bhn->bhp", s, Ch[rows]) + _skip(xx[rows], D)
         out[rows] = y.to(out.dtype)
-        states[active] = s
-    ran = lens > 0
-    state_pool[slots[ran]] = states[ran].to(state_pool.dtype)
+        return s
+
+    scan_tokens(step, state_pool, query_start_loc, state_indices, has_initial_state, dtype)
     return out
 
 
@@ -138,22 +128,19 @@ def mamba_chunk_scan_chunked_torch(
     """The SSD form, one sequence at a time, chunks of ``chunk_size`` from its first row."""
     check_mamba_ssm(x, dt, A, B, C, D, dt_bias, state_pool, query_start_loc, state_indices,
                     has_initial_state)  # fmt: skip
-    dtype = _compute_dtype(x, state_pool)
+    dtype = compute_dtype(x, state_pool)
     num_heads = x.shape[1]
     xx, d, AA = x.to(dtype), _step_sizes(dt, dt_bias, dt_limit, dtype), A.to(dtype)
     Bh, Ch = _per_head(B, num_heads, dtype), _per_head(C, num_heads, dtype)
     out = torch.empty_like(x) if out is None else out
-    bounds = query_start_loc.tolist()
-    slots = state_indices.long()
-    states = _initial_states(state_pool, slots, has_initial_state, dtype)
-    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        if end == start:
-            continue
-        heads_first = [t[start:end].transpose(0, 1) for t in (xx, d, Bh, Ch)]
-        xs, ds, Bs, Cs = heads_first
-        y, state = _chunked_one(xs, ds, AA, Bs, Cs, states[i], chunk_size)
+
+    def run(start: int, end: int, state: torch.Tensor) -> torch.Tensor:
+        xs, ds, Bs, Cs = (t[start:end].transpose(0, 1) for t in (xx, d, Bh, Ch))
+        y, state = _chunked_one(xs, ds, AA, Bs, Cs, state, chunk_size)
         out[start:end] = (y.transpose(0, 1) + _skip(xx[start:end], D)).to(out.dtype)
-        state_pool[slots[i]] = state.to(state_pool.dtype)
+        return state
+
+    scan_sequences(run, state_pool, query_start_loc, state_indices, has_initial_state, dtype)
     return out
 
 
@@ -182,28 +169,19 @@ def mamba_chunk_scan(
     backend: str = "auto",
 ) -> torch.Tensor:  # fmt: skip
     """The Mamba-2 scan of one layer over a step's varlen batch; returns
-    ``[num_tokens, num_heads, head_dim]`` in ``x``'s dtype and updates ``state_pool`` in place."""
-    from kernels import select_backend
-
+    ``[num_tokens, num_heads, head_dim]`` in ``x``'s dtype (or in ``out``, which may be fp32
+    for a bf16 ``x``: the model keeps the output unrounded) and updates ``state_pool`` in
+    place."""
     args = (x, dt, A, B, C, D, dt_bias, state_pool, query_start_loc, state_indices,
             has_initial_state, dt_limit, out)  # fmt: skip
-    chosen = select_backend(x.device, backend)
+    chosen = choose_backend(x.device, backend, cpu_takes(state_pool, x, B, C))
     if chosen == "triton":
         from kernels.triton_mamba_ssm import mamba_chunk_scan_triton
 
         return mamba_chunk_scan_triton(*args)
-    if (
-        chosen == "cpu"
-        and state_pool.dtype == torch.float32
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and x.dtype == B.dtype == C.dtype
-    ):
+    if chosen == "cpu":
         return mamba_chunk_scan_cpu(*args)
     return mamba_chunk_scan_torch(*args)
-
-
-def _fp32_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.float().contiguous()
 
 
 def mamba_chunk_scan_cpu(
@@ -214,19 +192,14 @@ def mamba_chunk_scan_cpu(
     dt_limit: tuple[float, float] = NO_DT_LIMIT, out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """C++ twin of the reference (``kernels/csrc/mamba_ssm_cpu.cpp``): fp32 state in place,
-    x/B/C fp32 or bf16 (one dtype), the recurrent form for every sequence."""
-    from kernels import cpu_attention
-
+    x/B/C fp32 or bf16 (one dtype), ``out`` in that dtype or fp32, the recurrent form for every
+    sequence."""
     check_mamba_ssm(x, dt, A, B, C, D, dt_bias, state_pool, query_start_loc, state_indices,
                     has_initial_state)  # fmt: skip
-    cpu_attention._require()
+    slot_args = cpu_slot_args(query_start_loc, state_indices, has_initial_state)
     out = torch.empty_like(x) if out is None else out
-    has_initial = None if has_initial_state is None else has_initial_state.to(torch.bool)
-    has_initial = None if has_initial is None else has_initial.contiguous()
     torch.ops.pagedq.mamba_chunk_scan(
-        x, dt.float().contiguous(), A.float().contiguous(), B, C, _fp32_or_none(D),
-        _fp32_or_none(dt_bias), state_pool, query_start_loc.long().contiguous(),
-        state_indices.long().contiguous(), has_initial, float(dt_limit[0]), float(dt_limit[1]),
-        out,
+        x, fp32(dt), fp32(A), B, C, fp32(D), fp32(dt_bias), state_pool, *slot_args,
+        float(dt_limit[0]), float(dt_limit[1]), out,
     )  # fmt: skip
     return out

@@ -5,7 +5,8 @@ so neither imports the other's private names).
 ``check_gated_delta`` for the gated delta rule (gated_delta.py, triton_gated_delta.py),
 ``check_causal_conv1d`` for the short convolution (causal_conv1d.py, triton_causal_conv1d.py),
 ``check_kimi_delta`` for Kimi Delta Attention (kimi_delta.py, triton_kimi_delta.py),
-``check_mamba_ssm`` for the Mamba-2 scan (mamba_ssm.py, triton_mamba_ssm.py).
+``check_mamba_ssm`` for the Mamba-2 scan (mamba_ssm.py, triton_mamba_ssm.py); the last three
+share ``check_state_slots`` (the state pool and one slot per sequence).
 """
 
 from __future__ import annotations
@@ -40,11 +41,7 @@ def check_gated_delta(
     if g.shape != (num_tokens, num_v_heads) or beta.shape != g.shape:
         raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be "
                          f"[num_tokens, num_v_heads] = {(num_tokens, num_v_heads)}")  # fmt: skip
-    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (num_v_heads, k_dim, v_dim):
-        raise ValueError(f"state_pool {tuple(state_pool.shape)} must be [num_slots, "
-                         f"{num_v_heads}, {k_dim}, {v_dim}]")  # fmt: skip
-    if state_indices.shape != (query_start_loc.shape[0] - 1,):
-        raise ValueError("state_indices must hold one slot per sequence of query_start_loc")
+    check_state_slots(state_pool, (num_v_heads, k_dim, v_dim), query_start_loc, state_indices)
 
 
 def check_causal_conv1d(
@@ -84,12 +81,7 @@ def check_kimi_delta(
     if beta.shape != (num_tokens, num_heads):
         raise ValueError(f"beta {tuple(beta.shape)} must be [num_tokens, num_heads] = "
                          f"{(num_tokens, num_heads)}")  # fmt: skip
-    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (num_heads, k_dim, v_dim):
-        raise ValueError(f"state_pool {tuple(state_pool.shape)} must be [num_slots, "
-                         f"{num_heads}, {k_dim}, {v_dim}]")  # fmt: skip
-    if query_start_loc.dim() != 1 or state_indices.shape != (query_start_loc.shape[0] - 1,):
-        raise ValueError(f"state_indices {tuple(state_indices.shape)} must hold one slot per "
-                         f"sequence of query_start_loc {tuple(query_start_loc.shape)}")  # fmt: skip
+    check_state_slots(state_pool, (num_heads, k_dim, v_dim), query_start_loc, state_indices)
 
 
 def check_mamba_ssm(
@@ -115,10 +107,19 @@ def check_mamba_ssm(
                          f"num_heads={num_heads} a multiple of num_groups")  # fmt: skip
     if C.shape != B.shape:
         raise ValueError(f"C {tuple(C.shape)} must match B {tuple(B.shape)}")
-    want = (num_heads, head_dim, B.shape[2])
-    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != want:
+    check_state_slots(state_pool, (num_heads, head_dim, B.shape[2]), query_start_loc,
+                      state_indices, has_initial_state)  # fmt: skip
+
+
+def check_state_slots(
+    state_pool: torch.Tensor, state_shape: tuple[int, int, int], query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor, has_initial_state: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """The state pool is ``[num_slots, *state_shape]``; ``state_indices`` (and
+    ``has_initial_state`` where given) hold one entry per sequence of ``query_start_loc``."""
+    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != state_shape:
         raise ValueError(f"state_pool {tuple(state_pool.shape)} must be [num_slots, "
-                         f"{want[0]}, {want[1]}, {want[2]}]")  # fmt: skip
+                         f"{', '.join(map(str, state_shape))}]")  # fmt: skip
     if query_start_loc.dim() != 1 or state_indices.shape != (query_start_loc.shape[0] - 1,):
         raise ValueError(f"state_indices {tuple(state_indices.shape)} must hold one slot per "
                          f"sequence of query_start_loc {tuple(query_start_loc.shape)}")  # fmt: skip

@@ -4,12 +4,14 @@ Both keep a program's ``[k_dim, BLOCK_V]`` part of the fp32 state in registers (
 state are independent, so blocks of value columns need no communication); one program per
 (sequence, value head, block of value columns).
 
-- ``_recurrent_kernel`` walks the tokens one by one (FLA's ``fused_recurrent`` shape): the
-  decode form, taken when every sequence of the batch has one token.
+- ``kernels.triton_recurrent.delta_rule_recurrent_kernel`` walks the tokens one by one (FLA's
+  ``fused_recurrent`` shape; one decay per head here): the decode form, taken when every
+  sequence of the batch has one token.
 - ``_chunked_kernel`` walks chunks of ``BLOCK_T`` (16) tokens in the WY form (as
   ``kernels.gated_delta._chunked_one``): inside a chunk the unit lower-triangular system is
   inverted by forward substitution on a ``[BLOCK_T, BLOCK_T]`` tile and the rest are matmuls
-  (tensor cores on a GPU), the state carried from chunk to chunk: the prefill form.
+  (tensor cores on a GPU; ``triton_recurrent.wy_chunk``), the state carried from chunk to
+  chunk: the prefill form.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import triton
 import triton.language as tl
 
 from kernels.shape_checks import check_gated_delta
-from kernels.triton_common import cast, interpreting
+from kernels.triton_common import cast
+from kernels.triton_recurrent import (
+    launch_delta_rule,
+    load_slot_state,
+    prepare_qk,
+    sequence_slot,
+    wy_chunk,
+)
 
 # Chunks of 16 tokens, not the reference's 64: the result is the same up to rounding, and
 # at 64 (a 64 x 64 system, 64 x 128 q/k tiles) ptxas took over 270 s for one sm80 variant on a
@@ -28,59 +37,11 @@ CHUNK_SIZE = 16
 
 
 @triton.jit
-def _recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, query_start_loc_ptr,
-    state_indices_ptr, has_initial_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-    stride_vh, stride_ot, stride_oh, stride_gt, stride_bt, stride_s0, stride_s1, stride_s2,
-    scale, k_dim, v_dim, queries_per_k,
-    HAS_INITIAL_MASK: tl.constexpr, USE_QK_L2NORM: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    rows = tl.arange(0, BLOCK_K)
-    row_mask = rows < k_dim
-    col_mask = cols < v_dim
-    start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    end = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64)
-    slot = tl.load(state_indices_ptr + seq).to(tl.int64)
-    k_head = head // queries_per_k
-    # (a tensor comparison: the interpreter rejects a scalar bool in a mask)
-    state_mask = row_mask[:, None] & col_mask[None, :] & (rows[:, None] * 0 + end > start)
-    state_at = (
-        state_ptr + slot * stride_s0 + head * stride_s1 + rows[:, None] * stride_s2 + cols[None, :]
-    )
-    state = tl.load(state_at, mask=state_mask, other=0.0)
-    if HAS_INITIAL_MASK:
-        state = tl.where(tl.load(has_initial_ptr + seq) != 0, state, 0.0)
-    for t in range(start, end):
-        q = tl.load(q_ptr + t * stride_qt + k_head * stride_qh + rows, mask=row_mask, other=0.0)
-        k = tl.load(k_ptr + t * stride_kt + k_head * stride_kh + rows, mask=row_mask, other=0.0)
-        q = q.to(tl.float32)
-        k = k.to(tl.float32)
-        if USE_QK_L2NORM:
-            q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
-            k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-        q = q * scale
-        v = tl.load(v_ptr + t * stride_vt + head * stride_vh + cols, mask=col_mask, other=0.0)
-        decay = tl.exp(tl.load(g_ptr + t * stride_gt + head).to(tl.float32))
-        beta = tl.load(beta_ptr + t * stride_bt + head).to(tl.float32)
-        state = state * decay
-        delta = (v.to(tl.float32) - tl.sum(state * k[:, None], 0)) * beta
-        state = state + k[:, None] * delta[None, :]
-        o = tl.sum(state * q[:, None], 0)
-        o_at = out_ptr + t * stride_ot + head * stride_oh + cols
-        tl.store(o_at, cast(o, out_ptr.dtype.element_ty, INTERPRET), mask=col_mask)
-    tl.store(state_at, state, mask=state_mask)
-
-
-@triton.jit
 def _chunked_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, query_start_loc_ptr,
     state_indices_ptr, has_initial_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-    stride_vh, stride_ot, stride_oh, stride_gt, stride_bt, stride_s0, stride_s1, stride_s2,
-    scale, k_dim, v_dim, queries_per_k,
+    stride_vh, stride_ot, stride_oh, stride_gt, stride_gh, stride_bt, stride_s0, stride_s1,
+    stride_s2, scale, k_dim, v_dim, queries_per_k,
     HAS_INITIAL_MASK: tl.constexpr, USE_QK_L2NORM: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -90,18 +51,12 @@ def _chunked_kernel(
     dims = tl.arange(0, BLOCK_K)
     dim_mask = dims < k_dim
     col_mask = cols < v_dim
-    start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    end = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64)
-    slot = tl.load(state_indices_ptr + seq).to(tl.int64)
+    start, end, slot = sequence_slot(query_start_loc_ptr, state_indices_ptr, seq)
     k_head = head // queries_per_k
-    # (a tensor comparison: the interpreter rejects a scalar bool in a mask)
-    state_mask = dim_mask[:, None] & col_mask[None, :] & (dims[:, None] * 0 + end > start)
-    state_at = (
-        state_ptr + slot * stride_s0 + head * stride_s1 + dims[:, None] * stride_s2 + cols[None, :]
-    )
-    state = tl.load(state_at, mask=state_mask, other=0.0)
-    if HAS_INITIAL_MASK:
-        state = tl.where(tl.load(has_initial_ptr + seq) != 0, state, 0.0)
+    state, state_at, state_mask = load_slot_state(
+        state_ptr, has_initial_ptr, seq, slot, head, start, end, dims, cols, dim_mask, col_mask,
+        stride_s0, stride_s1, stride_s2, HAS_INITIAL_MASK,
+    )  # fmt: skip
     steps = tl.arange(0, BLOCK_T)
     row = steps[:, None]
     col = steps[None, :]
@@ -113,14 +68,12 @@ def _chunked_kernel(
                     mask=qk_mask, other=0.0).to(tl.float32)  # fmt: skip
         k = tl.load(k_ptr + ts[:, None] * stride_kt + k_head * stride_kh + dims[None, :],
                     mask=qk_mask, other=0.0).to(tl.float32)  # fmt: skip
-        if USE_QK_L2NORM:
-            q = q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
-            k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-        q = q * scale
+        q, k = prepare_qk(q, k, scale, USE_QK_L2NORM, 1)
         v = tl.load(v_ptr + ts[:, None] * stride_vt + head * stride_vh + cols[None, :],
                     mask=t_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
         # Rows past the sequence's end get g = 0, beta = 0: no decay, no write, zero output.
-        g = tl.load(g_ptr + ts * stride_gt + head, mask=t_mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + ts * stride_gt + head * stride_gh, mask=t_mask, other=0.0)
+        g = g.to(tl.float32)
         beta = tl.load(beta_ptr + ts * stride_bt + head, mask=t_mask, other=0.0).to(tl.float32)
         cum = tl.cumsum(g, 0)  # log decay from the chunk's start through each token
         cum_last = tl.sum(tl.where(steps == BLOCK_T - 1, cum, 0.0), 0)
@@ -132,18 +85,8 @@ def _chunked_kernel(
         k_beta = k * beta[:, None]
         a = tl.dot(k_beta, tl.trans(k), input_precision="ieee") * rel_decay
         a = tl.where(row > col, a, 0.0)
-        # T = (I + A)^-1 by forward substitution: row i of T is e_i - sum_{j<i} A_ij T_j.
-        inv = tl.where(row == col, 1.0, 0.0)
-        for i in tl.range(1, BLOCK_T, loop_unroll_factor=1):  # no unrolling: compile time
-            a_i = tl.sum(tl.where(row == i, a, 0.0), 0)  # row i of A
-            t_i = tl.where(steps == i, 1.0, -tl.sum(a_i[:, None] * inv, 0))
-            inv = tl.where(row == i, t_i[None, :], inv)
-        u = tl.dot(inv, v * beta[:, None], input_precision="ieee")
-        w = tl.dot(inv, k_beta * tl.exp(cum)[:, None], input_precision="ieee")
-        v_new = u - tl.dot(w, state, input_precision="ieee")
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * rel_decay
-        o = tl.dot(q * tl.exp(cum)[:, None], state, input_precision="ieee")
-        o += tl.dot(scores, v_new, input_precision="ieee")
+        o, v_new = wy_chunk(a, scores, q, k_beta, v, beta, tl.exp(cum)[:, None], state, BLOCK_T)
         o_at = out_ptr + ts[:, None] * stride_ot + head * stride_oh + cols[None, :]
         tl.store(o_at, cast(o, out_ptr.dtype.element_ty, INTERPRET),
                  mask=t_mask[:, None] & col_mask[None, :])  # fmt: skip
@@ -163,29 +106,7 @@ def gated_delta_rule_triton(
     if state_pool.dtype != torch.float32 or state_pool.stride(3) != 1:
         raise ValueError("the Triton gated delta rule needs an fp32 state pool, unit stride last")
     out = torch.empty_like(v) if out is None else out
-    num_seqs = state_indices.shape[0]
-    k_dim, (num_v_heads, v_dim) = q.shape[2], v.shape[1:]
-    if num_seqs == 0 or q.shape[0] == 0:
-        return out
-    for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("g", g), ("beta", beta)):
-        if x.stride(-1) != 1:
-            raise ValueError(f"{name} needs unit stride in its last dim")
-    block_v = max(16, min(64, triton.next_power_of_2(v_dim)))
-    grid = (num_seqs, num_v_heads, triton.cdiv(v_dim, block_v))
-    has_initial = has_initial_state if has_initial_state is not None else state_indices
-    # A decode-only batch steps recurrently; any other goes in chunks (a one-token sequence is
-    # one chunk of one). Decided from shapes: no device-to-host sync.
-    decode_only = q.shape[0] == num_seqs
-    kernel = _recurrent_kernel if decode_only else _chunked_kernel
-    extra = {} if decode_only else {"BLOCK_T": CHUNK_SIZE}
-    kernel[grid](
-        q, k, v, g, beta, state_pool, out, query_start_loc, state_indices, has_initial,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), g.stride(0), beta.stride(0), state_pool.stride(0),
-        state_pool.stride(1), state_pool.stride(2),
-        float(k_dim**-0.5 if scale is None else scale), k_dim, v_dim, num_v_heads // q.shape[1],
-        HAS_INITIAL_MASK=has_initial_state is not None, USE_QK_L2NORM=use_qk_l2norm,
-        BLOCK_K=max(16, triton.next_power_of_2(k_dim)), BLOCK_V=block_v,
-        INTERPRET=interpreting(), **extra,
+    return launch_delta_rule(
+        _chunked_kernel, CHUNK_SIZE, False, q, k, v, g, beta, state_pool, query_start_loc,
+        state_indices, has_initial_state, use_qk_l2norm, scale, out,
     )  # fmt: skip
-    return out

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from kernels.shape_checks import check_mamba_ssm
 from kernels.triton_common import cast, interpreting
+from kernels.triton_recurrent import check_unit_stride, load_slot_state, pick_kernel, sequence_slot
 
 # Chunks of 32 tokens, not the reference's 64: the result is the same up to rounding, and the
 # fp32 [BLOCK_T, state_dim] B and C tiles (128 state dims) take half the registers.
@@ -51,18 +52,12 @@ def _recurrent_kernel(
     dims = tl.arange(0, BLOCK_N)
     row_mask = rows < head_dim
     dim_mask = dims < state_dim
-    start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    end = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64)
-    slot = tl.load(state_indices_ptr + seq).to(tl.int64)
+    start, end, slot = sequence_slot(query_start_loc_ptr, state_indices_ptr, seq)
     group = head // heads_per_group
-    # (a tensor comparison: the interpreter rejects a scalar bool in a mask)
-    state_mask = row_mask[:, None] & dim_mask[None, :] & (rows[:, None] * 0 + end > start)
-    state_at = (
-        state_ptr + slot * stride_s0 + head * stride_s1 + rows[:, None] * stride_s2 + dims[None, :]
-    )
-    state = tl.load(state_at, mask=state_mask, other=0.0)
-    if HAS_INITIAL_MASK:
-        state = tl.where(tl.load(has_initial_ptr + seq) != 0, state, 0.0)
+    state, state_at, state_mask = load_slot_state(
+        state_ptr, has_initial_ptr, seq, slot, head, start, end, rows, dims, row_mask, dim_mask,
+        stride_s0, stride_s1, stride_s2, HAS_INITIAL_MASK,
+    )  # fmt: skip
     a = tl.load(A_ptr + head).to(tl.float32)
     bias = 0.0
     if HAS_DT_BIAS:
@@ -99,18 +94,12 @@ def _chunked_kernel(
     dims = tl.arange(0, BLOCK_N)
     row_mask = rows < head_dim
     dim_mask = dims < state_dim
-    start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    end = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64)
-    slot = tl.load(state_indices_ptr + seq).to(tl.int64)
+    start, end, slot = sequence_slot(query_start_loc_ptr, state_indices_ptr, seq)
     group = head // heads_per_group
-    # (a tensor comparison: the interpreter rejects a scalar bool in a mask)
-    state_mask = row_mask[:, None] & dim_mask[None, :] & (rows[:, None] * 0 + end > start)
-    state_at = (
-        state_ptr + slot * stride_s0 + head * stride_s1 + rows[:, None] * stride_s2 + dims[None, :]
-    )
-    state = tl.load(state_at, mask=state_mask, other=0.0)
-    if HAS_INITIAL_MASK:
-        state = tl.where(tl.load(has_initial_ptr + seq) != 0, state, 0.0)
+    state, state_at, state_mask = load_slot_state(
+        state_ptr, has_initial_ptr, seq, slot, head, start, end, rows, dims, row_mask, dim_mask,
+        stride_s0, stride_s1, stride_s2, HAS_INITIAL_MASK,
+    )  # fmt: skip
     a = tl.load(A_ptr + head).to(tl.float32)
     bias = 0.0
     if HAS_DT_BIAS:
@@ -167,18 +156,14 @@ def mamba_chunk_scan_triton(
     (num_heads, head_dim), state_dim = x.shape[1:], B.shape[2]
     if num_seqs == 0 or x.shape[0] == 0:
         return out
-    for name, t in (("x", x), ("B", B), ("C", C), ("out", out), ("dt", dt)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} needs unit stride in its last dim")
+    check_unit_stride(x=x, B=B, C=C, out=out, dt=dt)
     block_p = max(16, min(64, triton.next_power_of_2(head_dim)))
     grid = (num_seqs, num_heads, triton.cdiv(head_dim, block_p))
     has_initial = has_initial_state if has_initial_state is not None else state_indices
-    # A decode-only batch steps recurrently; any other goes in chunks (a one-token sequence is
-    # one chunk of one). Decided from shapes: no device-to-host sync.
-    decode_only = x.shape[0] == num_seqs
     A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
-    kernel = _recurrent_kernel if decode_only else _chunked_kernel
-    extra = {} if decode_only else {"BLOCK_T": CHUNK_SIZE}
+    kernel, extra = pick_kernel(
+        x.shape[0], num_seqs, (_recurrent_kernel, {}), (_chunked_kernel, {"BLOCK_T": CHUNK_SIZE})
+    )
     kernel[grid](
         x, dt, A, B, C, A if D is None else D, A if dt_bias is None else dt_bias, state_pool,
         out, query_start_loc, state_indices, has_initial, x.stride(0), x.stride(1),

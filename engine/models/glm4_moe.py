@@ -58,6 +58,7 @@ class Glm4MoeForCausalLM(MoECausalLM):
             hidden, experts, top_k, scoring="grouped_topk_sigmoid",
             renormalize=config.norm_topk_prob, n_group=config.n_group,
             topk_group=config.topk_group, routed_scaling_factor=config.routed_scaling_factor,
+            fp32_weights=True,
         )  # fmt: skip
         inter = config.moe_intermediate_size
         shared = GatedMLP(hidden, inter * config.n_shared_experts, backend)

@@ -35,7 +35,8 @@ NORMS = ("gated", "norm_then_gate", None)
 
 class GroupedRMSNormGated(nn.Module):
     """``w * rmsnorm_per_group(x * silu(z))`` (Mamba-2's ``norm_before_gate=False``), or
-    ``w * rmsnorm_per_group(x) * silu(z)`` with ``norm_before_gate``, in fp32, cast once."""
+    ``w * rmsnorm_per_group(x) * silu(z)`` with ``norm_before_gate``, in fp32, in ``x``'s
+    dtype out (the mixer passes fp32)."""
 
     def __init__(self, size: int, group_size: int, eps: float, norm_before_gate: bool) -> None:
         super().__init__()
@@ -136,16 +137,22 @@ class Mamba2Mixer(nn.Module):
         )  # fmt: skip
         bc = self.n_groups * self.d_state
         x, b, c = xbc.split([self.inner, bc, bc], dim=1)
-        y = mamba_chunk_scan(
+        # The scan's output stays fp32 through the gate and the norm, rounded once before
+        # out_proj, as transformers' prefill keeps it (a bf16 round trip there measured 3x HF
+        # bf16's KL from fp32 on a tiny Nemotron-H, whose experts then flip).
+        y = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=torch.float32,
+                        device=hidden.device)  # fmt: skip
+        mamba_chunk_scan(
             x.reshape(num_tokens, self.num_heads, self.head_dim), dt,
             -torch.exp(self.A_log.float()),
             b.reshape(num_tokens, self.n_groups, self.d_state),
             c.reshape(num_tokens, self.n_groups, self.d_state),
             self.D, self.dt_bias, self.ssm_state, meta.query_start_loc, meta.state_indices,
-            meta.has_initial_state, self.time_step_limit, backend=self.backend,
-        ).reshape(num_tokens, self.inner)  # fmt: skip
+            meta.has_initial_state, self.time_step_limit, out=y, backend=self.backend,
+        )  # fmt: skip
+        y = y.view(num_tokens, self.inner)
         if self.norm_kind is None:
-            y = (y.float() * F.silu(z.float())).to(y.dtype)
+            y = y * F.silu(z.float())
         else:
             y = self.norm(y, z)
-        return self.out_proj(y)
+        return self.out_proj(y.to(hidden.dtype))

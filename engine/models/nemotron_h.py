@@ -66,6 +66,7 @@ class ReluSquaredMoE(nn.Module):
             hidden, experts, config.num_experts_per_tok, scoring="grouped_topk_sigmoid",
             renormalize=config.norm_topk_prob, n_group=config.n_group,
             topk_group=config.topk_group, routed_scaling_factor=config.routed_scaling_factor,
+            fp32_weights=True,
         )  # fmt: skip
         inter = config.moe_intermediate_size
         self.up_proj = nn.Parameter(torch.zeros(experts, inter, width))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.linear import linear_fp32_out
+from engine.models.linear import KeepsPackedDtypes, linear_fp32_out
 
 SCORING = ("softmax_topk", "topk_softmax", "grouped_topk_sigmoid")
 
@@ -63,7 +63,7 @@ def grouped_topk_sigmoid(
     return weights * routed_scaling_factor, ids
 
 
-class Router(nn.Module):
+class Router(KeepsPackedDtypes):
     """The gate of a mixture-of-experts layer: ``weight`` ``[E, hidden]`` (and ``bias`` ``[E]``
     with ``bias=True``; ``e_score_correction_bias`` ``[E]`` for grouped sigmoid routing).
 
@@ -72,6 +72,10 @@ class Router(nn.Module):
     do (Mixtral keeps them fp32). The logits are fp32 sums in every dtype (GLM-4.5 and
     DeepSeek-V3 compute them so; in bf16 others round them, and experts whose logits then tie
     are chosen by index, not by the model: measured 5x HF bf16's KL from fp32 on a Qwen3-MoE).
+    ``fp32_weights`` keeps the weight and the correction bias fp32 in a bf16 model, as
+    transformers keeps them for DeepSeek-V3, GLM-4.5, Nemotron-H and Kimi Linear
+    (``_keep_in_fp32_modules_strict``): rounded, near-tied experts flip (3.1x HF bf16's KL from
+    fp32 on a tiny Nemotron-H, bench/fidelity.py's measure).
     """
 
     def __init__(
@@ -87,6 +91,7 @@ class Router(nn.Module):
         routed_scaling_factor: float = 1.0,
         round_weights: bool = False,
         renormalize_eps: float = 1e-20,  # LFM2-MoE adds 1e-6 to the sum it divides by
+        fp32_weights: bool = False,
     ) -> None:
         super().__init__()
         if scoring not in SCORING:
@@ -111,6 +116,9 @@ class Router(nn.Module):
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(num_experts), requires_grad=False
             )
+        if fp32_weights:
+            for param in self.parameters():
+                param.keep_dtype = True
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = linear_fp32_out(x, self.weight, self.bias)

@@ -17,6 +17,8 @@
 #include <optional>
 #include <vector>
 
+#include "recurrent_cpu.h"
+
 namespace {
 
 constexpr int64_t kChannels = 64;
@@ -108,20 +110,8 @@ void causal_conv1d(const at::Tensor& x, const at::Tensor& weight,
               "causal_conv1d: x, weight, bias, conv_state_pool and out must share a dtype");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == x.size(1)),
               "causal_conv1d: bias must be [dim]");
-  TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && state_indices.scalar_type() == at::kLong &&
-                  query_start_loc.is_contiguous() && state_indices.is_contiguous() &&
-                  query_start_loc.size(0) == state_indices.size(0) + 1,
-              "causal_conv1d: query_start_loc [num_seqs + 1] and state_indices [num_seqs] int64");
-  TORCH_CHECK(!has_initial_state ||
-                  (has_initial_state->scalar_type() == at::kBool &&
-                   has_initial_state->is_contiguous() &&
-                   has_initial_state->size(0) == state_indices.size(0)),
-              "causal_conv1d: has_initial_state must be bool [num_seqs]");
-  const int64_t* slots = state_indices.data_ptr<int64_t>();
-  for (int64_t s = 0; s < state_indices.size(0); ++s) {
-    TORCH_CHECK(slots[s] >= 0 && slots[s] < conv_state_pool.size(0), "causal_conv1d: slot ",
-                slots[s], " outside the pool of ", conv_state_pool.size(0));
-  }
+  pagedq_recurrent::check_slots("causal_conv1d", query_start_loc, state_indices,
+                                has_initial_state, conv_state_pool.size(0));
   AT_DISPATCH_SWITCH(dtype, "causal_conv1d",
                      AT_DISPATCH_CASE(at::kFloat, [&] {
                        run<float>(x, weight, bias, conv_state_pool, query_start_loc,

@@ -1,44 +1,34 @@
 // The Mamba-2 selective state-space scan (SSD) for CPUs, registered as pagedq::mamba_chunk_scan:
 // the twin of kernels/mamba_ssm.py over a varlen batch with a state slot per sequence.
 //
-// One work item is (sequence, head); threads take items from a shared counter, longest first,
-// so one long prompt does not leave the other threads idle. An item walks its tokens in order
-// on the slot's fp32 state [head_dim, state_dim] in place, one pass over the state per token:
+// One work item is (sequence, head) (recurrent_cpu.h's work loop, longest first). An item walks
+// its tokens in order on the slot's fp32 state [head_dim, state_dim] in place, one pass over the
+// state per token:
 //   d = clamp(softplus(dt + dt_bias));  S[p] = exp(d A) S[p] + d x[p] B;  y[p] = S[p] . C + D x[p]
 // (each row of S is updated and read back while in registers). This is the recurrent form for
 // every sequence, prefill chunks included: it reads and writes the state once per token, and
 // one head's state (32 KiB at 64 x 128) stays in L1/L2 between tokens.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <optional>
-#include <vector>
+#include <tuple>
 
+#include "recurrent_cpu.h"
 #include "vec_cpu.h"
 
 namespace {
+
+namespace rec = pagedq_recurrent;
 
 using pagedq_vec::kLanes;
 using pagedq_vec::loadv;
 using pagedq_vec::storev;
 using pagedq_vec::vfloat;
-
-struct Item {
-  int64_t seq;
-  int64_t head;
-  int64_t len;
-};
-
-template <typename T>
-void load_float(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
 
 // torch's softplus (beta 1, threshold 20): x itself above 20, where log1p(e^x) == x in fp32.
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
@@ -67,69 +57,50 @@ inline void step(float* __restrict__ S, const float* __restrict__ xf, const floa
   }
 }
 
-template <typename T>
+template <typename T, typename O>
 void run(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
          const at::Tensor& C, const std::optional<at::Tensor>& D,
          const std::optional<at::Tensor>& dt_bias, at::Tensor& state_pool,
          const at::Tensor& query_start_loc, const at::Tensor& state_indices,
          const std::optional<at::Tensor>& has_initial_state, double dt_min, double dt_max,
          at::Tensor& out) {
-  const int64_t num_seqs = state_indices.size(0);
   const int64_t H = x.size(1), P = x.size(2);
   const int64_t G = B.size(1), N = B.size(2);
   const int64_t heads_per_group = H / G;
   const int64_t* starts = query_start_loc.data_ptr<int64_t>();
-  const int64_t* slots = state_indices.data_ptr<int64_t>();
-  const bool* has_initial = has_initial_state ? has_initial_state->data_ptr<bool>() : nullptr;
+  const rec::SlotStates states(state_pool, state_indices, has_initial_state);
   const T* xp = x.data_ptr<T>();
   const T* bp = B.data_ptr<T>();
   const T* cp = C.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  O* op = out.data_ptr<O>();
   const float* dtp = dt.data_ptr<float>();
   const float* ap = A.data_ptr<float>();
   const float* dp = D ? D->data_ptr<float>() : nullptr;
   const float* biasp = dt_bias ? dt_bias->data_ptr<float>() : nullptr;
-  float* pool = state_pool.data_ptr<float>();
   const int64_t xs0 = x.stride(0), xs1 = x.stride(1), bs0 = B.stride(0), bs1 = B.stride(1);
   const int64_t cs0 = C.stride(0), cs1 = C.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t dts0 = dt.stride(0);
-  const int64_t ps0 = state_pool.stride(0), ps1 = state_pool.stride(1);
   const float lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max);
 
-  std::vector<Item> items;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t len = starts[s + 1] - starts[s];
-    if (len == 0) continue;
-    for (int64_t h = 0; h < H; ++h) items.push_back({s, h, len});
-  }
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.len > b.len; });
-  std::atomic<int64_t> next{0};
-  const int64_t num_items = static_cast<int64_t>(items.size());
-
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> buf(2 * P + 2 * N);
-    float* __restrict__ xf = buf.data();
-    float* __restrict__ y = xf + P;
-    float* __restrict__ Bf = y + P;
-    float* __restrict__ Cf = Bf + N;
-    for (int64_t n = next.fetch_add(1); n < num_items; n = next.fetch_add(1)) {
-      const Item& it = items[n];
-      const int64_t h = it.head, g = h / heads_per_group;
-      float* __restrict__ S = pool + slots[it.seq] * ps0 + h * ps1;
-      if (has_initial && !has_initial[it.seq]) std::fill(S, S + P * N, 0.f);
-      const float Ah = ap[h], Dh = dp ? dp[h] : 0.f, bias = biasp ? biasp[h] : 0.f;
-      for (int64_t t = starts[it.seq]; t < starts[it.seq + 1]; ++t) {
-        const float d = std::min(std::max(softplus(dtp[t * dts0 + h] + bias), lo), hi);
-        load_float(xp + t * xs0 + h * xs1, xf, P);
-        load_float(bp + t * bs0 + g * bs1, Bf, N);
-        load_float(cp + t * cs0 + g * cs1, Cf, N);
-        step(S, xf, Bf, Cf, d, std::exp(d * Ah), Dh, P, N, y);
-        T* ot = op + t * os0 + h * os1;
-        for (int64_t p = 0; p < P; ++p) ot[p] = static_cast<T>(y[p]);
-      }
-    }
-  });
+  rec::for_each_sequence_head(
+      starts, state_indices.size(0), H, 2 * P + 2 * N, [&](int64_t seq, int64_t h, float* buf) {
+        float* __restrict__ xf = buf;
+        float* __restrict__ y = xf + P;
+        float* __restrict__ Bf = y + P;
+        float* __restrict__ Cf = Bf + N;
+        const int64_t g = h / heads_per_group;
+        float* __restrict__ S = states.open(seq, h);
+        const float Ah = ap[h], Dh = dp ? dp[h] : 0.f, bias = biasp ? biasp[h] : 0.f;
+        for (int64_t t = starts[seq]; t < starts[seq + 1]; ++t) {
+          const float d = std::min(std::max(softplus(dtp[t * dts0 + h] + bias), lo), hi);
+          rec::load_float(xp + t * xs0 + h * xs1, xf, P);
+          rec::load_float(bp + t * bs0 + g * bs1, Bf, N);
+          rec::load_float(cp + t * cs0 + g * cs1, Cf, N);
+          step(S, xf, Bf, Cf, d, std::exp(d * Ah), Dh, P, N, y);
+          O* ot = op + t * os0 + h * os1;
+          for (int64_t p = 0; p < P; ++p) ot[p] = static_cast<O>(y[p]);
+        }
+      });
 }
 
 void check_head_vector(const std::optional<at::Tensor>& v, int64_t H, const char* name) {
@@ -152,46 +123,32 @@ void mamba_chunk_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tenso
               " is not a multiple of num_groups ", B.size(1));
   TORCH_CHECK(x.stride(2) == 1 && B.stride(2) == 1 && C.stride(2) == 1 && out.stride(2) == 1,
               "mamba_chunk_scan: x, B, C and out need unit stride in their last dim");
+  const bool fp32_out = out.scalar_type() == at::kFloat;
   TORCH_CHECK(x.scalar_type() == B.scalar_type() && x.scalar_type() == C.scalar_type() &&
-                  x.scalar_type() == out.scalar_type() && out.sizes() == x.sizes(),
-              "mamba_chunk_scan: x, B, C and out must share a dtype (out shaped like x)");
+                  (x.scalar_type() == out.scalar_type() || fp32_out) && out.sizes() == x.sizes(),
+              "mamba_chunk_scan: x, B and C must share a dtype, out that dtype or fp32 (shaped "
+              "like x)");
   TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.dim() == 2 && dt.size(0) == x.size(0) &&
                   dt.size(1) == H && dt.stride(1) == 1,
               "mamba_chunk_scan: dt must be fp32 [num_tokens, num_heads]");
   check_head_vector(A, H, "A");
   check_head_vector(D, H, "D");
   check_head_vector(dt_bias, H, "dt_bias");
-  TORCH_CHECK(state_pool.scalar_type() == at::kFloat && state_pool.dim() == 4 &&
-                  state_pool.size(1) == H && state_pool.size(2) == x.size(2) &&
-                  state_pool.size(3) == B.size(2) && state_pool.stride(3) == 1 &&
-                  state_pool.stride(2) == B.size(2),
-              "mamba_chunk_scan: state_pool must be fp32 [num_slots, num_heads, head_dim, "
-              "state_dim] with contiguous [head_dim, state_dim] states, got ", state_pool.sizes());
-  TORCH_CHECK(query_start_loc.scalar_type() == at::kLong &&
-                  state_indices.scalar_type() == at::kLong && query_start_loc.is_contiguous() &&
-                  state_indices.is_contiguous() &&
-                  query_start_loc.size(0) == state_indices.size(0) + 1,
-              "mamba_chunk_scan: query_start_loc [num_seqs + 1] and state_indices [num_seqs] int64");
-  if (has_initial_state) {
-    TORCH_CHECK(has_initial_state->scalar_type() == at::kBool &&
-                    has_initial_state->is_contiguous() &&
-                    has_initial_state->size(0) == state_indices.size(0),
-                "mamba_chunk_scan: has_initial_state must be bool [num_seqs]");
-  }
-  const int64_t* slots = state_indices.data_ptr<int64_t>();
-  for (int64_t s = 0; s < state_indices.size(0); ++s) {
-    TORCH_CHECK(slots[s] >= 0 && slots[s] < state_pool.size(0), "mamba_chunk_scan: slot ",
-                slots[s], " outside the pool of ", state_pool.size(0));
-  }
+  rec::check_state_pool("mamba_chunk_scan", state_pool, H, x.size(2), B.size(2),
+                        "num_heads, head_dim, state_dim");
+  rec::check_slots("mamba_chunk_scan", query_start_loc, state_indices, has_initial_state,
+                   state_pool.size(0));
+  const auto args = std::tie(x, dt, A, B, C, D, dt_bias, state_pool, query_start_loc,
+                             state_indices, has_initial_state, dt_min, dt_max, out);
   AT_DISPATCH_SWITCH(x.scalar_type(), "mamba_chunk_scan",
-                     AT_DISPATCH_CASE(at::kFloat, [&] {
-                       run<float>(x, dt, A, B, C, D, dt_bias, state_pool, query_start_loc,
-                                  state_indices, has_initial_state, dt_min, dt_max, out);
-                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
-                       run<c10::BFloat16>(x, dt, A, B, C, D, dt_bias, state_pool,
-                                          query_start_loc, state_indices, has_initial_state,
-                                          dt_min, dt_max, out);
-                     }));
+                     AT_DISPATCH_CASE(at::kFloat, [&] { std::apply(run<float, float>, args); })
+                         AT_DISPATCH_CASE(at::kBFloat16, [&] {
+                           if (fp32_out) {
+                             std::apply(run<c10::BFloat16, float>, args);
+                           } else {
+                             std::apply(run<c10::BFloat16, c10::BFloat16>, args);
+                           }
+                         }));
 }
 
 }  // namespace

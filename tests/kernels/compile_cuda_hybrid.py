@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 import kernels.triton_causal_conv1d as conv  # noqa: E402
 import kernels.triton_gated_delta as gated_delta  # noqa: E402
 import kernels.triton_mla as mla  # noqa: E402
+import kernels.triton_recurrent as recurrent  # noqa: E402
 
 INDEX = ("query_start_loc_ptr", "state_indices_ptr", "seq_lens_ptr", "block_table_ptr",
          "slot_mapping_ptr")  # fmt: skip
@@ -24,8 +25,15 @@ FP32 = ("g_ptr", "beta_ptr", "state_ptr")  # the recurrent state is fp32 whateve
 FLOATS = ("scale", "qk_scale")
 KERNELS = {
     "gated_delta": (
-        gated_delta._recurrent_kernel,
-        dict(HAS_INITIAL_MASK=True, USE_QK_L2NORM=True, BLOCK_K=128, BLOCK_V=64, INTERPRET=False),
+        recurrent.delta_rule_recurrent_kernel,
+        dict(
+            HAS_INITIAL_MASK=True,
+            USE_QK_L2NORM=True,
+            PER_CHANNEL_DECAY=False,
+            BLOCK_K=128,
+            BLOCK_V=64,
+            INTERPRET=False,
+        ),
     ),  # fmt: skip
     "gated_delta_chunked": (
         gated_delta._chunked_kernel,

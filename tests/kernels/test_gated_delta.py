@@ -16,16 +16,23 @@ from kernels.causal_conv1d import (
     causal_conv1d_torch,
     causal_conv1d_update_torch,
 )
-from kernels.cpu_attention import cpu_kernels_available
 from kernels.gated_delta import (
     gated_delta_rule,
     gated_delta_rule_chunked_torch,
     gated_delta_rule_recurrent_torch,
     gdn_gating,
 )
+from tests.kernels.recurrent_cases import (
+    assert_bf16_matches_reference,
+    assert_decode_batch,
+    assert_split_equals_one_pass,
+    backends,
+    forms,
+    loc,
+    needs_cpu,
+)
 
 NUM_K_HEADS, NUM_V_HEADS, K_DIM, V_DIM = 2, 4, 16, 8  # two value heads per key head, as Qwen3.5
-needs_cpu = pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ kernels here")
 
 
 def _inputs(rng, num_tokens, dtype=torch.float32, num_slots=5):
@@ -40,18 +47,9 @@ def _inputs(rng, num_tokens, dtype=torch.float32, num_slots=5):
     return q.to(dtype), k.to(dtype), v.to(dtype), g, beta, pool
 
 
-def _loc(lens):
-    return torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
-
-
-FORMS = {
-    "recurrent": gated_delta_rule_recurrent_torch,
-    "chunked": gated_delta_rule_chunked_torch,
-    "torch": lambda *a, **kw: gated_delta_rule(*a, **kw, backend="torch"),
-    "cpu": lambda *a, **kw: gated_delta_rule(*a, **kw, backend="cpu"),
-    "triton": lambda *a, **kw: gated_delta_rule(*a, **kw, backend="triton"),
-}
-NAMES = [pytest.param(n, marks=needs_cpu) if n == "cpu" else n for n in FORMS]
+FORMS, NAMES = forms(
+    gated_delta_rule_recurrent_torch, gated_delta_rule_chunked_torch, gated_delta_rule
+)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -67,7 +65,7 @@ def test_forms_match_transformers(rng, name):
         *batch, **kwargs, use_qk_l2norm_in_kernel=True
     )
     torch.testing.assert_close(want_c, want_r, atol=1e-5, rtol=0)  # transformers' two agree
-    got = FORMS[name](q, k, v, g, beta, pool, _loc([n]), torch.tensor([3]))
+    got = FORMS[name](q, k, v, g, beta, pool, loc([n]), torch.tensor([3]))
     torch.testing.assert_close(got, want_c[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(pool[3], state_c[0], atol=1e-5, rtol=0)
 
@@ -78,18 +76,11 @@ def test_split_over_steps_equals_one_pass(rng, name):
     state from call to call and equals one pass; a first call without an initial state starts
     from zero whatever the slot held. (Triton's interpreter takes a shorter prompt: its kernel
     has one form for every length.)"""
-    form = FORMS[name]
     cuts = [0, 1, 9, 10, 23, 24] if name == "triton" else [0, 1, 37, 38, 70, 99, 100]
-    n = cuts[-1]
-    q, k, v, g, beta, pool = _inputs(rng, n)
-    whole_pool = pool.clone()
-    whole = form(q, k, v, g, beta, whole_pool, _loc([n]), torch.tensor([2]),
-                 has_initial_state=torch.tensor([False]))  # fmt: skip
-    for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
-        part = form(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], pool, _loc([b - a]),
-                    torch.tensor([2]), has_initial_state=torch.tensor([i > 0]))  # fmt: skip
-        torch.testing.assert_close(part, whole[a:b], atol=2e-5, rtol=0)
-    torch.testing.assert_close(pool, whole_pool, atol=2e-5, rtol=0)
+    *tensors, pool = _inputs(rng, cuts[-1])
+    assert_split_equals_one_pass(
+        FORMS[name], lambda a, b: [t[a:b] for t in tensors], pool, cuts, atol=2e-5
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -101,15 +92,15 @@ def test_varlen_batch_with_slots(rng, name):
     fresh = torch.tensor([True, True, True, False, True])
     before = pool.clone()
     got = FORMS[name](
-        q, k, v, g, beta, pool, _loc(lens), torch.tensor(slots), has_initial_state=fresh
+        q, k, v, g, beta, pool, loc(lens), torch.tensor(slots), has_initial_state=fresh
     )
-    starts = _loc(lens).tolist()
+    starts = loc(lens).tolist()
     alone_pool = before.clone()
     for i, (a, b) in enumerate(zip(starts[:-1], starts[1:], strict=True)):
         if a == b:
             continue
         want = gated_delta_rule_recurrent_torch(
-            q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], alone_pool, _loc([b - a]),
+            q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], alone_pool, loc([b - a]),
             torch.tensor([slots[i]]), has_initial_state=fresh[i : i + 1].clone(),
         )  # fmt: skip
         torch.testing.assert_close(got[a:b], want, atol=1e-5, rtol=0)
@@ -120,51 +111,42 @@ def test_varlen_batch_with_slots(rng, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_decode_batch(rng, name):
     """One token for each of four sequences (the decode step), slots out of order."""
-    q, k, v, g, beta, pool = _inputs(rng, 4)
-    slots = torch.tensor([3, 0, 4, 1])
-    want_pool = pool.clone()
-    want = gated_delta_rule_chunked_torch(q, k, v, g, beta, want_pool, _loc([1] * 4), slots)
-    got = FORMS[name](q, k, v, g, beta, pool, _loc([1] * 4), slots)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=0)
+    *tensors, pool = _inputs(rng, 4)
+    assert_decode_batch(FORMS[name], gated_delta_rule_chunked_torch, tensors, pool)
 
 
 def test_fp32_forms_against_float64(rng):
     """The float64 reference is the oracle: both fp32 forms stay within 1e-5 of it."""
     q, k, v, g, beta, pool = _inputs(rng, 200)
-    loc, slot = _loc([200]), torch.tensor([1])
+    starts, slot = loc([200]), torch.tensor([1])
     pool64 = pool.double()
     want = gated_delta_rule_chunked_torch(q.double(), k.double(), v.double(), g.double(),
-                                          beta.double(), pool64, loc, slot)  # fmt: skip
+                                          beta.double(), pool64, starts, slot)  # fmt: skip
     for form in (gated_delta_rule_recurrent_torch, gated_delta_rule_chunked_torch):
         p = pool.clone()
-        got = form(q, k, v, g, beta, p, loc, slot)
+        got = form(q, k, v, g, beta, p, starts, slot)
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
         torch.testing.assert_close(p.double(), pool64, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("backend", [pytest.param("cpu", marks=needs_cpu), "triton"])
+@pytest.mark.parametrize("backend", backends())
 def test_bf16_inputs(rng, backend):
     """bf16 q/k/v with the fp32 state: the kernel equals the reference up to bf16 rounding of
     the output."""
     lens = [33, 1, 1]
     q, k, v, g, beta, pool = _inputs(rng, sum(lens), dtype=torch.bfloat16)
-    want_pool = pool.clone()
-    want = gated_delta_rule_chunked_torch(q, k, v, g, beta.bfloat16(), want_pool, _loc(lens),
-                                          torch.tensor([1, 2, 3]))  # fmt: skip
-    got = gated_delta_rule(q, k, v, g, beta.bfloat16(), pool, _loc(lens),
-                           torch.tensor([1, 2, 3]), backend=backend)  # fmt: skip
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
-    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=0)
+    tensors = (q, k, v, g, beta.bfloat16())
+    assert_bf16_matches_reference(
+        gated_delta_rule, gated_delta_rule_chunked_torch, tensors, pool, lens, backend
+    )
 
 
 def test_bad_shapes_are_named(rng):
     q, k, v, g, beta, pool = _inputs(rng, 4)
     with pytest.raises(ValueError, match="state_pool"):
-        gated_delta_rule(q, k, v, g, beta, pool[:, :2], _loc([4]), torch.tensor([0]))
+        gated_delta_rule(q, k, v, g, beta, pool[:, :2], loc([4]), torch.tensor([0]))
     with pytest.raises(ValueError, match="g .* beta"):
-        gated_delta_rule(q, k, v, g[:, :1], beta, pool, _loc([4]), torch.tensor([0]))
+        gated_delta_rule(q, k, v, g[:, :1], beta, pool, loc([4]), torch.tensor([0]))
 
 
 # --- the causal conv1d ---------------------------------------------------------------------
@@ -199,11 +181,11 @@ def test_conv_matches_transformers_and_carries_state(rng, backend, dtype):
     x, weight, bias, pool = _conv_inputs(rng, 12, dtype)
     want = causal_conv1d_fn(x.t()[None], weight, bias, activation="silu")[0].t()
     fresh = torch.tensor([False])
-    got = causal_conv1d(x, weight, bias, pool, _loc([12]), torch.tensor([1]), fresh,
+    got = causal_conv1d(x, weight, bias, pool, loc([12]), torch.tensor([1]), fresh,
                         backend=backend)  # fmt: skip
     _conv_close(got, want)
     final = pool[1].clone()
-    first = causal_conv1d(x[:2], weight, bias, pool, _loc([2]), torch.tensor([2]), fresh,
+    first = causal_conv1d(x[:2], weight, bias, pool, loc([2]), torch.tensor([2]), fresh,
                           backend=backend)  # fmt: skip
     hf_state = torch.cat([torch.zeros(1, DIM, 1, dtype=dtype), pool[2:3]], dim=2)
     want_decode = causal_conv1d_update(x[2:3, :, None], hf_state, weight, bias, "silu")[:, :, 0]
@@ -211,7 +193,7 @@ def test_conv_matches_transformers_and_carries_state(rng, backend, dtype):
 
     decode = update(x[2:3], weight, bias, pool, torch.tensor([2]), backend=backend)
     _conv_close(decode, want_decode)
-    rest = causal_conv1d(x[3:], weight, bias, pool, _loc([9]), torch.tensor([2]),
+    rest = causal_conv1d(x[3:], weight, bias, pool, loc([9]), torch.tensor([2]),
                          backend=backend)  # fmt: skip
     _conv_close(torch.cat([first, decode, rest]), want)
     _conv_close(pool[2], final)
@@ -225,8 +207,8 @@ def test_conv_varlen_batch(rng, backend):
     x, weight, bias, pool = _conv_inputs(rng, sum(lens), torch.float32, num_slots=6)
     fresh = torch.tensor([False, True, True, True, False])
     want_pool = pool.clone()
-    want = causal_conv1d_torch(x, weight, None, want_pool, _loc(lens), torch.tensor(slots), fresh)
-    got = causal_conv1d(x, weight, None, pool, _loc(lens), torch.tensor(slots), fresh,
+    want = causal_conv1d_torch(x, weight, None, want_pool, loc(lens), torch.tensor(slots), fresh)
+    got = causal_conv1d(x, weight, None, pool, loc(lens), torch.tensor(slots), fresh,
                         backend=backend)  # fmt: skip
     _conv_close(got, want)
     _conv_close(pool, want_pool)
@@ -240,9 +222,9 @@ def test_conv_without_activation_matches_transformers(rng, backend, dtype):
     transformers' convolution with no activation, and the pool its last inputs."""
     x, weight, bias, pool = _conv_inputs(rng, 10, dtype)
     want = causal_conv1d_fn(x.t()[None], weight, bias, activation=None)[0].t()
-    first = causal_conv1d(x[:3], weight, bias, pool, _loc([3]), torch.tensor([1]),
+    first = causal_conv1d(x[:3], weight, bias, pool, loc([3]), torch.tensor([1]),
                           torch.tensor([False]), None, backend=backend)  # fmt: skip
-    rest = causal_conv1d(x[3:], weight, bias, pool, _loc([7]), torch.tensor([1]),
+    rest = causal_conv1d(x[3:], weight, bias, pool, loc([7]), torch.tensor([1]),
                          torch.tensor([True]), None, backend=backend)  # fmt: skip
     _conv_close(torch.cat([first, rest]), want)
     assert torch.equal(pool[1], x[-(KERNEL - 1) :].t())
@@ -252,6 +234,6 @@ def test_conv_update_reference_is_the_varlen_reference(rng):
     x, weight, bias, pool = _conv_inputs(rng, 3, torch.float32)
     other = pool.clone()
     a = causal_conv1d_update_torch(x, weight, bias, pool, torch.tensor([2, 0, 3]))
-    b = causal_conv1d_torch(x, weight, bias, other, _loc([1, 1, 1]), torch.tensor([2, 0, 3]))
+    b = causal_conv1d_torch(x, weight, bias, other, loc([1, 1, 1]), torch.tensor([2, 0, 3]))
     _conv_close(a, b)
     _conv_close(pool, other)

@@ -10,17 +10,23 @@ from transformers.models.kimi_linear.modeling_kimi_linear import (
     recurrent_kimi_delta_attention,
 )
 
-from kernels.cpu_attention import cpu_kernels_available
 from kernels.gated_delta import gated_delta_rule_torch
 from kernels.kimi_delta import (
     kimi_delta_rule,
     kimi_delta_rule_chunked_torch,
     kimi_delta_rule_recurrent_torch,
 )
+from tests.kernels.recurrent_cases import (
+    assert_bf16_matches_reference,
+    assert_decode_batch,
+    assert_split_equals_one_pass,
+    backends,
+    forms,
+    loc,
+)
 
 # k_dim 12 (not a power of two) exercises the kernels' masks; v_dim != k_dim catches a swap.
 NUM_HEADS, K_DIM, V_DIM = 2, 12, 8
-needs_cpu = pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ kernels here")
 
 
 def _inputs(rng, num_tokens, dtype=torch.float32, num_slots=5):
@@ -35,10 +41,6 @@ def _inputs(rng, num_tokens, dtype=torch.float32, num_slots=5):
     beta = torch.rand(num_tokens, NUM_HEADS, generator=rng)
     pool = torch.randn(num_slots, NUM_HEADS, K_DIM, V_DIM, generator=rng) * 0.3
     return q.to(dtype), k.to(dtype), v.to(dtype), g, beta, pool
-
-
-def _loc(lens):
-    return torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
 
 
 def _naive(q, k, v, g, beta, state, scale=K_DIM**-0.5):
@@ -56,14 +58,9 @@ def _naive(q, k, v, g, beta, state, scale=K_DIM**-0.5):
     return out, s
 
 
-FORMS = {
-    "recurrent": kimi_delta_rule_recurrent_torch,
-    "chunked": kimi_delta_rule_chunked_torch,
-    "torch": lambda *a, **kw: kimi_delta_rule(*a, **kw, backend="torch"),
-    "cpu": lambda *a, **kw: kimi_delta_rule(*a, **kw, backend="cpu"),
-    "triton": lambda *a, **kw: kimi_delta_rule(*a, **kw, backend="triton"),
-}
-NAMES = [pytest.param(n, marks=needs_cpu) if n == "cpu" else n for n in FORMS]
+FORMS, NAMES = forms(
+    kimi_delta_rule_recurrent_torch, kimi_delta_rule_chunked_torch, kimi_delta_rule
+)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -76,9 +73,9 @@ def test_varlen_batch_matches_float64_loop(rng, name):
     fresh = torch.tensor([True, False, True, True, False])
     q, k, v, g, beta, pool = _inputs(rng, sum(lens), num_slots=7)
     before = pool.clone()
-    got = FORMS[name](q, k, v, g, beta, pool, _loc(lens), torch.tensor(slots),
+    got = FORMS[name](q, k, v, g, beta, pool, loc(lens), torch.tensor(slots),
                       has_initial_state=~fresh)  # fmt: skip
-    starts = _loc(lens).tolist()
+    starts = loc(lens).tolist()
     for i, (a, b) in enumerate(zip(starts[:-1], starts[1:], strict=True)):
         initial = torch.zeros_like(before[0]) if fresh[i] else before[slots[i]]
         want, state = _naive(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], initial)
@@ -99,7 +96,7 @@ def test_matches_transformers(rng, name):
     want_c, state_c = chunk_kimi_delta_attention(*batch, **kwargs, use_qk_l2norm_in_kernel=True)
     want_r, state_r = recurrent_kimi_delta_attention(*batch, **kwargs, use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(want_c, want_r, atol=1e-5, rtol=0)  # transformers' two agree
-    got = FORMS[name](q, k, v, g, beta, pool, _loc([n]), torch.tensor([3]))
+    got = FORMS[name](q, k, v, g, beta, pool, loc([n]), torch.tensor([3]))
     torch.testing.assert_close(got, want_c[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(pool[3], state_c[0], atol=1e-5, rtol=0)
 
@@ -108,30 +105,18 @@ def test_matches_transformers(rng, name):
 def test_split_over_steps_equals_one_pass(rng, name):
     """A prompt cut inside and across chunks and into single tokens carries its state from call
     to call and equals one pass; the first call starts from zero whatever the slot held."""
-    form = FORMS[name]
     cuts = [0, 1, 9, 10, 23, 24] if name == "triton" else [0, 1, 37, 38, 70, 99, 100]
-    n = cuts[-1]
-    q, k, v, g, beta, pool = _inputs(rng, n)
-    whole_pool = pool.clone()
-    whole = form(q, k, v, g, beta, whole_pool, _loc([n]), torch.tensor([2]),
-                 has_initial_state=torch.tensor([False]))  # fmt: skip
-    for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
-        part = form(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], pool, _loc([b - a]),
-                    torch.tensor([2]), has_initial_state=torch.tensor([i > 0]))  # fmt: skip
-        torch.testing.assert_close(part, whole[a:b], atol=2e-5, rtol=0)
-    torch.testing.assert_close(pool, whole_pool, atol=2e-5, rtol=0)
+    *tensors, pool = _inputs(rng, cuts[-1])
+    assert_split_equals_one_pass(
+        FORMS[name], lambda a, b: [t[a:b] for t in tensors], pool, cuts, atol=2e-5
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_decode_batch(rng, name):
     """One token for each of four sequences (the decode step), slots out of order."""
-    q, k, v, g, beta, pool = _inputs(rng, 4)
-    slots = torch.tensor([3, 0, 4, 1])
-    want_pool = pool.clone()
-    want = kimi_delta_rule_chunked_torch(q, k, v, g, beta, want_pool, _loc([1] * 4), slots)
-    got = FORMS[name](q, k, v, g, beta, pool, _loc([1] * 4), slots)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=0)
+    *tensors, pool = _inputs(rng, 4)
+    assert_decode_batch(FORMS[name], kimi_delta_rule_chunked_torch, tensors, pool)
 
 
 @pytest.mark.parametrize("name", ["recurrent", "chunked"])
@@ -139,7 +124,7 @@ def test_float64_pool_computes_in_float64(rng, name):
     """A float64 pool (the checks' oracle) makes the reference compute in float64."""
     q, k, v, g, beta, pool = (x.double() for x in _inputs(rng, 70))
     want, state = _naive(q, k, v, g, beta, pool[1])
-    got = FORMS[name](q, k, v, g, beta, pool, _loc([70]), torch.tensor([1]))
+    got = FORMS[name](q, k, v, g, beta, pool, loc([70]), torch.tensor([1]))
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     torch.testing.assert_close(pool[1], state, atol=1e-12, rtol=0)
 
@@ -151,9 +136,9 @@ def test_strong_decay_stays_finite(rng, name):
     q, k, v, g, beta, pool = _inputs(rng, 40)
     g[:, :, : K_DIM // 2] = -60.0
     want_pool = pool.clone()
-    want = kimi_delta_rule_recurrent_torch(q, k, v, g, beta, want_pool, _loc([40]),
+    want = kimi_delta_rule_recurrent_torch(q, k, v, g, beta, want_pool, loc([40]),
                                            torch.tensor([1]))  # fmt: skip
-    got = FORMS[name](q, k, v, g, beta, pool, _loc([40]), torch.tensor([1]))
+    got = FORMS[name](q, k, v, g, beta, pool, loc([40]), torch.tensor([1]))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=0)
 
@@ -163,36 +148,32 @@ def test_without_decay_is_the_gated_delta_rule(rng):
     lens = [70, 1, 3]
     q, k, v, _, beta, pool = _inputs(rng, sum(lens))
     kda_pool, gdn_pool = pool.clone(), pool.clone()
-    args = (_loc(lens), torch.tensor([1, 2, 3]))
+    args = (loc(lens), torch.tensor([1, 2, 3]))
     got = kimi_delta_rule_chunked_torch(q, k, v, torch.zeros_like(q), beta, kda_pool, *args)
     want = gated_delta_rule_torch(q, k, v, torch.zeros_like(beta), beta, gdn_pool, *args)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     torch.testing.assert_close(kda_pool, gdn_pool, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("backend", [pytest.param("cpu", marks=needs_cpu), "triton"])
+@pytest.mark.parametrize("backend", backends())
 def test_bf16_inputs(rng, backend):
     """bf16 q/k/v with the fp32 state: the kernel equals the reference up to bf16 rounding of
     the output."""
     lens = [33, 1, 1]
     q, k, v, g, beta, pool = _inputs(rng, sum(lens), dtype=torch.bfloat16)
-    want_pool = pool.clone()
-    want = kimi_delta_rule_chunked_torch(q, k, v, g, beta.bfloat16(), want_pool, _loc(lens),
-                                         torch.tensor([1, 2, 3]))  # fmt: skip
-    got = kimi_delta_rule(q, k, v, g, beta.bfloat16(), pool, _loc(lens),
-                          torch.tensor([1, 2, 3]), backend=backend)  # fmt: skip
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
-    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=0)
+    tensors = (q, k, v, g, beta.bfloat16())
+    assert_bf16_matches_reference(
+        kimi_delta_rule, kimi_delta_rule_chunked_torch, tensors, pool, lens, backend
+    )
 
 
 def test_auto_backend_on_cpu_matches_reference(rng):
     """The dispatcher's own pick on CPU tensors (C++ where built, else the reference)."""
     q, k, v, g, beta, pool = _inputs(rng, 20)
     want_pool = pool.clone()
-    want = kimi_delta_rule_recurrent_torch(q, k, v, g, beta, want_pool, _loc([20]),
+    want = kimi_delta_rule_recurrent_torch(q, k, v, g, beta, want_pool, loc([20]),
                                            torch.tensor([0]))  # fmt: skip
-    got = kimi_delta_rule(q, k, v, g, beta, pool, _loc([20]), torch.tensor([0]))
+    got = kimi_delta_rule(q, k, v, g, beta, pool, loc([20]), torch.tensor([0]))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=0)
 
@@ -212,7 +193,7 @@ def test_bad_shapes_are_named(rng, bad, match):
     q, k, v, g, beta, pool = _inputs(rng, 4)
     for backend in ("torch", "triton"):
         with pytest.raises(ValueError, match=match):
-            kimi_delta_rule(*bad(q, k, v, g, beta, pool), _loc([4]), torch.tensor([0]),
+            kimi_delta_rule(*bad(q, k, v, g, beta, pool), loc([4]), torch.tensor([0]),
                             backend=backend)  # fmt: skip
     with pytest.raises(ValueError, match="state_indices"):
-        kimi_delta_rule(q, k, v, g, beta, pool, _loc([4]), torch.tensor([0, 1]), backend="torch")
+        kimi_delta_rule(q, k, v, g, beta, pool, loc([4]), torch.tensor([0, 1]), backend="torch")

@@ -11,27 +11,25 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
 )
 
 import kernels.mamba_ssm as mamba_ssm
-from kernels import triton_available
-from kernels.cpu_attention import cpu_kernels_available
 from kernels.mamba_ssm import (
     mamba_chunk_scan,
     mamba_chunk_scan_chunked_torch,
     mamba_chunk_scan_recurrent_torch,
 )
+from tests.kernels.recurrent_cases import (
+    assert_bf16_matches_reference,
+    assert_decode_batch,
+    assert_split_equals_one_pass,
+    backends,
+    forms,
+    loc,
+    needs_cpu,
+)
 
 HEADS, HEAD_DIM, STATE_DIM = 4, 8, 20  # 20: a full vector of the C++ loop and a tail
-needs_cpu = pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ kernels here")
-needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-
-FORMS = {
-    "recurrent": mamba_chunk_scan_recurrent_torch,
-    "chunked": mamba_chunk_scan_chunked_torch,
-    "torch": lambda *a, **kw: mamba_chunk_scan(*a, **kw, backend="torch"),
-    "cpu": lambda *a, **kw: mamba_chunk_scan(*a, **kw, backend="cpu"),
-    "triton": lambda *a, **kw: mamba_chunk_scan(*a, **kw, backend="triton"),
-}
-MARKS = {"cpu": needs_cpu, "triton": needs_triton}
-NAMES = [pytest.param(n, marks=MARKS[n]) if n in MARKS else n for n in FORMS]
+FORMS, NAMES = forms(
+    mamba_chunk_scan_recurrent_torch, mamba_chunk_scan_chunked_torch, mamba_chunk_scan
+)
 
 
 def _inputs(rng, num_tokens, num_groups=2, extras=True, dtype=torch.float32, num_slots=5):
@@ -45,10 +43,6 @@ def _inputs(rng, num_tokens, num_groups=2, extras=True, dtype=torch.float32, num
     dt_bias = torch.randn(HEADS, generator=rng) if extras else None
     pool = torch.randn(num_slots, HEADS, HEAD_DIM, STATE_DIM, generator=rng) * 0.3
     return x.to(dtype), dt.to(dtype), A, B.to(dtype), C.to(dtype), D, dt_bias, pool
-
-
-def _loc(lens):
-    return torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
 
 
 def _naive(x, dt, A, B, C, D, dt_bias, pool, lens, slots, has_initial, dt_limit):
@@ -94,7 +88,7 @@ def test_varlen_batch_matches_float64_loop(rng, name, case):
     want, want_pool = _naive(x, dt, A, B, C, D, dt_bias, pool, lens, slots, fresh,
                              opts["dt_limit"])  # fmt: skip
     before = pool.clone()
-    got = FORMS[name](x, dt, A, B, C, D, dt_bias, pool, _loc(lens), torch.tensor(slots),
+    got = FORMS[name](x, dt, A, B, C, D, dt_bias, pool, loc(lens), torch.tensor(slots),
                       has_initial_state=fresh, dt_limit=opts["dt_limit"])  # fmt: skip
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
@@ -113,7 +107,7 @@ def test_reference_matches_transformers(rng):
     )  # fmt: skip
     for form in (mamba_chunk_scan_recurrent_torch, mamba_chunk_scan_chunked_torch):
         p = pool.clone()
-        got = form(x[:80], dt[:80], A, B[:80], C[:80], D, dt_bias, p, _loc([80]),
+        got = form(x[:80], dt[:80], A, B[:80], C[:80], D, dt_bias, p, loc([80]),
                    torch.tensor([3]))  # fmt: skip
         torch.testing.assert_close(got, want[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(p[3], want_state[0], atol=1e-5, rtol=1e-5)
@@ -126,7 +120,7 @@ def test_reference_matches_transformers(rng):
         hf_state, x[80:], B=B[80:], C=C[80:], dt_softplus=True, **per_channel
     )
     got = mamba_chunk_scan_recurrent_torch(x[80:], dt[80:], A, B[80:], C[80:], D, dt_bias, p,
-                                           _loc([1]), torch.tensor([3]))  # fmt: skip
+                                           loc([1]), torch.tensor([3]))  # fmt: skip
     torch.testing.assert_close(got, want_decode, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(p[3], hf_state[0], atol=1e-5, rtol=1e-5)
 
@@ -136,52 +130,56 @@ def test_split_over_steps_equals_one_pass(rng, name):
     """A prompt cut at arbitrary points (inside and across chunks, single tokens) carries its
     state from call to call and equals one pass; a first call without an initial state starts
     from zero whatever the slot held."""
-    form = FORMS[name]
     cuts = [0, 1, 37, 38, 70, 99, 140]
-    n = cuts[-1]
-    x, dt, A, B, C, D, dt_bias, pool = _inputs(rng, n)
-    whole_pool = pool.clone()
-    whole = form(x, dt, A, B, C, D, dt_bias, whole_pool, _loc([n]), torch.tensor([2]),
-                 has_initial_state=torch.tensor([False]))  # fmt: skip
-    for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
-        part = form(x[a:b], dt[a:b], A, B[a:b], C[a:b], D, dt_bias, pool, _loc([b - a]),
-                    torch.tensor([2]), has_initial_state=torch.tensor([i > 0]))  # fmt: skip
-        torch.testing.assert_close(part, whole[a:b], atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(pool, whole_pool, atol=2e-5, rtol=1e-5)
+    x, dt, A, B, C, D, dt_bias, pool = _inputs(rng, cuts[-1])
+    assert_split_equals_one_pass(
+        FORMS[name], lambda a, b: (x[a:b], dt[a:b], A, B[a:b], C[a:b], D, dt_bias), pool, cuts,
+        atol=2e-5, rtol=1e-5,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_decode_batch_into_out(rng, name):
     """One token for each of four sequences (the decode step), slots out of order, written
     into a given ``out``."""
-    x, dt, A, B, C, D, dt_bias, pool = _inputs(rng, 4)
-    slots = torch.tensor([3, 0, 4, 1])
-    want_pool = pool.clone()
-    want = mamba_chunk_scan_chunked_torch(x, dt, A, B, C, D, dt_bias, want_pool,
-                                          _loc([1] * 4), slots)  # fmt: skip
+    *tensors, pool = _inputs(rng, 4)
     out = torch.full((4, HEADS, HEAD_DIM), float("nan"))
-    got = FORMS[name](x, dt, A, B, C, D, dt_bias, pool, _loc([1] * 4), slots, out=out)
+    got = assert_decode_batch(FORMS[name], mamba_chunk_scan_chunked_torch, tensors, pool,
+                              rtol=1e-5, out=out)  # fmt: skip
     assert got is out
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "backend", [pytest.param("cpu", marks=needs_cpu), pytest.param("triton", marks=needs_triton)]
-)
+@pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("lens", [[33, 1, 1], [1, 1, 1]], ids=["prefill", "decode"])
 def test_bf16_inputs(rng, backend, lens):
     """bf16 x/dt/B/C with the fp32 state: the kernel equals the reference on the same inputs up
     to bf16 rounding of the output; the states agree to fp32 rounding."""
+    *tensors, pool = _inputs(rng, sum(lens), dtype=torch.bfloat16)
+    assert_bf16_matches_reference(mamba_chunk_scan, mamba_ssm.mamba_chunk_scan_torch, tensors,
+                                  pool, lens, backend, pool_rtol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_bf16_inputs_into_an_fp32_out(rng, backend):
+    """bf16 x/B/C written into an fp32 ``out`` (the Mamba-2 mixer keeps the scan unrounded):
+    the kernel's output is the reference's fp32 output, not its bf16 rounding."""
+    lens = [33, 1, 1]
     x, dt, A, B, C, D, dt_bias, pool = _inputs(rng, sum(lens), dtype=torch.bfloat16)
-    slots = torch.tensor([1, 2, 3])
-    want_pool = pool.clone()
-    want = mamba_ssm.mamba_chunk_scan_torch(x, dt, A, B, C, D, dt_bias, want_pool, _loc(lens),
-                                            slots)  # fmt: skip
-    got = mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, pool, _loc(lens), slots, backend=backend)
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
-    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)
+    starts, slots = loc(lens), torch.tensor([2, 0, 4])
+    outs, pools = [], []
+    for fn, kwargs in (
+        (mamba_ssm.mamba_chunk_scan_torch, {}),
+        (mamba_chunk_scan, {"backend": backend}),
+    ):
+        p, out = pool.clone(), torch.empty(x.shape, dtype=torch.float32)
+        got = fn(x, dt, A, B, C, D, dt_bias, p, starts, slots, out=out, **kwargs)
+        assert got is out and out.dtype == torch.float32
+        outs.append(out)
+        pools.append(p)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pools[1], pools[0], rtol=1e-5, atol=1e-6)
+    rounded = outs[0].to(torch.bfloat16).float()
+    assert (outs[1] - rounded).abs().max() > 0  # not rounded to bf16 on the way
 
 
 @needs_cpu
@@ -193,7 +191,7 @@ def test_auto_on_cpu_picks_the_cpp_kernel_for_its_dtypes(rng, monkeypatch):
         monkeypatch.setattr(mamba_ssm, fn, lambda *a, _f=real, _n=fn: calls.append(_n) or _f(*a))
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x, dt, A, B, C, D, dt_bias, pool = _inputs(rng, 3, dtype=dtype)
-        mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, pool, _loc([2, 1]), torch.tensor([0, 1]))
+        mamba_chunk_scan(x, dt, A, B, C, D, dt_bias, pool, loc([2, 1]), torch.tensor([0, 1]))
     assert calls == ["mamba_chunk_scan_cpu", "mamba_chunk_scan_cpu", "mamba_chunk_scan_torch"]
 
 
@@ -213,7 +211,7 @@ def test_auto_on_cpu_picks_the_cpp_kernel_for_its_dtypes(rng, monkeypatch):
 )
 def test_bad_shapes_are_named(rng, bad, match):
     x, dt, A, B, C, D, dt_bias, pool = _inputs(rng, 4, num_groups=1)
-    args = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, pool=pool, loc=_loc([3, 1]),
+    args = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, pool=pool, loc=loc([3, 1]),
                 slots=torch.tensor([0, 1]), fresh=torch.tensor([True, True]))  # fmt: skip
     for key, change in bad.items():
         args[key] = change(args[key])
