@@ -1,6 +1,7 @@
 """bf16 is as faithful to fp32 as Hugging Face's bf16: on tiny random models of several families
-(dense, MoE, hybrid linear attention, a Mamba-2 hybrid), pagedq's bf16 next-token distributions are no further
-from HF fp32's than HF bf16's are (mean KL, teacher forced), and its fp32 ones are HF's."""
+(dense, MoE, hybrid linear attention, a Mamba-2 hybrid), pagedq's bf16 next-token distributions
+are no further from HF fp32's than HF bf16's are (mean KL, teacher forced), and its fp32 ones
+are HF's."""
 
 from __future__ import annotations
 
@@ -48,8 +49,15 @@ CASES = [
     (
         "falcon-h1",  # Mamba-2 beside attention in every layer
         "falcon_h1",
-        {"num_hidden_layers": 2, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_ssm": 128,
-         "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_chunk_size": 16},
+        {
+            "num_hidden_layers": 2,
+            "mamba_n_heads": 8,
+            "mamba_d_head": 16,
+            "mamba_d_ssm": 128,
+            "mamba_n_groups": 2,
+            "mamba_d_state": 8,
+            "mamba_chunk_size": 16,
+        },
     ),  # fmt: skip
 ]
 

@@ -36,10 +36,33 @@ WINDOW = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attent
 # (id, model_type, config overrides): one row per claimed type at least. Windows of 8 tokens
 # (the prompts run to 33), MoE routing 3 experts of 6-8 per token.
 CASES = [
+    (
+        "afmoe",  # windows, gated attention, QK-norm, sigmoid routing with a bias, shared expert
+        "afmoe",
+        {"head_dim": 16, **WINDOW, "num_experts": 8, "num_experts_per_tok": 3,
+         "moe_intermediate_size": 32},
+    ),
     ("apertus", "apertus", {}),  # xIELU activation, QK-norm
     ("arcee", "arcee", {}),  # ReLU^2 MLP
+    ("bitnet", "bitnet", {}),  # sub-norms inside attention and MLP, ReLU^2 (weights unpacked)
     ("cohere", "cohere", {}),  # parallel block, LayerNorm, logit_scale
     ("cohere2", "cohere2", WINDOW),  # windows, no RoPE on the full layers
+    ("cohere2_moe", "cohere2_moe",  # parallel block and windows of cohere2, with experts
+     {"head_dim": 16, **WINDOW, "num_experts": 8, "num_experts_per_tok": 3}),
+    ("cwm", "cwm", {"head_dim": 16, **WINDOW}),  # Llama with sliding/full layers, llama3 RoPE
+    (
+        "dbrx",  # fused Wqkv clipped at clip_qkv, nested attn/ffn configs, its own expert layout
+        "dbrx",
+        {"d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 512,
+         "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+         "ffn_config": {"moe_num_experts": 8, "moe_top_k": 3, "ffn_hidden_size": 32}},
+    ),
+    (
+        "dots1",  # QK-norm, layer 0 dense, grouped top-k over experts beside a shared expert
+        "dots1",
+        {"n_routed_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+         "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+    ),
     ("ernie4_5", "ernie4_5", {}),
     (
         "ernie4_5_moe",
@@ -47,10 +70,22 @@ CASES = [
         {"moe_num_experts": 8, "moe_k": 3, "moe_intermediate_size": 32,
          "moe_num_shared_experts": 1, "tie_word_embeddings": False},
     ),
+    ("exaone", "exaone", {"head_dim": 16}),  # EXAONE 3's checkpoint names on Llama's classes
     ("exaone4", "exaone4", WINDOW),  # post-norms, QK-norm, windows
+    (
+        "exaone_moe",  # windows, layer 0 dense, routing with a correction bias, shared expert
+        "exaone_moe",
+        {**WINDOW, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+         "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+    ),
+    ("gemma", "gemma", {"head_dim": 16}),  # (1 + w) RMSNorm, embeddings scaled by sqrt(hidden)
     ("glm", "glm", {"pad_token_id": 0}),  # partial interleaved RoPE
     ("glm4", "glm4", {"pad_token_id": 0}),
+    ("codegen", "codegen", {"rotary_dim": 8}),  # fused qkv in model-parallel blocks, partial RoPE
+    ("gpt2", "gpt2", {}),  # learned positions, Conv1D projections (weights transposed)
+    ("gpt_bigcode", "gpt_bigcode", {}),  # StarCoder 1: multi-query attention, learned positions
     ("gpt_neox", "gpt_neox", {}),  # base model `gpt_neox`, LM head `embed_out` on disk
+    ("gptj", "gptj", {"rotary_dim": 8}),  # parallel block, interleaved partial RoPE
     (
         "granite",  # every multiplier of its own: softmax scale, embeddings, residual, logits
         "granite",
@@ -59,15 +94,33 @@ CASES = [
     ),
     ("granitemoe", "granitemoe",
      {"num_local_experts": 6, "num_experts_per_tok": 3, "logits_scaling": 2.0}),
+    ("granitemoeshared", "granitemoeshared",  # Granite's multipliers, experts and a shared MLP
+     {"num_local_experts": 8, "num_experts_per_tok": 3}),
     ("helium", "helium", {"head_dim": 16}),
     ("hunyuan_v1_dense", "hunyuan_v1_dense", {"head_dim": 16}),
+    ("hunyuan_v1_moe", "hunyuan_v1_moe",  # QK-norm after RoPE, experts beside a shared MLP
+     {"head_dim": 16, "num_experts": 8, "moe_topk": 3}),
+    ("internlm3", "internlm3", {"head_dim": 16}),  # Llama's classes under its own model_type
+    ("jetmoe", "jetmoe",  # mixture of attention heads (routed q/o experts) and of MLP experts
+     {"num_local_experts": 8, "num_experts_per_tok": 3}),
+    ("mellum", "mellum",  # experts with a top-k router
+     {"head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 3,
+      "moe_intermediate_size": 32}),
+    ("minimax_m2", "minimax_m2",  # QK-norm over all heads, sigmoid routing with a correction bias
+     {"head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 3}),
     ("ministral", "ministral", {"head_dim": 16, **WINDOW}),
     ("ministral3", "ministral3", {}),  # YaRN RoPE
+    ("nanochat", "nanochat", {}),  # ReLU^2, norms without weights, final soft-capping
     ("nemotron", "nemotron", {}),  # partial RoPE, LayerNorm1P
     ("olmo", "olmo", {}),  # LayerNorm without parameters
+    ("opt", "opt", {}),  # learned positions offset by 2, layers one level down (decoder.layers)
     ("olmoe", "olmoe", {"num_experts": 8, "num_experts_per_tok": 3}),
     ("olmoe-fused", "olmoe",  # transformers 5's own layout: fused 3-D experts on disk
      {"num_experts": 8, "num_experts_per_tok": 3, "save_original_format": False}),
+    ("persimmon", "persimmon", {}),  # fused QKV, QK LayerNorm, partial RoPE, ReLU^2
+    ("phi", "phi", {}),  # parallel block, LayerNorm, partial RoPE, biased LM head
+    ("phimoe", "phimoe",  # sparsemixer routing, LayerNorm, a window on every layer
+     {"sliding_window": 8, "num_local_experts": 8, "num_experts_per_tok": 3}),
     ("seed_oss", "seed_oss", {}),
     (
         "smollm3",  # every other layer without RoPE, and windowed
@@ -75,6 +128,9 @@ CASES = [
         {"pad_token_id": 0, "no_rope_layers": [1, 0], "use_sliding_window": True,
          "sliding_window": 8},
     ),
+    ("solar_open", "solar_open",  # grouped sigmoid routing with a correction bias, shared expert
+     {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 3,
+      "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1}),
     ("stablelm", "stablelm", {"use_qkv_bias": True}),  # partial RoPE, LayerNorm, QKV bias
     ("starcoder2", "starcoder2", {"sliding_window": 8}),  # window on every layer
     (
@@ -251,9 +307,13 @@ def test_a_length_dependent_rope_is_refused(tmp_path_factory):
         tiny_llm(folder, model_impl="transformers")
 
 
-def test_tensor_parallel_is_refused_naming_both_settings(tmp_path_factory):
-    folder, _ = backend_case("olmo", tmp_path_factory)
+def test_tensor_parallel_refuses_heads_it_cannot_split_naming_both_settings(tmp_path):
+    """The backend splits by the config's tensor-parallel plan
+    (tests/engine/test_transformers_backend_parallel.py); a head count the ranks do not divide
+    (one KV head over two ranks) is refused before any rank starts."""
+    folder = make_tiny_model(tmp_path, "olmo", num_key_value_heads=1)
     match = r"model_impl='auto' serves model_type='olmo' on the Transformers backend, which "
-    match += r"runs at tensor_parallel_size=1 only, got 2"
+    match += r"cannot split it over tensor_parallel_size=2: config\.num_key_value_heads=1 is "
+    match += r"not divisible by tensor_parallel_size=2"
     with pytest.raises(ValueError, match=match):  # before any rank starts: none to stop
         LLM(str(folder), dtype="float32", kv_cache_memory=2**22, tensor_parallel_size=2)

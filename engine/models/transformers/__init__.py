@@ -13,9 +13,12 @@ from __future__ import annotations
 # tests/engine/test_transformers_backend.py that gives Hugging Face's greedy tokens: the
 # claim `pagedq models` lists. Other decoder-only attention families run too, unclaimed.
 TRANSFORMERS_BACKEND_TYPES: tuple[str, ...] = (
-    "apertus", "arcee", "cohere", "cohere2", "ernie4_5", "ernie4_5_moe", "exaone4", "glm", "glm4",
-    "gpt_neox", "granite", "granitemoe", "helium", "hunyuan_v1_dense", "ministral", "ministral3",
-    "nemotron", "olmo", "olmoe", "seed_oss", "smollm3", "stablelm", "starcoder2", "vaultgemma",
+    "afmoe", "apertus", "arcee", "bitnet", "codegen", "cohere", "cohere2", "cohere2_moe", "cwm",
+    "dbrx", "dots1", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "gemma", "glm",
+    "glm4", "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "granite", "granitemoe", "granitemoeshared",
+    "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "internlm3", "jetmoe", "mellum", "minimax_m2",
+    "ministral", "ministral3", "nanochat", "nemotron", "olmo", "olmoe", "opt", "persimmon", "phi",
+    "phimoe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma",
 )  # fmt: skip
 
 MODEL_CLASS = ("engine.models.transformers.model", "TransformersForCausalLM")

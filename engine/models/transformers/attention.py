@@ -34,8 +34,9 @@ IGNORED_KWARGS = frozenset(
 )  # fmt: skip
 # The names families give their per-head sink logits (gpt-oss's ``s_aux``).
 SINK_KWARGS = ("s_aux", "sinks")
-# What the probe records of one attention call: the module, its k and v, its scale, the rest.
-ProbedCall = tuple[torch.nn.Module, torch.Tensor, torch.Tensor, float, dict]
+# What the probe records of one attention call: the module, its number of q heads, its k and v,
+# its scale, the rest.
+ProbedCall = tuple[torch.nn.Module, int, torch.Tensor, torch.Tensor, float, dict]
 
 
 @dataclass(slots=True)
@@ -44,6 +45,7 @@ class LayerCall:
     options."""
 
     module: torch.nn.Module
+    num_heads: int
     num_kv_heads: int
     head_dim: int
     scale: float
@@ -97,7 +99,7 @@ def paged_attention_forward(
     if state.probe is not None:
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
         extra = {"dropout": dropout, "attention_mask": attention_mask, **kwargs}
-        state.probe.append((module, key, value, scale, extra))
+        state.probe.append((module, query.shape[1], key, value, scale, extra))
         return torch.zeros_like(query).transpose(1, 2), None
     i = module.layer_idx
     q = query[0].transpose(0, 1).contiguous()
@@ -111,7 +113,7 @@ def layer_call(call: ProbedCall, config_window: int | None) -> LayerCall:
     """The ``LayerCall`` of one probed attention call (``config_window``: the config's window
     of that layer); refuses what the paged kernels cannot run, naming the module class and
     the argument."""
-    module, key, value, scale, kwargs = call
+    module, num_heads, key, value, scale, kwargs = call
     kwargs, name = dict(kwargs), type(module).__name__
     if key.shape[-1] != value.shape[-1] or key.shape[1] != value.shape[1]:
         raise ValueError(
@@ -145,6 +147,7 @@ def layer_call(call: ProbedCall, config_window: int | None) -> LayerCall:
         )
     return LayerCall(
         module=module,
+        num_heads=num_heads,
         num_kv_heads=key.shape[1],
         head_dim=key.shape[-1],
         scale=scale,

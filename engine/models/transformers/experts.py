@@ -6,13 +6,20 @@ that layout with SiLU gating run on the same kernels as the native block (C++ ov
 packed once on the CPU, Triton on CUDA); any other experts module (biases, another gate, a
 transposed layout) runs transformers' own loop. On the CPU transformers' default
 (``grouped_mm``) measured 0.04x the native block's tokens/s (``bench/model_impl.py``).
+
+Past one rank (``split``) experts of the fused layout split as ``FusedMoE`` splits them
+(``moe_parallel``: whole experts, "ep", or every expert's intermediate features, "tp"); each
+rank computes its share of the routed sum in fp32, one all-reduce adds the shares up.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
+from engine.parallel.state import all_reduce, divide, tp_rank, tp_size
 from kernels import select_backend
 
 EXPERTS_IMPLEMENTATION = "pagedq"
@@ -50,6 +57,10 @@ def paged_experts_forward(
 ) -> torch.Tensor:
     """The ``ExpertsInterface`` function: ``sum_j weight_j * expert_j(x)`` of ``[tokens,
     hidden]``, in fp32 summed and rounded once to x's dtype."""
+    if getattr(self, "pagedq_share", None) is not None:  # split over the ranks
+        return all_reduce(_rank_share(self, hidden_states, top_k_index, top_k_weights)).to(
+            hidden_states.dtype
+        )
     packed = getattr(self, "packed", None)
     if packed is not None:
         from kernels.cpu_moe import fused_moe_cpu
@@ -64,6 +75,68 @@ def paged_experts_forward(
         )
     # transformers' own loop over the experts (the undecorated forward).
     return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
+
+
+def split(module: nn.Module, mode: str) -> None:
+    """Make a fused-layout experts module (built, not loaded) this rank's share: experts
+    ``[r E/N, (r+1) E/N)`` whole ("ep") or every expert's ``I/N`` features ("tp"), each loaded
+    from the whole fused checkpoint tensor."""
+    n, rank = tp_size(), tp_rank()
+    num_experts, two_i, hidden = module.gate_up_proj.shape
+    experts, inter = num_experts, two_i // 2
+    if mode == "ep":
+        experts = divide(num_experts, n, "num_experts")
+    else:
+        inter = divide(inter, n, "expert intermediate_size")
+    expert0, inter0 = rank * experts if mode == "ep" else 0, rank * inter if mode == "tp" else 0
+    module.pagedq_share = (mode, expert0, experts, inter0, inter)
+    full13, full2 = (num_experts, two_i, hidden), (num_experts, hidden, two_i // 2)
+    dtype = module.gate_up_proj.dtype
+    module.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype))
+    module.down_proj = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype))
+    for param, full in ((module.gate_up_proj, full13), (module.down_proj, full2)):
+        param.checkpoint_shape = lambda shard, full=full: full
+        param.weight_loader = partial(_load_share, module)
+
+
+def _load_share(module: nn.Module, param: nn.Parameter, tensor: torch.Tensor, shard) -> None:
+    """This rank's experts and features of a whole fused tensor (``gate_up_proj``: each
+    expert's gate rows, then its up rows; ``down_proj``: features in the last dim)."""
+    _, expert0, experts, inter0, inter = module.pagedq_share
+    tensor = tensor.narrow(0, expert0, experts)
+    if param is module.gate_up_proj:
+        tensor = torch.cat([t.narrow(1, inter0, inter) for t in tensor.chunk(2, dim=1)], dim=1)
+    else:
+        tensor = tensor.narrow(2, inter0, inter)
+    param.data.copy_(tensor)
+
+
+def _rank_share(
+    module: nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """This rank's part of the routed experts' weighted sum, fp32 ``[tokens, hidden]`` (as
+    ``FusedMoE._rank_share``)."""
+    mode, expert0, experts, _, _ = module.pagedq_share
+    if mode == "tp":
+        return _fused(module, x, topk_weights, topk_ids)
+    ids = topk_ids - expert0
+    token, slot = ((ids >= 0) & (ids < experts)).nonzero(as_tuple=True)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if token.numel():
+        pairs = (topk_weights[token, slot, None], ids[token, slot, None])
+        out.index_add_(0, token, _fused(module, x[token], *pairs))
+    return out
+
+
+def _fused(module: nn.Module, x, topk_weights, topk_ids) -> torch.Tensor:
+    args = (x, module.gate_up_proj, module.down_proj, topk_weights, topk_ids)
+    if select_backend(x.device, getattr(module, "pagedq_backend", "auto")) == "triton":
+        from kernels.triton_moe import fused_experts_triton
+
+        return fused_experts_triton(*args, out_dtype=torch.float32)
+    from kernels.reference import fused_experts_torch
+
+    return fused_experts_torch(*args, out_dtype=torch.float32)
 
 
 def prepare(hf_model: nn.Module, backend: str) -> int:

@@ -21,7 +21,7 @@ from engine.models.causal_lm import CausalLM, _Tied
 from engine.models.config_fields import layer_sliding_window
 from engine.models.linear import linear_fp32_out
 from engine.models.packed_linear import pack, prepack_supported
-from engine.models.transformers import TRANSFORMERS_BACKEND_TYPES, attention, experts
+from engine.models.transformers import TRANSFORMERS_BACKEND_TYPES, attention, experts, parallel
 from engine.models.transformers.build import build_model, fp32_tensors
 from engine.models.transformers.support import (
     applies_windows,
@@ -31,6 +31,7 @@ from engine.models.transformers.support import (
     logits_transform,
 )
 from engine.models.transformers.weights import load_checkpoint
+from engine.parallel.layers import ParallelLMHead
 from engine.parallel.state import tp_size
 
 log = logging.getLogger(__name__)
@@ -43,11 +44,6 @@ class TransformersForCausalLM(nn.Module):
 
     def __init__(self, config, max_position: int, backend: str = "auto") -> None:
         super().__init__()
-        if tp_size() > 1:
-            raise ValueError(
-                f"model_impl='transformers' runs at tensor_parallel_size=1 only, got "
-                f"{tp_size()}: use model_impl='native' with a family pagedq has natively"
-            )
         check_config(config)
         if config.model_type in TRANSFORMERS_BACKEND_TYPES:
             log.info("model_type=%r runs on the Transformers modeling backend", config.model_type)
@@ -62,6 +58,8 @@ class TransformersForCausalLM(nn.Module):
         self.max_position = max_position
         hf = build_model(config)
         check_modules(hf)
+        if tp_size() > 1:
+            parallel.split(hf)
         experts.prepare(hf, backend)
         for name, child in hf.named_children():
             self.add_module(name, child)
@@ -103,7 +101,16 @@ class TransformersForCausalLM(nn.Module):
         ids = torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=device)
         positions = torch.arange(PROBE_TOKENS, device=device)[None]
         with attention.step(attention.Step(probe=calls)):
-            self.base_model(input_ids=ids, position_ids=positions, use_cache=False)
+            try:
+                self.base_model(input_ids=ids, position_ids=positions, use_cache=False)
+            except RuntimeError as e:
+                if tp_size() == 1:
+                    raise
+                raise ValueError(
+                    f"tensor_parallel_size={tp_size()}: {type(self.hf_model).__name__} fails on "
+                    f"this rank's shard ({e}): its modeling code assumes whole heads or features "
+                    "where the plan splits them"
+                ) from e
         seen = [module.layer_idx for module, *_ in calls]
         if sorted(seen) != list(range(self.num_layers)):
             layers = decoder_layers(self.base_model, self.num_layers)
@@ -128,6 +135,8 @@ class TransformersForCausalLM(nn.Module):
             )
             for i in range(self.num_layers)
         ]
+        if tp_size() > 1:
+            parallel.check_heads(self.layer_calls, self.config)
         self.paged = [
             PagedAttention(c.scale, self.backend, c.sliding_window, c.sinks, c.logits_soft_cap)
             for c in self.layer_calls
@@ -175,7 +184,10 @@ class TransformersForCausalLM(nn.Module):
             logits = self.packed_lm_head(hidden)
         else:
             head = self.hf_model.get_output_embeddings()
-            logits = linear_fp32_out(hidden, head.weight, getattr(head, "bias", None))
+            if isinstance(head, ParallelLMHead):  # this rank's rows: every rank's gathered
+                logits = head.logits(hidden)
+            else:
+                logits = linear_fp32_out(hidden, head.weight, getattr(head, "bias", None))
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale
         cap = self.final_logit_softcapping
@@ -197,6 +209,8 @@ class TransformersForCausalLM(nn.Module):
         weight = self.hf_model.get_input_embeddings().weight
         if self.packed_lm_head is not None or not prepack_supported(weight.device, weight.dtype):
             return self.packed_lm_head is not None
+        if tp_size() > 1:  # as the native families: packed, a row-parallel layer loses its sum
+            return False
         layers = decoder_layers(self.base_model, self.num_layers)
         for module in list(layers.modules()):
             for name, child in list(module.named_children()):

@@ -23,7 +23,15 @@ MULTIMODAL_FIELDS = ("vision_config", "audio_config", "speech_config", "encoder_
 # the whole batch (the longest position), a flat batch of many requests needs one per request.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 # Layers that keep a recurrent state or convolve over past tokens: no paged KV cache holds that.
-RECURRENT_CLASS = re.compile(r"Mamba|Conv|LinearAttention|DeltaNet|Rwkv|Recurrent|Ssm|Lstm|Mixer")
+# (GPT-2's ``Conv1D`` is a linear layer with its weight transposed, not a convolution.)
+RECURRENT_CLASS = re.compile(
+    r"Mamba|Conv(?!1D$)|LinearAttention|DeltaNet|Rwkv|Recurrent|Ssm|Lstm|Mixer"
+)
+# How a causal LM's forward takes its base model's output: ``outputs`` or GPT-2's
+# ``transformer_outputs``, ``[0]`` or ``.last_hidden_state``, sliced on the way (GPT-J).
+OUTPUT_LINE = re.compile(
+    r"hidden_states = (slice_logits_to_keep\()?(transformer_)?outputs(\[0\]|\.last_hidden_state)?"
+)
 # The statements a causal LM's forward may run from its base model's output to its loss, each
 # with what it does to the logits: ("scale", c) multiply by the model's (or config's) c,
 # ("divide", c) divide by config.c; None: nothing (slicing, the plain LM head).
@@ -133,10 +141,12 @@ def applies_windows(hf_model: nn.Module) -> bool:
 
 
 def decoder_layers(base_model: nn.Module, num_layers: int) -> nn.ModuleList:
-    """The base model's list of decoder layers (``layers``, ``h``, ``blocks``...)."""
-    for module in base_model.children():
-        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
-            return module
+    """The base model's list of decoder layers (``layers``, ``h``, ``blocks``...; OPT's are
+    one level down, ``decoder.layers``)."""
+    for modules in (base_model.children(), base_model.modules()):
+        for module in modules:
+            if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+                return module
     raise ValueError(
         f"{type(base_model).__name__} has no list of {num_layers} decoder layers "
         "(config.num_hidden_layers)"
@@ -149,7 +159,7 @@ def logits_transform(hf_model: nn.Module) -> tuple[float, float | None]:
     from its base model's output to its loss is refused, quoting the statement."""
     cls = type(hf_model)
     lines = _forward_lines(cls)
-    start = next((i for i, x in enumerate(lines) if x.startswith("hidden_states = outputs")), None)
+    start = next((i for i, x in enumerate(lines) if OUTPUT_LINE.match(x)), None)
     if start is None or not any(x.startswith("logits = self.lm_head(") for x in lines):
         raise ValueError(f"{cls.__name__}.forward has no LM head over its base model's output")
     scale, seen = 1.0, set()

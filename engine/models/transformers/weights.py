@@ -34,7 +34,9 @@ class _Pending:
         from transformers.core_model_loading import MergeModulelist
 
         stacks = any(isinstance(op, MergeModulelist) for op in self.converter.operations)
-        want = target.shape[0] if stacks else 1
+        # The whole tensor's experts (a rank's share may hold fewer: ``experts.split``).
+        shape = getattr(target, "checkpoint_shape", None)
+        want = (shape(None) if shape is not None else target.shape)[0] if stacks else 1
         sources = self.converter.source_patterns
         return all(len(self.tensors.get(p, ())) == want for p in sources)
 
