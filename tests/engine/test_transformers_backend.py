@@ -263,6 +263,12 @@ def test_quantized_checkpoints_of_backend_families(tmp_path, model_type, write, 
          r"config\.layer_types has \['linear_attention'\]"),
         ("diffllama", {}, r"attention layer indices \[0, 0, 1, 1\]"),  # two softmaxes a layer
         ("doge", {}, r"DogeAttention builds an attention mask of its own"),
+        ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2, "alibi": False},
+         r"FalconForCausalLM does not call transformers' AttentionInterface"),
+        ("deepseek_v2", {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_nope_head_dim": 16,
+                         "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4,
+                         "num_experts_per_tok": 2},
+         r"values .* differ in heads or head size"),
     ],
 )  # fmt: skip
 def test_what_the_backend_cannot_run_is_refused_at_load(tmp_path, model_type, overrides, match):

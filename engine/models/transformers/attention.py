@@ -100,7 +100,10 @@ def paged_attention_forward(
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
         extra = {"dropout": dropout, "attention_mask": attention_mask, **kwargs}
         state.probe.append((module, query.shape[1], key, value, scale, extra))
-        return torch.zeros_like(query).transpose(1, 2), None
+        # Shaped as the layer's output: values may be narrower than queries (MLA's v_head_dim),
+        # which layer_call then refuses by name.
+        out = query.new_zeros(*query.shape[:-1], value.shape[-1])
+        return out.transpose(1, 2), None
     i = module.layer_idx
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).contiguous()

@@ -25,6 +25,8 @@ from engine.models.transformers import TRANSFORMERS_BACKEND_TYPES, attention, ex
 from engine.models.transformers.build import build_model, fp32_tensors
 from engine.models.transformers.support import (
     applies_windows,
+    causal_lm_class,
+    check_attention_interface,
     check_config,
     check_modules,
     decoder_layers,
@@ -56,6 +58,7 @@ class TransformersForCausalLM(nn.Module):
         self.config = config
         self.backend = backend
         self.max_position = max_position
+        check_attention_interface(causal_lm_class(config))
         hf = build_model(config)
         check_modules(hf)
         if tp_size() > 1:

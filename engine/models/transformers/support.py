@@ -100,16 +100,29 @@ def _rope_settings(config):
             yield where, params
 
 
-def check_modules(hf_model: nn.Module) -> None:
-    """Refuse a built model whose attention does not go through ``AttentionInterface``, that
-    has a recurrent or convolution layer (naming the class), or other layer types than full
-    and sliding-window attention (naming them)."""
-    cls = type(hf_model)
+def causal_lm_class(config) -> type:
+    """transformers' causal-LM class of ``config``."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM._model_mapping[type(config)]
+
+
+def check_attention_interface(cls: type) -> None:
+    """Refuse a causal-LM class whose attention does not go through ``AttentionInterface``
+    (checked before building it: Falcon and GPT-Neo look the implementation up in tables of
+    their own while they build, and fail on an unknown one)."""
     if not cls._can_set_attn_implementation():
         raise ValueError(
             f"{cls.__name__} does not call transformers' AttentionInterface: the Transformers "
             "backend cannot plug pagedq's paged attention into it"
         )
+
+
+def check_modules(hf_model: nn.Module) -> None:
+    """Refuse a built model whose attention does not go through ``AttentionInterface``, that
+    has a recurrent or convolution layer (naming the class), or other layer types than full
+    and sliding-window attention (naming them)."""
+    check_attention_interface(type(hf_model))
     from transformers import PreTrainedModel
 
     for name, module in hf_model.named_modules():
