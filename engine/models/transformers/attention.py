@@ -102,8 +102,8 @@ def paged_attention_forward(
         state.probe.append((module, query.shape[1], key, value, scale, extra))
         # Shaped as the layer's output: values may be narrower than queries (MLA's v_head_dim),
         # which layer_call then refuses by name.
-        out = query.new_zeros(*query.shape[:-1], value.shape[-1])
-        return out.transpose(1, 2), None
+        batch, heads, tokens, _ = query.shape
+        return query.new_zeros(batch, tokens, heads, value.shape[-1]), None
     i = module.layer_idx
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).contiguous()
