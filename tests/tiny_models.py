@@ -31,17 +31,31 @@ def default_tokenizer():
     return load_tokenizer(cached_source(resolve_model("smollm2")))
 
 
+def causal_lm_class(model_type: str):
+    """transformers' causal-LM class of ``model_type``: AutoModelForCausalLM's, or the family's
+    own ``...ForCausalLM`` where the auto mapping leaves it out (Mistral 4's text model)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForCausalLM
+    config_class = type(transformers.AutoConfig.for_model(model_type))
+    return getattr(transformers, config_class.__name__.replace("Config", "ForCausalLM"))
+
+
 def tiny_hf_model(model_type: str, seed: int = 0, **overrides):
     """A random ``model_type`` model of transformers' own config class and model, built from
     ``TINY`` and ``overrides``, with weights spread wider than the default init."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     kwargs = {**TINY, **overrides}
     if model_type == "qwen3":
         kwargs.setdefault("head_dim", 16)
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model_class = causal_lm_class(model_type)
+    # The Auto class builds from a config; a family's own class is built by calling it.
+    model = getattr(model_class, "from_config", model_class)(config).eval()
     # Larger weights than the default init spread the logits, so greedy argmax is robust
     # to the last-bit differences between two correct implementations.
     with torch.no_grad():

@@ -49,9 +49,11 @@ def softmax_scale(config) -> float:
 class LatentAttention(nn.Module):
     """Queries through a LoRA (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``; merged with
     ``kv_a_proj_with_mqa`` into one GEMM as ``qkv_a_proj``) or a plain ``q_proj``; RoPE on the
-    ``qk_rope_head_dim`` part only, in DeepSeek's interleaved pairs where ``rope_interleave``."""
+    ``qk_rope_head_dim`` part only, in DeepSeek's interleaved pairs where ``rope_interleave``
+    (the config's, True where it has none, as DeepSeek-V2's complex rotary pairs them; MiniCPM3
+    passes False)."""
 
-    def __init__(self, config, backend: str = "auto") -> None:
+    def __init__(self, config, backend: str = "auto", rope_interleave: bool | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         all_heads = config.num_attention_heads
@@ -77,7 +79,9 @@ class LatentAttention(nn.Module):
         # Never run as a linear: its weight is read as W_UK and W_UV (views, per head).
         self.kv_b_proj.no_prepack = True
         self.o_proj = RowParallelLinear(all_heads * self.v_head_dim, hidden, bias=bias)
-        self.rope_interleave = bool(getattr(config, "rope_interleave", True))
+        if rope_interleave is None:
+            rope_interleave = bool(getattr(config, "rope_interleave", True))
+        self.rope_interleave = rope_interleave
         self.scale = softmax_scale(config)
         self.backend = backend
         self._resolved: dict[torch.device, str] = {}
@@ -88,7 +92,9 @@ class LatentAttention(nn.Module):
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """``rope`` is the step's ``(cos, signed_sin)`` of width ``qk_rope_head_dim``, or None
-        for a model without positions (Kimi Linear: the rope part is used as it is);
+        for a model without positions (Kimi Linear: the rope part is used as it is), or
+        ``(cos, signed_sin, query_scale)`` where each token's query is scaled after rotation
+        (``query_scale`` ``[tokens]``: Mistral 4's Llama-4 attention scaling);
         ``kv_cache`` the layer's ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``."""
         num_tokens, heads, rank = hidden.shape[0], self.num_heads, self.kv_lora_rank
         if self.q_lora_rank is not None:
@@ -102,17 +108,24 @@ class LatentAttention(nn.Module):
         latent = self.kv_a_layernorm(kv_a[:, :rank])
         # Every head's rope query and the shared rope key: one rotation for all of them.
         pe = torch.cat((q_pe, kv_a[:, None, rank:]), dim=1)
+        query_scale = None
         if rope is not None:
+            cos, sin, *rest = rope
             if self.rope_interleave:
                 # Pairs (x0, x1), (x2, x3)... rotate together: as transformers does, rotate the
                 # even features with the odd ones, laid out [evens | odds] (rotate-half's).
                 pe = torch.cat((pe[..., 0::2], pe[..., 1::2]), dim=-1)
-            pe = apply_rotary(pe, *rope, backend=self.backend)
+            pe = apply_rotary(pe, cos, sin, backend=self.backend)
+            if rest:
+                query_scale = rest[0][:, None, None]
         backend = self._backend(hidden.device)
         write_latent(latent, pe[:, heads], kv_cache, meta.slot_mapping, backend=backend)
         w_uk, w_uv = split_kv_b_proj(self.kv_b_proj.weight, heads, self.nope_dim, self.v_head_dim)
+        q_pe = pe[:, :heads]
+        if query_scale is not None:
+            q_nope, q_pe = q_nope * query_scale, q_pe * query_scale
         out = mla_attention(
-            absorb_query(q_nope, w_uk), pe[:, :heads], kv_cache, meta.query_start_loc,
+            absorb_query(q_nope, w_uk), q_pe, kv_cache, meta.query_start_loc,
             meta.seq_lens, meta.block_table, self.scale, backend=backend,
         )  # fmt: skip
         return self.o_proj(project_output(out, w_uv).reshape(num_tokens, -1))

@@ -8,6 +8,10 @@ what weights, computed exactly as Hugging Face's families do.
   ``e_score_correction_bias``, within the ``topk_group`` best of ``n_group`` groups (a group's
   score is the sum of its two best); weights from the uncorrected scores, renormalised, times
   ``routed_scaling_factor`` (GLM-4.5, DeepSeek-V3).
+- ``grouped_topk_softmax``: softmax scores; experts chosen within the ``topk_group`` best of
+  ``n_group`` groups, a group scored by its best expert (``group_score="max"``, DeepSeek-V2's
+  ``group_limited_greedy``; one group is its ``greedy``) or by its two best (``"top2"``,
+  Mistral 4); renormalised or not, times ``routed_scaling_factor``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from torch import nn
 
 from engine.models.linear import KeepsPackedDtypes, linear_fp32_out
 
-SCORING = ("softmax_topk", "topk_softmax", "grouped_topk_sigmoid")
+SCORING = ("softmax_topk", "topk_softmax", "grouped_topk_sigmoid", "grouped_topk_softmax")
+GROUP_SCORES = ("top2", "max")
 
 
 def softmax_topk(
@@ -37,6 +42,22 @@ def topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
     return torch.softmax(values, dim=-1, dtype=values.dtype), ids
 
 
+def group_mask(
+    choice: torch.Tensor, n_group: int, topk_group: int, group_score: str = "top2"
+) -> torch.Tensor:
+    """``[tokens, experts]`` bool: the experts of each token's ``topk_group`` best groups, a
+    group scored by the sum of its two best ``choice`` values or by its best one."""
+    num_tokens, num_experts = choice.shape
+    grouped = choice.view(num_tokens, n_group, -1)
+    if group_score == "max":
+        group_scores = grouped.max(dim=-1).values
+    else:
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    return mask.unsqueeze(-1).expand(-1, -1, num_experts // n_group).reshape(num_tokens, -1).bool()
+
+
 def grouped_topk_sigmoid(
     logits: torch.Tensor,
     top_k: int,
@@ -48,14 +69,32 @@ def grouped_topk_sigmoid(
     renormalize_eps: float = 1e-20,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights fp32, ids)`` of DeepSeek-V3's grouped sigmoid routing (fp32 ``logits``)."""
-    num_tokens, num_experts = logits.shape
     scores = logits.sigmoid()
     choice = scores + correction_bias
-    group_scores = choice.view(num_tokens, n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
-    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(-1, -1, num_experts // n_group)
-    choice = choice.masked_fill(~score_mask.reshape(num_tokens, -1).bool(), float("-inf"))
+    choice = choice.masked_fill(~group_mask(choice, n_group, topk_group), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True) + renormalize_eps
+    return weights * routed_scaling_factor, ids
+
+
+def grouped_topk_softmax(
+    logits: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+    group_score: str = "top2",
+    renormalize_eps: float = 1e-20,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights fp32, ids)`` of DeepSeek-V2's and Mistral 4's grouped softmax routing: the
+    experts outside the chosen groups score 0, as transformers masks them."""
+    scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    choice = scores
+    if n_group > 1:
+        choice = scores.masked_fill(~group_mask(scores, n_group, topk_group, group_score), 0.0)
     ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if renormalize:
@@ -92,13 +131,18 @@ class Router(KeepsPackedDtypes):
         round_weights: bool = False,
         renormalize_eps: float = 1e-20,  # LFM2-MoE adds 1e-6 to the sum it divides by
         fp32_weights: bool = False,
+        group_score: str = "top2",
     ) -> None:
         super().__init__()
         if scoring not in SCORING:
             raise ValueError(f"scoring={scoring!r} is not supported: must be one of {SCORING}")
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
-        if scoring == "grouped_topk_sigmoid" and (
+        if group_score not in GROUP_SCORES:
+            raise ValueError(
+                f"group_score={group_score!r} is not supported: must be one of {GROUP_SCORES}"
+            )
+        if scoring.startswith("grouped") and (
             num_experts % n_group or not 0 < topk_group <= n_group
         ):
             raise ValueError(
@@ -110,6 +154,7 @@ class Router(KeepsPackedDtypes):
         self.routed_scaling_factor = routed_scaling_factor
         self.round_weights = round_weights
         self.renormalize_eps = renormalize_eps
+        self.group_score = group_score
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
         if scoring == "grouped_topk_sigmoid":  # a parameter, so that checkpoints load it
@@ -126,6 +171,11 @@ class Router(KeepsPackedDtypes):
             weights, ids = softmax_topk(logits, self.top_k, self.renormalize)
         elif self.scoring == "topk_softmax":
             weights, ids = topk_softmax(logits, self.top_k)
+        elif self.scoring == "grouped_topk_softmax":
+            weights, ids = grouped_topk_softmax(
+                logits, self.top_k, self.n_group, self.topk_group, self.renormalize,
+                self.routed_scaling_factor, self.group_score, self.renormalize_eps,
+            )  # fmt: skip
         else:
             weights, ids = grouped_topk_sigmoid(
                 logits,

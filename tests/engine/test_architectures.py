@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import make_tiny_model
+from tiny_models import causal_lm_class, make_tiny_model
 
 from engine import LLM, SamplingParams
 from engine.structured_outputs import StructuredOutputsParams
@@ -32,9 +32,8 @@ def one_thread():
 
 def hf_greedy(folder, prompts, n):
     """Hugging Face ``generate``'s greedy tokens for each prompt (fp32, no EOS stop)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model_type = json.loads((folder / "config.json").read_text())["model_type"]
+    model = causal_lm_class(model_type).from_pretrained(folder, dtype=torch.float32).eval()
     outs = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -97,6 +96,17 @@ DEEPSEEK = {
     "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 24,
     "n_routed_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
     "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.0,
+}  # fmt: skip
+
+# DeepSeek-V3's block as other families configure it: latent attention with the q LoRA and
+# experts (8, 3 per token) beside a shared one.
+MLA = {
+    "num_hidden_layers": 3, "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16, "v_head_dim": 24, "q_lora_rank": 24,
+}  # fmt: skip
+MLA_MOE = {
+    **MLA, "n_routed_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+    "n_shared_experts": 1, "routed_scaling_factor": 2.0,
 }  # fmt: skip
 
 # KDA layers first and last around a NoPE latent-attention one (q_proj, as Kimi ships it); the
@@ -320,6 +330,24 @@ CASES = [
         "mscale_all_dim": 1.0, "original_max_position_embeddings": 32}}),
     ("deepseek-v3-q-proj", "deepseek_v3",
      {**DEEPSEEK, "q_lora_rank": None, "rope_interleave": False}),
+    # DeepSeek-V2: softmax routing within the 2 of 4 groups whose best expert leads; V2-Lite's
+    # q_proj and plain greedy routing.
+    ("deepseek-v2", "deepseek_v2", {**MLA_MOE, "first_k_dense_replace": 1,
+     "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}),
+    ("deepseek-v2-lite", "deepseek_v2", {**MLA_MOE, "first_k_dense_replace": 1,
+     "q_lora_rank": None, "topk_method": "greedy"}),
+    ("glm4-moe-lite", "glm4_moe_lite", {**MLA_MOE, "mlp_layer_types": ["dense", "sparse", "sparse"],
+     "n_group": 2, "topk_group": 1}),
+    ("youtu", "youtu", MLA),  # latent attention, dense MLPs
+    (
+        "mistral4",  # grouped softmax routing; Llama 4's query scale grows every 8 positions
+        "mistral4",
+        {**MLA_MOE, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+         "original_max_position_embeddings": 8, "mscale_all_dim": 1.0, "mscale": 1.0,
+         "llama_4_scaling_beta": 0.1, "partial_rotary_factor": 0.5}},
+    ),
+    ("minicpm3", "minicpm3", {**MLA, "scale_emb": 2.0, "scale_depth": 1.4, "dim_model_base": 32}),
     # Kimi Delta Attention (a decay per key channel) beside latent attention without RoPE.
     ("kimi-linear", "kimi_linear", KIMI_LINEAR),
 ]  # fmt: skip
