@@ -15,6 +15,7 @@ from engine.kv_cache_spec import (
     KVCacheGroup,
     LatentAttentionSpec,
     SlidingWindowSpec,
+    TokenBlocksSpec,
 )
 from engine.request import Request
 
@@ -266,4 +267,6 @@ def _kind(group: KVCacheGroup) -> str:
         return f"sliding_window={group.spec.sliding_window}"
     if isinstance(group.spec, LatentAttentionSpec):
         return "latent_attention"
+    if isinstance(group.spec, TokenBlocksSpec):
+        return "token_blocks"
     return "full_attention"

@@ -88,7 +88,35 @@ class LatentAttentionSpec:
         return -(-num_tokens // block_size)
 
 
-KVCacheSpec = FullAttentionSpec | LatentAttentionSpec
+@dataclass(frozen=True, slots=True)
+class TokenBlocksSpec:
+    """The block table of a model without attention layers (a pure Mamba-2 LM): no layer reads
+    it, but its blocks count each sequence's tokens, so that admission, preemption, prefix-cache
+    hashes and the recurrent states' snapshots run as they do for the hybrids. One value per
+    token, never written."""
+
+    block_dim: ClassVar[int] = 0
+
+    @property
+    def page_shape(self) -> tuple[int]:
+        """``(1,)``: the smallest page the cache allocator takes."""
+        return (1,)
+
+    @property
+    def token_elems(self) -> int:
+        """Values one token keeps: one, unused."""
+        return 1
+
+    def first_needed_block(self, first_query_pos: int, block_size: int) -> int:
+        """Every block is kept: a prefix-cache hit needs the whole sequence's hashes."""
+        return 0
+
+    def max_blocks(self, num_tokens: int, block_size: int) -> int:
+        """Blocks one sequence of ``num_tokens`` holds at most."""
+        return -(-num_tokens // block_size)
+
+
+KVCacheSpec = FullAttentionSpec | LatentAttentionSpec | TokenBlocksSpec
 
 
 @dataclass(slots=True)

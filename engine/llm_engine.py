@@ -20,7 +20,7 @@ from engine.config import (
 from engine.cpu_threads import apply_num_threads, default_num_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_cache_spec import LatentAttentionSpec, make_layout
+from engine.kv_cache_spec import LatentAttentionSpec, TokenBlocksSpec, make_layout
 from engine.model_loader import cached_source, load_model, resolve_model
 from engine.model_runner import ModelRunner
 from engine.models import check_parallel
@@ -290,6 +290,10 @@ class LLMEngine:
             budget = min_over_ranks(budget)
         budget -= self._num_state_slots(budget) * self._state_bytes_per_slot()
         num_blocks = budget // self._kv_bytes_per_block()
+        if self._no_attention:
+            # Blocks only count tokens here: enough for every sequence at the longest length.
+            per_seq = -(-self.model.max_position // cfg.block_size)
+            num_blocks = min(num_blocks, cfg.max_num_seqs * per_seq)
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={cfg.kv_cache_memory!r} is too small: one block needs "
@@ -297,17 +301,25 @@ class LLMEngine:
             )
         return int(num_blocks)
 
+    @property
+    def _no_attention(self) -> bool:
+        """True for a model whose block table only counts tokens (a pure Mamba-2 LM)."""
+        return all(isinstance(g.spec, TokenBlocksSpec) for g in self.kv_layout.groups)
+
     def _state_bytes_per_slot(self) -> int:
         return state_bytes_per_slot(self.state_specs, self.dtype)
 
     def _num_state_slots(self, budget: int) -> int:
         """Recurrent-state slots taken from the KV budget: one per sequence up to
-        ``max_num_seqs`` (at most half the budget), and a quarter as many prefix-cache
-        snapshots (0 for a model without linear-attention layers)."""
+        ``max_num_seqs`` (at most half the budget, four fifths without attention layers), and a
+        quarter as many prefix-cache snapshots (0 for a model without linear-attention layers)."""
         per_slot = self._state_bytes_per_slot()
         if not self.state_specs:
             return 0
-        slots = max(1, min(self.config.max_num_seqs, budget // 2 // per_slot))
+        # Without attention layers the states are all the memory a sequence takes: the budget
+        # holds the slots and their quarter of snapshots.
+        share = budget * 4 // 5 if self._no_attention else budget // 2
+        slots = max(1, min(self.config.max_num_seqs, share // per_slot))
         snapshots = max(1, slots // 4) if self.config.enable_prefix_caching else 0
         self.num_state_slots, self.num_state_snapshots = slots, snapshots
         return slots + snapshots
@@ -339,7 +351,7 @@ class LLMEngine:
 
     def _allocate_tensor(self, spec, num_blocks: int, kv_dtype: torch.dtype) -> torch.Tensor:
         bs = self.config.block_size
-        if isinstance(spec, LatentAttentionSpec):
+        if isinstance(spec, (LatentAttentionSpec, TokenBlocksSpec)):
             return allocate_latent_cache(num_blocks, bs, spec.token_elems, kv_dtype, self.device)
         heads, head_dim = spec.page_shape
         backend = self.config.attention_backend

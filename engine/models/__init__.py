@@ -46,6 +46,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "bamba": ("engine.models.bamba", "BambaForCausalLM"),
     "nemotron_h": ("engine.models.nemotron_h", "NemotronHForCausalLM"),
     "falcon_h1": ("engine.models.falcon_h1", "FalconH1ForCausalLM"),
+    "mamba2": ("engine.models.mamba2_lm", "Mamba2ForCausalLM"),
 }
 
 

@@ -7,6 +7,7 @@ the sliding windows a case sets, and MoE cases route several experts per token."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ def one_thread():
 
 def hf_greedy(folder, prompts, n):
     """Hugging Face ``generate``'s greedy tokens for each prompt (fp32, no EOS stop)."""
-    model_type = json.loads((folder / "config.json").read_text())["model_type"]
+    model_type = json.loads((Path(folder) / "config.json").read_text())["model_type"]
     model = causal_lm_class(model_type).from_pretrained(folder, dtype=torch.float32).eval()
     outs = []
     with torch.inference_mode():
@@ -317,6 +318,12 @@ CASES = [
          "key_multiplier": 0.7, "attention_in_multiplier": 1.2, "attention_out_multiplier": 0.8,
          "ssm_in_multiplier": 1.3, "ssm_out_multiplier": 0.9, "mlp_multipliers": [1.1, 0.9],
          "ssm_multipliers": [1.1, 0.9, 1.2, 0.8, 1.05]},
+    ),
+    (
+        "mamba2",  # no attention at all: Mamba-2 blocks only, the residual stream in fp32
+        "mamba2",
+        {"num_heads": 8, "head_dim": 16, "expand": 2, "n_groups": 2, "state_size": 8,
+         "chunk_size": 16},
     ),
     (
         "falcon-h1-rmsnorm",  # the grouped norm after the gate

@@ -1,7 +1,8 @@
-"""The Mamba-2 hybrids (Granite 4.0-H, Nemotron-H, Falcon-H1) through the engine's regimes:
-chunked prefill carries the conv window and the SSM state from chunk to chunk, preemption drops
-them (recompute) or moves them (swap), a prefix-cache hit starts from a snapshot, n > 1 and JSON
-schemas hold. Their HF-exact greedy tokens per family are CASES rows of test_architectures.py."""
+"""The Mamba-2 hybrids (Granite 4.0-H, Nemotron-H, Falcon-H1) and a pure Mamba-2 LM through the
+engine's regimes: chunked prefill carries the conv window and the SSM state from chunk to chunk,
+preemption drops them (recompute) or moves them (swap), a prefix-cache hit starts from a
+snapshot, n > 1 and JSON schemas hold. Their HF-exact greedy tokens per family are CASES rows
+of test_architectures.py."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from tests.engine.test_architectures import (
 )
 
 LONG = [long_prompt(50)]  # longer than three 16-token blocks
-HYBRIDS = ["granite-4.0-h", "nemotron-h", "falcon-h1"]
-HOLDS = ("granitemoehybrid", "nemotron_h", "falcon_h1")  # README's table names this file
+HYBRIDS = ["granite-4.0-h", "nemotron-h", "falcon-h1", "mamba2"]
+HOLDS = ("granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2")  # README's table names this file
 
 
 def test_state_per_sequence_is_conv_window_and_ssm_state(tmp_path_factory):
@@ -44,7 +45,21 @@ def test_regimes_match_hf(tmp_path_factory, case_id):
     check_regimes(*built(case_id, tmp_path_factory), LONG)
 
 
-@pytest.mark.parametrize("case_id", ["granite-4.0-h", "falcon-h1"])
+def test_a_model_without_attention_keeps_states_and_a_token_count_only(tmp_path_factory):
+    """A pure Mamba-2 LM: one block table that counts tokens (one unused value per token), the
+    budget to the state slots, and as long a context as its blocks allow for every sequence."""
+    folder, _ = built("mamba2", tmp_path_factory)
+    llm = tiny_llm(folder, max_num_seqs=4)
+    engine = llm.llm_engine
+    assert [type(s).__name__ for s in engine.model.kv_cache_specs()] == ["TokenBlocksSpec"]
+    assert [tuple(t.shape[2:]) for t in engine.kv_tensors] == [(1,)]
+    assert engine.state_cache.num_slots == 4 and len(engine.state_cache.conv_states) == 2
+    assert engine.kv_cache_manager.block_pool.num_blocks == 4 * 512 // 16
+    assert engine.max_model_len == 512
+    assert [kind for kind, _ in llm.stats.kv_blocks_by_group][0] == "token_blocks"
+
+
+@pytest.mark.parametrize("case_id", ["granite-4.0-h", "falcon-h1", "mamba2"])
 def test_prefix_hit_on_shared_system_prompt(tmp_path_factory, case_id):
     """The second of two prompts sharing a two-block system prompt starts from the first's
     snapshot at the block boundary; both give HF's tokens."""
