@@ -43,6 +43,31 @@ CASES = [
          "moe_intermediate_size": 32},
     ),
     ("apertus", "apertus", {}),  # xIELU activation, QK-norm
+    ("apertus1p5_text", "apertus1p5_text", {}),
+    ("aria_text", "aria_text", {"head_dim": 16, "moe_num_experts": 8, "moe_topk": 3}),
+    ("ctrl", "ctrl", {}),  # sinusoidal positions, fused-in-one-module attention
+    ("flex_olmo", "flex_olmo", {"num_experts": 8, "num_experts_per_tok": 3, "pad_token_id": 0}),
+    ("flint", "flint", {"head_dim": 16, **WINDOW, "num_experts": 8, "num_experts_per_tok": 3,
+                        "moe_intermediate_size": 32}),
+    ("gpt-sw3", "gpt-sw3", {}),  # GPT-2's classes under its own model_type
+    ("granite_swa", "granite_swa", WINDOW),
+    ("granitemoe_swa", "granitemoe_swa", {**WINDOW, "num_local_experts": 8,
+                                          "num_experts_per_tok": 3}),
+    ("hy_v3", "hy_v3", {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 3,
+                        "moe_intermediate_size": 32}),
+    ("hyperclovax", "hyperclovax", {"head_dim": 16}),
+    ("iquestcoder", "iquestcoder", {"head_dim": 16}),  # Llama's classes under its own type
+    ("jais2", "jais2", {"head_dim": 16}),
+    ("kolibri1", "kolibri1", {"head_dim": 16, **WINDOW, "num_local_experts": 8,
+                              "num_experts_per_tok": 3, "moe_intermediate_size": 32}),
+    ("laguna", "laguna", {"head_dim": 16, "sliding_window": 8, "num_experts": 8,
+                          "num_experts_per_tok": 3, "moe_intermediate_size": 32}),
+    ("minimax_m3_vl_text", "minimax_m3_vl_text", {"head_dim": 16, "rotary_dim": 8,
+                                                  "num_local_experts": 8,
+                                                  "num_experts_per_tok": 3}),
+    ("sarvam_moe", "sarvam_moe",  # GLM-4.5's classes: grouped sigmoid routing, a dense layer 0
+     {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 3,
+      "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
     ("arcee", "arcee", {}),  # ReLU^2 MLP
     ("bitnet", "bitnet", {}),  # sub-norms inside attention and MLP, ReLU^2 (weights unpacked)
     ("cohere", "cohere", {}),  # parallel block, LayerNorm, logit_scale
