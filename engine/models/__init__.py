@@ -36,6 +36,8 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "deepseek_v3": ("engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "glm4_moe_lite": ("engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "youtu": ("engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "sarvam_mla": ("engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "axk1": ("engine.models.axk1", "AXK1ForCausalLM"),
     "deepseek_v2": ("engine.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "mistral4": ("engine.models.mistral4", "Mistral4ForCausalLM"),
     "minicpm3": ("engine.models.minicpm3", "MiniCPM3ForCausalLM"),

@@ -44,7 +44,8 @@ ACTIVATIONS = ("silu", "swigluoai")
 class FusedMoE(KeepsPackedDtypes):
     """``out = sum_j weight_j * expert_j(x)`` over each token's ``top_k`` experts (``gate``
     picks them), plus ``shared_expert(x)`` where one is given, scaled by
-    ``sigmoid(shared_expert_gate(x))`` with ``shared_expert_gate=True`` (Qwen2-MoE)."""
+    ``sigmoid(shared_expert_gate(x))`` with ``shared_expert_gate=True`` (Qwen2-MoE); the sum
+    through ``post_norm`` where one is given (A.X-K1's ``post_mlp_layernorm``)."""
 
     def __init__(
         self,
@@ -60,6 +61,7 @@ class FusedMoE(KeepsPackedDtypes):
         shared_expert: nn.Module | None = None,
         shared_expert_gate: bool = False,
         backend: str = "auto",
+        post_norm: nn.Module | None = None,
     ) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -109,6 +111,7 @@ class FusedMoE(KeepsPackedDtypes):
         self.shared_expert_gate = (
             nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
         )
+        self.post_mlp_layernorm = post_norm
         self.packed = None  # the C++ kernel's weights, once `prepack` ran
         # (weight type, group sizes of w13 and w2) where the experts stay quantized
         # (engine/quantization/moe.py: packed stacks replace w13_weight and w2_weight).
@@ -126,6 +129,8 @@ class FusedMoE(KeepsPackedDtypes):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
+        if self.post_mlp_layernorm is not None:
+            out = self.post_mlp_layernorm(out)
         return out
 
     def _rank_share(

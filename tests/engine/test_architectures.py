@@ -346,6 +346,10 @@ CASES = [
     ("glm4-moe-lite", "glm4_moe_lite", {**MLA_MOE, "mlp_layer_types": ["dense", "sparse", "sparse"],
      "n_group": 2, "topk_group": 1}),
     ("youtu", "youtu", MLA),  # latent attention, dense MLPs
+    ("sarvam-mla", "sarvam_mla", {**MLA_MOE, "first_k_dense_replace": 1, "n_group": 4,
+     "topk_group": 2}),  # DeepSeek-V3's classes under its own model_type
+    ("axk1", "axk1", {**MLA_MOE, "mlp_layer_types": ["dense", "sparse", "sparse"], "n_group": 4,
+     "topk_group": 2}),  # the MoE output RMS-normed
     (
         "mistral4",  # grouped softmax routing; Llama 4's query scale grows every 8 positions
         "mistral4",
