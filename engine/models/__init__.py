@@ -43,6 +43,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "minicpm3": ("engine.models.minicpm3", "MiniCPM3ForCausalLM"),
     "lfm2": ("engine.models.lfm2", "Lfm2ForCausalLM"),
     "lfm2_moe": ("engine.models.lfm2", "Lfm2MoeForCausalLM"),
+    "lfm3": ("engine.models.lfm3", "Lfm3ForCausalLM"),
     "kimi_linear": ("engine.models.kimi_linear", "KimiLinearForCausalLM"),
     "granitemoehybrid": ("engine.models.granitemoehybrid", "GraniteMoeHybridForCausalLM"),
     "bamba": ("engine.models.bamba", "BambaForCausalLM"),

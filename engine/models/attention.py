@@ -11,7 +11,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.norm import RMSNorm
-from engine.parallel.layers import QKVParallelLinear, RowParallelLinear
+from engine.parallel.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.parallel.state import tp_rank
 from kernels import apply_rotary
 
@@ -35,6 +35,9 @@ class AttentionOptions:
     # Qwen3.5 / Qwen3-Next: q_proj also gives a gate per head (``[q_h, gate_h]`` per head) and
     # the attention output is scaled by sigmoid(gate) before o_proj.
     output_gate: bool = False
+    # LFM3: g_proj gives one gate per head from the layer's input; each head's output is scaled
+    # by sigmoid(gate) before o_proj.
+    head_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.qk_norm not in QK_NORMS:
@@ -68,6 +71,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=opts.o_bias)
+        # This rank's heads' gates.
+        self.g_proj = ColumnParallelLinear(hidden_size, num_heads) if opts.head_gate else None
         self.qk_norm = opts.qk_norm
         if opts.qk_norm is not None:
             q_dim, k_dim = (
@@ -128,6 +133,9 @@ class Attention(nn.Module):
             part.copy_(apply_rotary(part, *rope, backend=self.backend))
         v = qkv[:, qk_size:].view(num_tokens, -1, self.head_dim)
         out = self.attn(qk[:, :heads], qk[:, heads:], v, kv_cache, meta)
+        if self.g_proj is not None:
+            head_gate = torch.sigmoid(self.g_proj(hidden)).unsqueeze(-1)
+            out = out.view(num_tokens, heads, self.head_dim) * head_gate
         out = out.reshape(num_tokens, self.q_size)
         if gate is not None:
             out = out * torch.sigmoid(gate)

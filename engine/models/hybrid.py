@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from engine.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from engine.parallel.state import tp_rank, tp_size
 from engine.state_cache import RecurrentStateSpec
 
@@ -33,10 +33,15 @@ def takes_kv(layer: nn.Module) -> bool:
 
 
 def kv_spec_of(mixer: nn.Module) -> KVCacheSpec:
-    """What a full-attention mixer keeps per token: its own ``kv_cache_spec()`` where it has
-    one, else per-head K and V."""
+    """What an attention mixer keeps per token: its own ``kv_cache_spec()`` where it has one,
+    else per-head K and V (of its window's last positions only, for a sliding layer: LFM3)."""
     own = getattr(mixer, "kv_cache_spec", None)
-    return own() if own is not None else FullAttentionSpec(mixer.num_kv_heads, mixer.head_dim)
+    if own is not None:
+        return own()
+    window = getattr(mixer, "sliding_window", None)
+    if window is not None:
+        return SlidingWindowSpec(mixer.num_kv_heads, mixer.head_dim, window)
+    return FullAttentionSpec(mixer.num_kv_heads, mixer.head_dim)
 
 
 class HybridLayers:
@@ -47,8 +52,8 @@ class HybridLayers:
         return [m for m in mixers if is_stateful(m)]
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        """The full-attention layers' specs only: ``kv_caches`` and ``meta`` hold one entry per
-        full-attention layer, in order. A mixer with a ``kv_cache_spec()`` of its own (latent
+        """The attention layers' specs only: ``kv_caches`` and ``meta`` hold one entry per
+        attention layer, in order. A mixer with a ``kv_cache_spec()`` of its own (latent
         attention: Kimi Linear) gives it; any other keeps per-head K and V."""
         return [kv_spec_of(layer.self_attn) for layer in self.layers if takes_kv(layer)]
 

@@ -127,22 +127,40 @@ class Lfm2ForCausalLM(HybridLayers, MoECausalLM):
 
     def __init__(self, config, max_position: int, backend: str = "auto") -> None:
         super().__init__(config, max_position, backend)
-        head_dim, hidden, eps = head_dim_of(config), config.hidden_size, config.norm_eps
-        self.rotaries["default"] = RotaryEmbedding(config, head_dim, max_position)
+        hidden, eps = config.hidden_size, config.norm_eps
+        self.make_rotaries(config, max_position)
         self.layer_types = list(config.layer_types)
-        opts = AttentionOptions(qk_norm="head", norm_eps=eps)
         for i, layer_type in enumerate(self.layer_types):
             if layer_type == CONV:
                 mixer = ShortConv(config, backend)
             else:
                 mixer = Attention(
-                    hidden, config.num_attention_heads, num_kv_heads_of(config), head_dim,
-                    backend, opts,
+                    hidden, config.num_attention_heads, num_kv_heads_of(config),
+                    head_dim_of(config), backend, self.attention_options(config, i),
                 )  # fmt: skip
-            layer = DecoderLayer(mixer, self.make_mlp(config, i), hidden, eps, backend)
-            layer.rope_key = "default"
+            layer = DecoderLayer(
+                mixer, self.make_mlp(config, i), hidden, eps, backend, self.norm_style(config)
+            )
+            layer.rope_key = self.rope_key(i)
             self.layers.append(layer)
         self.norm = RMSNorm(hidden, eps, backend)
+
+    @staticmethod
+    def norm_style(config) -> str:
+        """Each block's norms (``DecoderLayer``'s styles): before the mixer and the MLP."""
+        return "pre"
+
+    def make_rotaries(self, config, max_position: int) -> None:
+        """``self.rotaries``: one RoPE for every attention layer."""
+        self.rotaries["default"] = RotaryEmbedding(config, head_dim_of(config), max_position)
+
+    def rope_key(self, i: int) -> str:
+        """Which of ``self.rotaries`` layer ``i`` uses."""
+        return "default"
+
+    def attention_options(self, config, i: int) -> AttentionOptions:
+        """Layer ``i``'s attention: per-head QK-norm."""
+        return AttentionOptions(qk_norm="head", norm_eps=config.norm_eps)
 
     def make_mlp(self, config, i: int) -> nn.Module:
         """Layer ``i``'s feed-forward block."""

@@ -282,6 +282,13 @@ CASES = [
         {**LFM2, "num_dense_layers": 1, "num_experts": 6, "num_experts_per_tok": 2,
          "moe_intermediate_size": 32, "routed_scaling_factor": 1.5},
     ),
+    (
+        "lfm3",  # windows beside full layers, a RoPE per type, head gates, sandwich norms
+        "lfm3",
+        {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 8, "conv_L_cache": 3,
+         "layer_types": ["conv", "sliding_attention", "full_attention", "conv"],
+         "norm_eps": 1e-6, "pad_token_id": 0},
+    ),
     # Mamba-2 hybrids. Granite 4.0-H: no positions in attention, experts beside a shared MLP,
     # Granite's four multipliers; the dense variant with RoPE.
     (
