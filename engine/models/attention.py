@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
-from engine.models.norm import RMSNorm
+from engine.models.norm import RMSNorm, ShardedRMSNorm
 from engine.parallel.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from engine.parallel.state import tp_rank
+from engine.parallel.state import tp_rank, tp_size
 from kernels import apply_rotary
 
 QK_NORMS = (None, "head", "proj")
@@ -74,7 +74,17 @@ class Attention(nn.Module):
         # This rank's heads' gates.
         self.g_proj = ColumnParallelLinear(hidden_size, num_heads) if opts.head_gate else None
         self.qk_norm = opts.qk_norm
-        if opts.qk_norm is not None:
+        if opts.qk_norm == "proj" and tp_size() > 1:
+            # Over every head's features: each rank's part, the mean square summed over ranks.
+            self.q_norm = ShardedRMSNorm(
+                self.q_size, num_heads * head_dim, tp_rank() * self.q_size, opts.norm_eps
+            )
+            copies = max(1, tp_size() // num_kv_heads)
+            self.k_norm = ShardedRMSNorm(
+                self.kv_size, num_kv_heads * head_dim, self.qkv_proj.kv_head0 * head_dim,
+                opts.norm_eps, copies,
+            )  # fmt: skip
+        elif opts.qk_norm is not None:
             q_dim, k_dim = (
                 (head_dim, head_dim) if opts.qk_norm == "head" else (self.q_size, self.kv_size)
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.parallel.state import all_reduce
 from kernels import rms_norm
 
 
@@ -52,3 +53,26 @@ class RMSNorm(nn.Module):
 
 def _load_unit_offset(param: nn.Parameter, tensor: torch.Tensor, shard) -> None:
     param.data.copy_(1.0 + tensor.float())
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a projection whose features are split over the tensor-parallel ranks (OLMo's
+    QK-norm over all heads of q or k): each rank holds ``size`` features from ``offset`` of the
+    ``full_size`` and their part of ``weight``; the sum of squares is all-reduced. ``copies``:
+    how many ranks hold each feature (a KV head replicated over ``N / kv_heads`` ranks)."""
+
+    def __init__(self, size: int, full_size: int, offset: int, eps: float, copies: int = 1) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.weight.weight_loader = self._load
+        self.weight.checkpoint_shape = lambda shard: (full_size,)
+        self.full_size, self.offset, self.eps, self.copies = full_size, offset, eps, copies
+
+    def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard) -> None:
+        param.data.copy_(tensor.narrow(0, self.offset, param.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        square_sum = all_reduce(xf.pow(2).sum(-1, keepdim=True))
+        variance = square_sum / (self.full_size * self.copies)
+        return (self.weight.float() * (xf * torch.rsqrt(variance + self.eps))).to(x.dtype)

@@ -69,7 +69,18 @@ class GatedDeltaNet(nn.Module):
 
     sliding_window = None
 
-    def __init__(self, config, backend: str, fused_projections: bool = False) -> None:
+    def __init__(
+        self,
+        config,
+        backend: str,
+        fused_projections: bool = False,
+        separate_projections: bool = False,
+        beta_scale: float = 1.0,
+        norm_eps: float | None = None,
+    ) -> None:
+        """``fused_projections``: Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` checkpoint
+        tensors; ``separate_projections``: one tensor each for q, k, v, z, b and a (OLMo
+        Hybrid); ``beta_scale`` 2 lets beta reach 2 (OLMo Hybrid's negative eigenvalues)."""
         super().__init__()
         n = tp_size()  # sizes below are this rank's
         self.num_k_heads = divide(config.linear_num_key_heads, n, "linear_num_key_heads")
@@ -85,6 +96,8 @@ class GatedDeltaNet(nn.Module):
         q, v, h = n * self.key_size, n * self.value_size, n * self.num_v_heads
         if fused_projections:  # Qwen3-Next: two checkpoint tensors, reordered at load
             shards = {"qkvz": [q, q, v, v], "ba": [h, h]}
+        elif separate_projections:
+            shards = {"q": [q], "k": [q], "v": [v], "z": [v], "b": [h], "a": [h]}
         else:
             shards = {"qkv": [q, q, v], "z": [v], "b": [h], "a": [h]}
         rows = self.conv_dim + self.value_size + 2 * self.num_v_heads
@@ -95,10 +108,13 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         split_by_heads(self.in_proj.weight, shards)
-        split_by_heads(self.conv1d.weight, {None: [q, q, v]})
+        # OLMo Hybrid's checkpoints keep one conv per q, k and v.
+        conv = {"q": [q], "k": [q], "v": [v]} if separate_projections else {None: [q, q, v]}
+        split_by_heads(self.conv1d.weight, conv)
         split_by_heads(self.dt_bias, {None: [h]})
         split_by_heads(self.A_log, {None: [h]})
-        self.norm = RMSNormGated(self.v_dim, config.rms_norm_eps)
+        self.norm = RMSNormGated(self.v_dim, norm_eps or config.rms_norm_eps)
+        self.beta_scale = beta_scale
         self.out_proj = RowParallelLinear(v, hidden)
         self.backend = backend
         self.conv_state: torch.Tensor | None = None
@@ -130,6 +146,8 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(num_tokens, self.num_k_heads, self.k_dim)
         v = v.reshape(num_tokens, self.num_v_heads, self.v_dim)
         g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
         out = gated_delta_rule(
             q, k, v, g, beta, self.ssm_state, meta.query_start_loc, meta.state_indices,
             meta.has_initial_state, backend=self.backend,

@@ -73,6 +73,12 @@ QWEN3_5 = {
     "linear_value_head_dim": 16,
 }  # fmt: skip
 
+OLMO_HYBRID = {
+    "num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention",
+    "linear_attention"], "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "pad_token_id": 0,
+}  # fmt: skip
+
 LFM2 = {
     "num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"],
     "conv_L_cache": 3, "block_multiple_of": 32, "norm_eps": 1e-6,
@@ -274,6 +280,11 @@ CASES = [
         {**QWEN3_5, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
          "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]},
     ),
+    # OLMo Hybrid: Gated DeltaNet in pre-norm blocks around an OLMo 3 post-norm one; in
+    # transformers 5's layout (one conv tensor; its reverse conversion splits it evenly, so the
+    # released layout is written only where q, k and v are of one size: the second case).
+    ("olmo-hybrid", "olmo_hybrid", {**OLMO_HYBRID, "save_original_format": False}),
+    ("olmo-hybrid-released", "olmo_hybrid", {**OLMO_HYBRID, "linear_num_value_heads": 2}),
     # Gated short convolutions around one attention layer; the MLP width adjusted (2/3, x96).
     ("lfm2", "lfm2", LFM2),
     (

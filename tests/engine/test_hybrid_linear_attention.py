@@ -1,5 +1,5 @@
-"""Hybrid linear attention (Qwen3.5 / Qwen3.6: Gated DeltaNet layers with a per-sequence state
-slot, gated full-attention layers with paged KV) through the engine's regimes: chunked prefill
+"""Hybrid linear attention (Qwen3.5 / Qwen3.6 and OLMo Hybrid: Gated DeltaNet layers with a
+per-sequence state slot, full-attention layers with paged KV) through the engine's regimes: chunked prefill
 carries the state from chunk to chunk, preemption drops it (recompute) or moves it (swap),
 prefix caching never serves a prefix whose state it does not have, n > 1 and JSON schemas, and
 the state memory per sequence does not grow with the context."""
@@ -23,21 +23,22 @@ from tests.engine.test_architectures import (
 # Longer than the delta rule's 64-token chunk and than two 16-token blocks.
 LONG = [long_prompt(90, vocab=4000)]
 
-HOLDS = ("qwen3_5_text", "qwen3_5_moe_text")  # README's table names this file
+HOLDS = ("qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")  # README's table names this file
 
 
-@pytest.mark.parametrize("case_id", ["qwen3.5", "qwen3.5-moe"])
+@pytest.mark.parametrize("case_id", ["qwen3.5", "qwen3.5-moe", "olmo-hybrid"])
 def test_regimes_match_hf(tmp_path_factory, case_id):
     """Chunked prefill on a small token budget, preemption by recompute and by swap on a small
     pool give Hugging Face's greedy tokens."""
     check_regimes(*built(case_id, tmp_path_factory), LONG)
 
 
-def test_prefix_hit_on_shared_system_prompt(tmp_path_factory):
+@pytest.mark.parametrize("case_id", ["qwen3.5", "olmo-hybrid"])
+def test_prefix_hit_on_shared_system_prompt(tmp_path_factory, case_id):
     """The second of two prompts sharing a two-block system prompt starts from the first's
     state snapshot at the block boundary (the hit counted); a repeated prompt hits its own
     snapshot too; every answer is HF's."""
-    cached, prompts, expected = check_prefix_hit(built("qwen3.5", tmp_path_factory)[0], 3000)
+    cached, prompts, expected = check_prefix_hit(built(case_id, tmp_path_factory)[0], 3000)
     again = token_ids(cached.generate(prompts[1:], GREEDY, use_tqdm=False))
     assert again == expected[1:] and cached.stats.prefix_cache_hits == 64
 

@@ -28,7 +28,7 @@ from tests.engine.test_architectures import PROMPTS, SCHEMA, built, one_thread  
 pytestmark = pytest.mark.slow
 
 FAMILIES = [
-    "llama", "qwen3-moe", "gpt-oss", "deepseek-v3", "qwen3.5", "lfm3", "falcon-h1",
+    "llama", "qwen3-moe", "gpt-oss", "deepseek-v3", "qwen3.5", "lfm3", "falcon-h1", "olmo-hybrid",
 ]  # fmt: skip
 
 
