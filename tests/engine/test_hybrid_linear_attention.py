@@ -1,8 +1,8 @@
 """Hybrid linear attention (Qwen3.5 / Qwen3.6 and OLMo Hybrid: Gated DeltaNet layers with a
-per-sequence state slot, full-attention layers with paged KV) through the engine's regimes: chunked prefill
-carries the state from chunk to chunk, preemption drops it (recompute) or moves it (swap),
-prefix caching never serves a prefix whose state it does not have, n > 1 and JSON schemas, and
-the state memory per sequence does not grow with the context."""
+per-sequence state slot, full-attention layers with paged KV) through the engine's regimes:
+chunked prefill carries the state from chunk to chunk, preemption drops it (recompute) or moves
+it (swap), prefix caching never serves a prefix whose state it does not have, n > 1 and JSON
+schemas, and the state memory per sequence does not grow with the context."""
 
 from __future__ import annotations
 
