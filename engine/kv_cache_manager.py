@@ -68,6 +68,11 @@ class KVCacheManager:
             usage.append(("recurrent_state", self.state_cache.num_used_slots))
         return usage
 
+    @property
+    def has_windows(self) -> bool:
+        """True when some group gives blocks back as its window moves on."""
+        return any(isinstance(g.spec, SlidingWindowSpec) for g in self.groups)
+
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks one sequence of ``num_tokens`` tokens holds at most, over every group."""
         return sum(g.spec.max_blocks(num_tokens, self.block_size) for g in self.groups)

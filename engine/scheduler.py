@@ -176,6 +176,23 @@ class Scheduler:
             self.num_chunked_prefills += 1
         return num_new
 
+    def _allocate_prefill(
+        self, request: Request, num_computed: int, num_new: int, computed_blocks
+    ) -> int | None:
+        """Slots for ``num_new`` tokens of a waiting request, or for a smaller chunk: where a
+        window gives its blocks back as a prefill moves on, a pool too small for the whole
+        prompt at once holds it chunk by chunk (the whole would wait forever). The tokens
+        scheduled, or None."""
+        kv = self.kv_cache_manager
+        bs = kv.block_size
+        while kv.allocate_slots(request, num_new, computed_blocks) is None:
+            if not (self.config.enable_chunked_prefill and kv.has_windows and num_new > bs):
+                return None
+            num_new = max(bs, num_new // 2 // bs * bs)
+            if num_new < request.num_tokens - num_computed:
+                self.num_chunked_prefills += 1
+        return num_new
+
     def schedule(self) -> SchedulerOutput:
         """Build the next step: running requests first, then waiting ones while blocks allow."""
         cfg = self.config
@@ -243,7 +260,8 @@ class Scheduler:
             if request.num_tokens - num_computed > token_budget and not cfg.enable_chunked_prefill:
                 break
             num_new = self._num_new_tokens(request, num_computed, token_budget)
-            if kv.allocate_slots(request, num_new, computed_blocks) is None:
+            num_new = self._allocate_prefill(request, num_computed, num_new, computed_blocks)
+            if num_new is None:
                 break
             self.waiting.pop()
             request.status = RequestStatus.RUNNING

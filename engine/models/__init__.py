@@ -34,6 +34,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "qwen3_5_moe_text": ("engine.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
     "qwen3_next": ("engine.models.qwen3_5", "Qwen3NextForCausalLM"),
     "olmo_hybrid": ("engine.models.olmo_hybrid", "OlmoHybridForCausalLM"),
+    "lara_mini": ("engine.models.lara_mini", "LaraMiniForCausalLM"),
     "deepseek_v3": ("engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "glm4_moe_lite": ("engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "youtu": ("engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),

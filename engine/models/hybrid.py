@@ -82,12 +82,14 @@ class HybridLayers:
 
 def split_by_heads(param: nn.Parameter, shards: dict[str | None, list[int]]) -> None:
     """``param`` loads from whole checkpoint tensors: ``shards`` maps each (``None``: the
-    parameter's own tensor) to the sizes of its consecutive row blocks (q, k, v, ...). This
-    rank keeps its ``1 / N`` of every block, the shards side by side in order."""
-    n, offsets, offset = tp_size(), {}, 0
+    parameter's own tensor, all of it) to the sizes of its consecutive row blocks (q, k, v, ...).
+    This rank keeps its ``1 / N`` of every block, the named shards side by side in order; a
+    checkpoint may hold either the whole tensor or every named shard."""
+    n, offsets, offset = tp_size(), {None: 0}, 0
     for name, sizes in shards.items():
-        offsets[name] = offset
-        offset += sum(sizes) // n
+        if name is not None:
+            offsets[name] = offset
+            offset += sum(sizes) // n
 
     def load(p: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
         sizes = shards[shard]
@@ -99,5 +101,6 @@ def split_by_heads(param: nn.Parameter, shards: dict[str | None, list[int]]) -> 
 
     param.weight_loader = load
     param.checkpoint_shape = lambda shard: (sum(shards[shard]), *param.shape[1:])
-    if None not in shards:
-        param.expected_shards = set(shards)
+    named = {name for name in shards if name is not None}
+    if named:  # the whole tensor, where loaded, stands for all of them
+        param.expected_shards = named

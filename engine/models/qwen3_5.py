@@ -94,12 +94,14 @@ class GatedDeltaNet(nn.Module):
         # One GEMM for the four input projections, laid out [q | k | v | z | b | a] (this
         # rank's heads of each); ``shards``: the checkpoint tensors' blocks, whole.
         q, v, h = n * self.key_size, n * self.value_size, n * self.num_v_heads
+        # Or one checkpoint tensor in our layout (Lara-Mini's released in_proj).
+        shards = {None: [q, q, v, v, h, h]}
         if fused_projections:  # Qwen3-Next: two checkpoint tensors, reordered at load
-            shards = {"qkvz": [q, q, v, v], "ba": [h, h]}
+            shards |= {"qkvz": [q, q, v, v], "ba": [h, h]}
         elif separate_projections:
-            shards = {"q": [q], "k": [q], "v": [v], "z": [v], "b": [h], "a": [h]}
+            shards |= {"q": [q], "k": [q], "v": [v], "z": [v], "b": [h], "a": [h]}
         else:
-            shards = {"qkv": [q, q, v], "z": [v], "b": [h], "a": [h]}
+            shards |= {"qkv": [q, q, v], "z": [v], "b": [h], "a": [h]}
         rows = self.conv_dim + self.value_size + 2 * self.num_v_heads
         self.in_proj = nn.Linear(hidden, rows, bias=False)
         self.conv1d = nn.Conv1d(

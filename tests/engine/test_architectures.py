@@ -285,6 +285,14 @@ CASES = [
     # released layout is written only where q, k and v are of one size: the second case).
     ("olmo-hybrid", "olmo_hybrid", {**OLMO_HYBRID, "save_original_format": False}),
     ("olmo-hybrid-released", "olmo_hybrid", {**OLMO_HYBRID, "linear_num_value_heads": 2}),
+    (
+        "lara-mini",  # delta nets, a windowed RoPE layer, a NoPE full layer; experts everywhere
+        "lara_mini",
+        {**QWEN3_5, "num_hidden_layers": 4, "sliding_window": 8, "layer_types": [
+         "linear_attention", "sliding_attention", "linear_attention", "full_attention"],
+         "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48},
+    ),
     # Gated short convolutions around one attention layer; the MLP width adjusted (2/3, x96).
     ("lfm2", "lfm2", LFM2),
     (

@@ -1,5 +1,5 @@
-"""Hybrid linear attention (Qwen3.5 / Qwen3.6 and OLMo Hybrid: Gated DeltaNet layers with a
-per-sequence state slot, full-attention layers with paged KV) through the engine's regimes:
+"""Hybrid linear attention (Qwen3.5 / Qwen3.6, OLMo Hybrid, Lara-Mini: Gated DeltaNet layers
+with a per-sequence state slot, attention layers with paged KV) through the engine's regimes:
 chunked prefill carries the state from chunk to chunk, preemption drops it (recompute) or moves
 it (swap), prefix caching never serves a prefix whose state it does not have, n > 1 and JSON
 schemas, and the state memory per sequence does not grow with the context."""
@@ -23,10 +23,11 @@ from tests.engine.test_architectures import (
 # Longer than the delta rule's 64-token chunk and than two 16-token blocks.
 LONG = [long_prompt(90, vocab=4000)]
 
-HOLDS = ("qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")  # README's table names this file
+# README's table names this file for these types.
+HOLDS = ("qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lara_mini")
 
 
-@pytest.mark.parametrize("case_id", ["qwen3.5", "qwen3.5-moe", "olmo-hybrid"])
+@pytest.mark.parametrize("case_id", ["qwen3.5", "qwen3.5-moe", "olmo-hybrid", "lara-mini"])
 def test_regimes_match_hf(tmp_path_factory, case_id):
     """Chunked prefill on a small token budget, preemption by recompute and by swap on a small
     pool give Hugging Face's greedy tokens."""
