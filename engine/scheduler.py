@@ -176,13 +176,13 @@ class Scheduler:
             self.num_chunked_prefills += 1
         return num_new
 
-    def _allocate_prefill(
-        self, request: Request, num_computed: int, num_new: int, computed_blocks
+    def _allocate(
+        self, request: Request, num_computed: int, num_new: int, computed_blocks=None
     ) -> int | None:
-        """Slots for ``num_new`` tokens of a waiting request, or for a smaller chunk: where a
-        window gives its blocks back as a prefill moves on, a pool too small for the whole
-        prompt at once holds it chunk by chunk (the whole would wait forever). The tokens
-        scheduled, or None."""
+        """Slots for ``num_new`` more tokens of ``request``, or for a smaller chunk: where a
+        window gives its blocks back as a prefill moves on, a pool too small for the rest of a
+        prompt at once holds it chunk by chunk (the whole would wait, or preempt itself,
+        forever). The tokens given slots, or None."""
         kv = self.kv_cache_manager
         bs = kv.block_size
         while kv.allocate_slots(request, num_new, computed_blocks) is None:
@@ -206,7 +206,7 @@ class Scheduler:
             request = self.running[i]
             num_new = self._num_new_tokens(request, request.num_computed_tokens, token_budget)
             assert num_new > 0, request
-            while kv.allocate_slots(request, num_new) is None:
+            while (fitted := self._allocate(request, request.num_computed_tokens, num_new)) is None:
                 # Only requests not yet scheduled this step are candidates, so no block that
                 # this step will write is ever freed under it.
                 victim = max(self.running[i:], key=self._preempt_key)
@@ -214,6 +214,7 @@ class Scheduler:
                 self._preempt(victim, out)
                 if victim is request:
                     break
+            num_new = fitted or num_new
             if request.status is not RequestStatus.RUNNING:
                 continue
             out.scheduled.append(
@@ -231,7 +232,8 @@ class Scheduler:
         ):
             request = self.swapped.peek()
             num_new = self._num_new_tokens(request, request.num_computed_tokens, token_budget)
-            if kv.allocate_slots(request, num_new) is None:
+            num_new = self._allocate(request, request.num_computed_tokens, num_new)
+            if num_new is None:
                 break
             self.swapped.pop()
             block_ids = kv.get_block_ids(request.request_id)
@@ -260,7 +262,7 @@ class Scheduler:
             if request.num_tokens - num_computed > token_budget and not cfg.enable_chunked_prefill:
                 break
             num_new = self._num_new_tokens(request, num_computed, token_budget)
-            num_new = self._allocate_prefill(request, num_computed, num_new, computed_blocks)
+            num_new = self._allocate(request, num_computed, num_new, computed_blocks)
             if num_new is None:
                 break
             self.waiting.pop()

@@ -107,3 +107,27 @@ def test_prefix_hit_on_a_shared_prompt_serves_the_same_tokens(qwen2_window):
     assert outs["warm"].metrics.num_cached_tokens == 48
     assert outs["warm"].outputs[0].token_ids == outs["cold"].outputs[0].token_ids
     assert outs["cold"].outputs[0].token_ids == hf_tokens(qwen2_window, system + [7, 8, 9])
+
+
+def test_a_prompt_too_big_to_prefill_whole_is_prefilled_chunk_by_chunk(qwen2_window):
+    """52 tokens prefilled at once take 7 full and 7 windowed blocks; the pool has 12 and a null
+    block, enough for the 72 tokens at the end (9 full blocks, 3 windowed). Each chunk lets
+    the window give blocks back, so the prompt runs in smaller chunks instead of waiting or
+    preempting itself forever, and still gives HF's tokens."""
+    prompt = [7 + i for i in range(52)]
+    per_block = 2 * BS * 2 * 16 * 4  # one tensor for both groups, as above
+    engine = LLMEngine(
+        model=qwen2_window, dtype="float32", block_size=BS, kv_cache_memory=13 * per_block,
+        max_num_seqs=1,
+    )  # fmt: skip
+    assert engine.get_stats().num_blocks == 13 and engine.max_model_len == 72
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request("long", prompt, params)
+    tokens = None
+    for _ in range(200):  # a prompt that never fits would loop here without end
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids if out.finished else tokens
+        if not engine.has_unfinished_requests():
+            break
+    assert tokens == hf_tokens(qwen2_window, prompt)
+    assert engine.get_stats().num_chunked_prefills > 0
