@@ -10,7 +10,7 @@ from __future__ import annotations
 from engine.kv_cache_spec import TokenBlocksSpec
 from engine.models.causal_lm import CausalLM
 from engine.models.hybrid import HybridLayers
-from engine.models.mamba2 import Mamba2Mixer
+from engine.models.mamba2 import Mamba2Mixer, backbone_name
 from engine.models.nemotron_h import NemotronHBlock
 from engine.models.norm import RMSNorm
 
@@ -45,9 +45,5 @@ class Mamba2ForCausalLM(HybridLayers, CausalLM):
 
     def checkpoint_name(self, name: str) -> str | None:
         """Mamba-2's names (``backbone.``) -> ours."""
-        name = name.removeprefix("backbone.")
-        if name == "embeddings.weight":
-            return "embed_tokens.weight"
-        if name == "norm_f.weight":
-            return "norm.weight"
+        name = backbone_name(name)
         return super().checkpoint_name(name.replace(".mixer.", ".self_attn.", 1))

@@ -22,7 +22,7 @@ from engine.models.attention import Attention, AttentionOptions
 from engine.models.causal_lm import CausalLM
 from engine.models.config_fields import head_dim_of, num_kv_heads_of
 from engine.models.hybrid import HybridLayers
-from engine.models.mamba2 import Mamba2Mixer
+from engine.models.mamba2 import Mamba2Mixer, backbone_name
 from engine.models.norm import RMSNorm
 from engine.models.routers import Router
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -177,11 +177,7 @@ class NemotronHForCausalLM(HybridLayers, CausalLM):
 
     def checkpoint_name(self, name: str) -> str | None:
         """Nemotron-H's names (``backbone.`` or ``model.``) -> ours."""
-        name = name.removeprefix("backbone.")
-        if name == "embeddings.weight":
-            return "embed_tokens.weight"
-        if name == "norm_f.weight":
-            return "norm.weight"
+        name = backbone_name(name)
         if name.startswith("layers."):
             kind = self.block_types[int(name.split(".")[1])]
             ours = ".self_attn." if kind in (MAMBA, ATTENTION) else ".mlp."
