@@ -2,7 +2,8 @@
 two RoPE bases, Gemma's chat template), a Phi-3 with longrope (length-dependent rotary), a
 DeepSeek-V3 (latent attention over a latent cache, grouped-sigmoid experts), a Qwen3.5
 (hybrid linear attention: state slots beside paged KV), a Falcon-H1 (Mamba-2 beside attention
-in every layer), a GPTQ llama (4-bit act-order weights
+in every layer), a pure Mamba-2 LM (no attention layer: state slots and a block table that only
+counts tokens), a GPTQ llama (4-bit act-order weights
 kept packed) and a Cohere2 (no native family: the default `--model-impl auto` serves it on the
 Transformers modeling backend; sliding layers, full layers without RoPE), one worker each, all on
 the module's Redis. Token-id prompts give Hugging Face's greedy tokens; a chat, seeded n > 1
@@ -37,6 +38,7 @@ pytestmark = pytest.mark.slow
 
 CASES = [
     "gemma3-text", "phi3-longrope", "deepseek-v3", "qwen3-moe", "gpt-oss", "qwen3.5", "falcon-h1",
+    "mamba2",
 ]  # fmt: skip
 QUANTIZED = ["gptq-asym-act-order"]  # tests/engine/test_quantized.py's cases
 BACKEND = ["cohere2"]  # tests/engine/test_transformers_backend.py's cases
