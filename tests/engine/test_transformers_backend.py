@@ -69,6 +69,9 @@ CASES = [
      {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 3,
       "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
     ("arcee", "arcee", {}),  # ReLU^2 MLP
+    ("beam", "beam",  # windows, experts, final soft-capping written with a cast to fp32
+     {"head_dim": 16, **WINDOW, "num_experts": 8, "num_experts_per_tok": 3,
+      "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1}),
     ("bitnet", "bitnet", {}),  # sub-norms inside attention and MLP, ReLU^2 (weights unpacked)
     ("cohere", "cohere", {}),  # parallel block, LayerNorm, logit_scale
     ("cohere2", "cohere2", WINDOW),  # windows, no RoPE on the full layers
@@ -195,7 +198,7 @@ def test_backend_matches_hf(tmp_path_factory, case_id):
     assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
 
 
-@pytest.mark.parametrize("case_id", ["cohere", "granite", "vaultgemma"])
+@pytest.mark.parametrize("case_id", ["cohere", "granite", "vaultgemma", "beam"])
 def test_scaled_and_capped_logits_match_hf(tmp_path_factory, case_id):
     """``logit_scale``, ``logits_scaling`` and final soft-capping keep the argmax: the first
     token's logprobs show them."""

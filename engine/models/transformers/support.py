@@ -56,6 +56,10 @@ SOFTCAP_LINES = (
     "logits = torch.tanh(logits)",
     "logits = logits * self.config.final_logit_softcapping",
 )
+# Statements that only cast the logits to fp32 first (Beam): pagedq's logits are fp32 sums.
+FP32_SPELLINGS = {
+    "logits = logits.float() / self.config.final_logit_softcapping": SOFTCAP_LINES[1],
+}
 
 
 def check_config(config) -> None:
@@ -181,6 +185,7 @@ def logits_transform(hf_model: nn.Module) -> tuple[float, float | None]:
             break
         if line.startswith("slice_indices ="):
             continue
+        line = FP32_SPELLINGS.get(line, line)
         seen.add(line)
         if line not in LOGIT_LINES and line not in SOFTCAP_LINES:
             raise ValueError(
