@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from engine.models.decoder import DecoderLayer
+from engine.models.deepseek_v3 import is_sparse
 from engine.models.glm4_moe import Glm4MoeForCausalLM
 from engine.models.hybrid import HybridLayers, split_by_heads
 from engine.models.latent_attention import LatentAttention
@@ -165,7 +166,7 @@ class KimiLinearForCausalLM(HybridLayers, MoECausalLM):
                 mixer = KimiDeltaAttention(config, backend)
             else:
                 mixer = LatentAttention(config, backend)  # no rope_key: no rotation (NoPE)
-            if config.mlp_layer_types[i] == "sparse":
+            if is_sparse(config, i):
                 mlp = Glm4MoeForCausalLM.make_moe(config, backend, config.num_experts)
             else:
                 mlp = GatedMLP(hidden, config.intermediate_size, backend)

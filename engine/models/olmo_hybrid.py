@@ -58,7 +58,7 @@ class OlmoHybridForCausalLM(HybridLayers, CausalLM):
             mlp = GatedMLP(hidden, config.intermediate_size, backend)
             if layer_type == LINEAR:
                 mixer = GatedDeltaNet(
-                    config, backend, separate_projections=True, beta_scale=beta_scale,
+                    config, backend, projections="separate", beta_scale=beta_scale,
                     norm_eps=OUTPUT_NORM_EPS,
                 )  # fmt: skip
                 layer = DecoderLayer(mixer, mlp, hidden, eps, backend)

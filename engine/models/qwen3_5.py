@@ -44,6 +44,7 @@ from engine.state_cache import RecurrentStateSpec
 from kernels.causal_conv1d import causal_conv1d
 from kernels.gated_delta import gated_delta_rule, gdn_gating
 
+PROJECTIONS = ("split", "qkvz_ba", "separate")
 LINEAR = "linear_attention"
 
 
@@ -73,14 +74,19 @@ class GatedDeltaNet(nn.Module):
         self,
         config,
         backend: str,
-        fused_projections: bool = False,
-        separate_projections: bool = False,
+        projections: str = "split",
         beta_scale: float = 1.0,
         norm_eps: float | None = None,
     ) -> None:
-        """``fused_projections``: Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` checkpoint
-        tensors; ``separate_projections``: one tensor each for q, k, v, z, b and a (OLMo
-        Hybrid); ``beta_scale`` 2 lets beta reach 2 (OLMo Hybrid's negative eigenvalues)."""
+        """``projections``: the checkpoint's input-projection tensors besides one whole
+        ``in_proj``: "split" (Qwen3.5's ``in_proj_qkv``, ``_z``, ``_b``, ``_a``), "qkvz_ba"
+        (Qwen3-Next's two, reordered at load) or "separate" (one per q, k, v, z, b and a, and
+        one conv each for q, k and v: OLMo Hybrid); ``beta_scale`` 2 lets beta reach 2 (OLMo
+        Hybrid's negative eigenvalues)."""
+        if projections not in PROJECTIONS:
+            raise ValueError(
+                f"projections={projections!r} is not supported: must be one of {PROJECTIONS}"
+            )
         super().__init__()
         n = tp_size()  # sizes below are this rank's
         self.num_k_heads = divide(config.linear_num_key_heads, n, "linear_num_key_heads")
@@ -96,9 +102,9 @@ class GatedDeltaNet(nn.Module):
         q, v, h = n * self.key_size, n * self.value_size, n * self.num_v_heads
         # Or one checkpoint tensor in our layout (Lara-Mini's released in_proj).
         shards = {None: [q, q, v, v, h, h]}
-        if fused_projections:  # Qwen3-Next: two checkpoint tensors, reordered at load
+        if projections == "qkvz_ba":
             shards |= {"qkvz": [q, q, v, v], "ba": [h, h]}
-        elif separate_projections:
+        elif projections == "separate":
             shards |= {"q": [q], "k": [q], "v": [v], "z": [v], "b": [h], "a": [h]}
         else:
             shards |= {"qkv": [q, q, v], "z": [v], "b": [h], "a": [h]}
@@ -111,7 +117,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         split_by_heads(self.in_proj.weight, shards)
         # OLMo Hybrid's checkpoints keep one conv per q, k and v.
-        conv = {"q": [q], "k": [q], "v": [v]} if separate_projections else {None: [q, q, v]}
+        conv = {"q": [q], "k": [q], "v": [v]} if projections == "separate" else {None: [q, q, v]}
         split_by_heads(self.conv1d.weight, conv)
         split_by_heads(self.dt_bias, {None: [h]})
         split_by_heads(self.A_log, {None: [h]})
@@ -169,7 +175,7 @@ class Qwen3_5ForCausalLM(HybridLayers, MoECausalLM):
         "in_proj_a": ("in_proj", "a"),
     }
 
-    fused_projections = False
+    projections = "split"  # GatedDeltaNet's checkpoint layout
 
     def __init__(self, config, max_position: int, backend: str = "auto") -> None:
         super().__init__(config, max_position, backend)
@@ -183,7 +189,7 @@ class Qwen3_5ForCausalLM(HybridLayers, MoECausalLM):
         self.layer_types = list(config.layer_types)
         for i, layer_type in enumerate(self.layer_types):
             if layer_type == LINEAR:
-                mixer = GatedDeltaNet(config, backend, self.fused_projections)
+                mixer = GatedDeltaNet(config, backend, self.projections)
             else:
                 bias = bool(getattr(config, "attention_bias", False))
                 opts = AttentionOptions(
@@ -225,7 +231,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
     """Qwen3-Next: fused per-group input projections; MoE where ``is_sparse_layer``."""
 
-    fused_projections = True
+    projections = "qkvz_ba"
     packed_modules = {
         **PACKED_MODULES,
         "in_proj_qkvz": ("in_proj", "qkvz"),
