@@ -9,7 +9,7 @@
   DeepSeek-V3's routing) plus a shared ReLU-squared MLP, optionally through a latent projection.
 
 The experts have no gate, so they run in a loop over the experts a step routes to (pagedq's
-fused MoE kernels take gated experts); at more than one rank the MoE blocks are refused.
+fused MoE kernels take gated experts); past one rank each rank runs its share of the experts.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from engine.models.mamba2 import Mamba2Mixer, backbone_name
 from engine.models.norm import RMSNorm
 from engine.models.routers import Router
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from engine.parallel.state import tp_size
+from engine.parallel.state import all_reduce, divide, tp_rank, tp_size
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 
@@ -50,15 +50,12 @@ class ReluSquaredMLP(nn.Module):
 
 class ReluSquaredMoE(nn.Module):
     """Routed ReLU-squared experts (``up`` ``[E, I, D]``, ``down`` ``[E, D, I]``, ``D`` the
-    hidden size or ``moe_latent_size``) plus the shared expert."""
+    hidden size or ``moe_latent_size``) plus the shared expert. Past one rank the routed experts
+    split by expert: each rank holds ``E / N`` of them and adds what its own experts give, the
+    sums all-reduced in fp32 (the shared expert is column/row parallel)."""
 
     def __init__(self, config) -> None:
         super().__init__()
-        if tp_size() > 1:
-            raise ValueError(
-                "nemotron_h's mixture-of-experts layers are not supported with "
-                f"tensor_parallel_size={tp_size()}: must be 1"
-            )
         hidden, experts = config.hidden_size, config.n_routed_experts
         latent = config.moe_latent_size
         width = latent if latent is not None else hidden
@@ -68,14 +65,16 @@ class ReluSquaredMoE(nn.Module):
             topk_group=config.topk_group, routed_scaling_factor=config.routed_scaling_factor,
             fp32_weights=True,
         )  # fmt: skip
+        local = divide(experts, tp_size(), "n_routed_experts")
+        self.expert0 = tp_rank() * local  # this rank's experts: [expert0, expert0 + local)
         inter = config.moe_intermediate_size
-        self.up_proj = nn.Parameter(torch.zeros(experts, inter, width))
-        self.down_proj = nn.Parameter(torch.zeros(experts, width, inter))
+        self.up_proj = nn.Parameter(torch.zeros(local, inter, width))
+        self.down_proj = nn.Parameter(torch.zeros(local, width, inter))
         for param in (self.up_proj, self.down_proj):
-            param.weight_loader = _load_expert
-            param.expected_shards = set(range(experts))
+            param.weight_loader = self._load_expert
+            param.expected_shards = set(range(self.expert0, self.expert0 + local))
             param.checkpoint_shape = lambda shard, p=param: (
-                tuple(p.shape) if shard is None else tuple(p.shape[1:])
+                (experts, *p.shape[1:]) if shard is None else tuple(p.shape[1:])
             )
         self.shared_experts = ReluSquaredMLP(
             hidden, config.moe_shared_expert_intermediate_size, config.mlp_bias
@@ -85,23 +84,30 @@ class ReluSquaredMoE(nn.Module):
             self.fc2_latent_proj = nn.Linear(latent, hidden, bias=config.mlp_bias)
         self.latent = latent is not None
 
+    def _load_expert(self, param: nn.Parameter, tensor: torch.Tensor, shard: int | None) -> None:
+        """The fused 3-D tensor (this rank's rows of it), or expert ``shard``'s matrix where
+        this rank holds that expert."""
+        local = param.shape[0]
+        if shard is None:
+            param.data.copy_(tensor.narrow(0, self.expert0, local))
+        elif self.expert0 <= shard < self.expert0 + local:
+            param.data[shard - self.expert0].copy_(tensor)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(hidden)
         x = self.fc1_latent_proj(hidden) if self.latent else hidden
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for expert in ids.unique().tolist():
-            tokens, slot = (ids == expert).nonzero(as_tuple=True)
+        local = ids - self.expert0
+        for expert in local.unique().tolist():
+            if not 0 <= expert < self.up_proj.shape[0]:
+                continue  # another rank's
+            tokens, slot = (local == expert).nonzero(as_tuple=True)
             y = F.linear(relu2(F.linear(x[tokens], self.up_proj[expert])), self.down_proj[expert])
             out.index_add_(0, tokens, (y * weights[tokens, slot, None]).float())
-        routed = out.to(hidden.dtype)
+        routed = all_reduce(out).to(hidden.dtype)
         if self.latent:
             routed = self.fc2_latent_proj(routed)
         return routed + self.shared_experts(hidden)
-
-
-def _load_expert(param: nn.Parameter, tensor: torch.Tensor, shard: int | None) -> None:
-    """The fused 3-D tensor whole, or expert ``shard``'s matrix."""
-    (param.data if shard is None else param.data[shard]).copy_(tensor)
 
 
 class NemotronHBlock(nn.Module):
