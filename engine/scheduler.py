@@ -183,14 +183,14 @@ class Scheduler:
         window gives its blocks back as a prefill moves on, a pool too small for the rest of a
         prompt at once holds it chunk by chunk (the whole would wait, or preempt itself,
         forever). The tokens given slots, or None."""
-        kv = self.kv_cache_manager
-        bs = kv.block_size
+        kv, remaining = self.kv_cache_manager, request.num_tokens - num_computed
+        asked, bs = num_new, kv.block_size
         while kv.allocate_slots(request, num_new, computed_blocks) is None:
             if not (self.config.enable_chunked_prefill and kv.has_windows and num_new > bs):
                 return None
             num_new = max(bs, num_new // 2 // bs * bs)
-            if num_new < request.num_tokens - num_computed:
-                self.num_chunked_prefills += 1
+        if asked == remaining and num_new < remaining:  # a whole prefill became a chunk
+            self.num_chunked_prefills += 1
         return num_new
 
     def schedule(self) -> SchedulerOutput:
