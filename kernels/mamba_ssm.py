@@ -10,6 +10,10 @@ Per token and head, with ``A = -exp(A_log)`` (one scalar per head)::
 
     d = clamp(softplus(dt + dt_bias), *dt_limit);  S = exp(d A) S + d x B^T;  y = S C + D x
 
+Mamba-1's selective scan is the same recurrence with a decay per state dimension: ``A``
+``[num_heads, state_dim]``, one head per channel (``head_dim`` 1) and one group; the SSD
+(chunked) form needs one decay per head, so such a scan always runs in the recurrent form.
+
 A call starts from the slot's state (zero where ``has_initial_state[i]`` is False) and writes
 the final state back, so a prompt split over several engine steps equals one pass.
 
@@ -79,13 +83,14 @@ def mamba_chunk_scan_recurrent_torch(
     dtype = compute_dtype(x, state_pool)
     num_heads = x.shape[1]
     xx, d = x.to(dtype), _step_sizes(dt, dt_bias, dt_limit, dtype)
-    decay = (d * A.to(dtype)).exp()
+    # [T, H, 1, 1] for a decay per head, [T, H, 1, N] for one per state dimension (Mamba-1)
+    decay = (d[..., None] * A.to(dtype).view(A.shape[0], -1)).exp()[:, :, None, :]
     Bh, Ch = _per_head(B, num_heads, dtype), _per_head(C, num_heads, dtype)
     out = torch.empty_like(x) if out is None else out
 
     def step(s: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         dx = d[rows][:, :, None] * xx[rows]  # [b, H, P]
-        s = s * decay[rows][:, :, None, None] + dx[..., None] * Bh[rows][:, :, None]
+        s = s * decay[rows] + dx[..., None] * Bh[rows][:, :, None]
         y = torch.einsum("bhpn,bhn->bhp", s, Ch[rows]) + _skip(xx[rows], D)
         out[rows] = y.to(out.dtype)
         return s
@@ -125,9 +130,12 @@ def mamba_chunk_scan_chunked_torch(
     dt_limit: tuple[float, float] = NO_DT_LIMIT, out: torch.Tensor | None = None,
     chunk_size: int = CHUNK_SIZE,
 ) -> torch.Tensor:  # fmt: skip
-    """The SSD form, one sequence at a time, chunks of ``chunk_size`` from its first row."""
+    """The SSD form, one sequence at a time, chunks of ``chunk_size`` from its first row (one
+    decay per head: ``A`` ``[num_heads]``)."""
     check_mamba_ssm(x, dt, A, B, C, D, dt_bias, state_pool, query_start_loc, state_indices,
                     has_initial_state)  # fmt: skip
+    if A.dim() != 1:
+        raise ValueError(f"the chunked scan takes A [num_heads], not {tuple(A.shape)}")
     dtype = compute_dtype(x, state_pool)
     num_heads = x.shape[1]
     xx, d, AA = x.to(dtype), _step_sizes(dt, dt_bias, dt_limit, dtype), A.to(dtype)
@@ -152,10 +160,11 @@ def mamba_chunk_scan_torch(
     dt_limit: tuple[float, float] = NO_DT_LIMIT, out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The reference of a mixed step: a decode-only batch steps recurrently, any other batch
-    goes chunked (a one-token sequence is one chunk of one)."""
+    goes chunked (a one-token sequence is one chunk of one); a decay per state dimension
+    (Mamba-1) always steps recurrently."""
     args = (x, dt, A, B, C, D, dt_bias, state_pool, query_start_loc, state_indices,
             has_initial_state, dt_limit, out)  # fmt: skip
-    if x.shape[0] == state_indices.shape[0]:  # every sequence has exactly one token
+    if x.shape[0] == state_indices.shape[0] or A.dim() == 2:
         return mamba_chunk_scan_recurrent_torch(*args)
     return mamba_chunk_scan_chunked_torch(*args)
 

@@ -90,18 +90,22 @@ def check_mamba_ssm(
     query_start_loc: torch.Tensor, state_indices: torch.Tensor,
     has_initial_state: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
-    """x ``[T, heads, head_dim]``, dt ``[T, heads]``, A, D and dt_bias ``[heads]``, B and C
-    ``[T, groups, state_dim]`` (heads a multiple of groups), the state pool
-    ``[slots, heads, head_dim, state_dim]`` and one slot per sequence agree."""
+    """x ``[T, heads, head_dim]``, dt ``[T, heads]``, A ``[heads]`` (Mamba-2) or ``[heads,
+    state_dim]`` (Mamba-1), D and dt_bias ``[heads]``, B and C ``[T, groups, state_dim]`` (heads
+    a multiple of groups), the state pool ``[slots, heads, head_dim, state_dim]`` and one slot
+    per sequence agree."""
     if x.dim() != 3:
         raise ValueError(f"x {tuple(x.shape)} must be [num_tokens, num_heads, head_dim]")
     num_tokens, num_heads, head_dim = x.shape
     if dt.shape != (num_tokens, num_heads):
         raise ValueError(f"dt {tuple(dt.shape)} must be [num_tokens, num_heads] = "
                          f"{(num_tokens, num_heads)}")  # fmt: skip
-    for name, v in (("A", A), ("D", D), ("dt_bias", dt_bias)):
+    for name, v in (("D", D), ("dt_bias", dt_bias)):
         if v is not None and v.shape != (num_heads,):
             raise ValueError(f"{name} {tuple(v.shape)} must be [num_heads] = ({num_heads},)")
+    if B.dim() == 3 and A.shape not in ((num_heads,), (num_heads, B.shape[2])):
+        raise ValueError(f"A {tuple(A.shape)} must be [num_heads] = ({num_heads},) or "
+                         f"[num_heads, state_dim] = ({num_heads}, {B.shape[2]})")  # fmt: skip
     if B.dim() != 3 or B.shape[0] != num_tokens or B.shape[1] == 0 or num_heads % B.shape[1]:
         raise ValueError(f"B {tuple(B.shape)} must be [num_tokens, num_groups, state_dim] with "
                          f"num_heads={num_heads} a multiple of num_groups")  # fmt: skip

@@ -5,7 +5,8 @@ state, one per ``head_dim`` channel, are independent, so blocks of rows need no 
 one program per (sequence, head, block of ``head_dim`` rows).
 
 - ``_recurrent_kernel`` walks the tokens one by one: the decode form, taken when every sequence
-  of the batch has one token.
+  of the batch has one token, and Mamba-1's whole scan (``A`` ``[heads, state_dim]``: a decay
+  per state dimension, which the SSD form cannot carry).
 - ``_chunked_kernel`` walks chunks of ``BLOCK_T`` tokens in the SSD form (as
   ``kernels.mamba_ssm._chunked_one``): inside a chunk ``y = (C B^T * L) (d x) + exp(cum) C S^T``
   as matmuls (tensor cores on a GPU), the state carried from chunk to chunk: the prefill form.
@@ -45,6 +46,7 @@ def _recurrent_kernel(
     stride_s2, dt_min, dt_max, head_dim, state_dim, heads_per_group,
     HAS_INITIAL_MASK: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    A_PER_STATE: tl.constexpr = False,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -58,7 +60,10 @@ def _recurrent_kernel(
         state_ptr, has_initial_ptr, seq, slot, head, start, end, rows, dims, row_mask, dim_mask,
         stride_s0, stride_s1, stride_s2, HAS_INITIAL_MASK,
     )  # fmt: skip
-    a = tl.load(A_ptr + head).to(tl.float32)
+    if A_PER_STATE:
+        a = tl.load(A_ptr + head * state_dim + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    else:
+        a = tl.load(A_ptr + head).to(tl.float32)
     bias = 0.0
     if HAS_DT_BIAS:
         bias = tl.load(dt_bias_ptr + head).to(tl.float32)
@@ -71,7 +76,11 @@ def _recurrent_kernel(
         b = tl.load(B_ptr + t * stride_bt + group * stride_bg + dims, mask=dim_mask, other=0.0)
         c = tl.load(C_ptr + t * stride_ct + group * stride_cg + dims, mask=dim_mask, other=0.0)
         d = _step_size(tl.load(dt_ptr + t * stride_dtt + head).to(tl.float32), bias, dt_min, dt_max)
-        state = state * tl.exp(d * a) + (d * x)[:, None] * b.to(tl.float32)[None, :]
+        if A_PER_STATE:
+            decay = tl.exp(d * a)[None, :]
+        else:
+            decay = tl.exp(d * a)
+        state = state * decay + (d * x)[:, None] * b.to(tl.float32)[None, :]
         y = tl.sum(state * c.to(tl.float32)[None, :], 1) + skip * x
         o_at = out_ptr + t * stride_ot + head * stride_oh + rows
         tl.store(o_at, cast(y, out_ptr.dtype.element_ty, INTERPRET), mask=row_mask)
@@ -161,9 +170,13 @@ def mamba_chunk_scan_triton(
     grid = (num_seqs, num_heads, triton.cdiv(head_dim, block_p))
     has_initial = has_initial_state if has_initial_state is not None else state_indices
     A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
-    kernel, extra = pick_kernel(
-        x.shape[0], num_seqs, (_recurrent_kernel, {}), (_chunked_kernel, {"BLOCK_T": CHUNK_SIZE})
-    )
+    if A.dim() == 2:  # a decay per state dimension (Mamba-1): the recurrent form only
+        kernel, extra = _recurrent_kernel, {"A_PER_STATE": True}
+    else:
+        kernel, extra = pick_kernel(
+            x.shape[0], num_seqs, (_recurrent_kernel, {}),
+            (_chunked_kernel, {"BLOCK_T": CHUNK_SIZE}),
+        )  # fmt: skip
     kernel[grid](
         x, dt, A, B, C, A if D is None else D, A if dt_bias is None else dt_bias, state_pool,
         out, query_start_loc, state_indices, has_initial, x.stride(0), x.stride(1),

@@ -52,6 +52,9 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "nemotron_h": ("engine.models.nemotron_h", "NemotronHForCausalLM"),
     "falcon_h1": ("engine.models.falcon_h1", "FalconH1ForCausalLM"),
     "mamba2": ("engine.models.mamba2_lm", "Mamba2ForCausalLM"),
+    "mamba": ("engine.models.mamba_lm", "MambaForCausalLM"),
+    "falcon_mamba": ("engine.models.mamba_lm", "FalconMambaForCausalLM"),
+    "jamba": ("engine.models.jamba", "JambaForCausalLM"),
 }
 
 

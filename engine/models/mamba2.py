@@ -32,11 +32,15 @@ from kernels.mamba_ssm import mamba_chunk_scan
 
 NORMS = ("gated", "norm_then_gate", None)
 # Mamba-style checkpoints' top-level names (under ``backbone.``) -> ours.
-_BACKBONE_NAMES = {"embeddings.weight": "embed_tokens.weight", "norm_f.weight": "norm.weight"}
+_BACKBONE_NAMES = {
+    "embeddings.weight": "embed_tokens.weight",
+    "embedding.weight": "embed_tokens.weight",  # state-spaces' own checkpoints
+    "norm_f.weight": "norm.weight",
+}
 
 
 def backbone_name(name: str) -> str:
-    """A Mamba-style checkpoint name (Mamba-2, Nemotron-H: ``backbone.embeddings``,
+    """A Mamba-style checkpoint name (Mamba-1 and -2, Nemotron-H: ``backbone.embeddings``,
     ``backbone.norm_f``) in the ``CausalLM``'s terms."""
     name = name.removeprefix("backbone.")
     return _BACKBONE_NAMES.get(name, name)

@@ -5,7 +5,9 @@
 // its tokens in order on the slot's fp32 state [head_dim, state_dim] in place, one pass over the
 // state per token:
 //   d = clamp(softplus(dt + dt_bias));  S[p] = exp(d A) S[p] + d x[p] B;  y[p] = S[p] . C + D x[p]
-// (each row of S is updated and read back while in registers). This is the recurrent form for
+// (each row of S is updated and read back while in registers). Mamba-1's selective scan is the
+// same walk with A [H, N], a decay exp(d A[n]) per state dimension (head_dim 1, one group).
+// This is the recurrent form for
 // every sequence, prefill chunks included: it reads and writes the state once per token, and
 // one head's state (32 KiB at 64 x 128) stays in L1/L2 between tokens.
 #include <ATen/ATen.h>
@@ -33,23 +35,35 @@ using pagedq_vec::vfloat;
 // torch's softplus (beta 1, threshold 20): x itself above 20, where log1p(e^x) == x in fp32.
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
-// One token of one head: S [P, N] advanced in place, y [P] = S C + D x.
+// The decay of state dimensions [n, n + lanes): one per head, or one per dimension.
+template <bool kPerState>
+inline vfloat decay_at(const float* decay, int64_t n) {
+  if constexpr (kPerState) {
+    return loadv(decay + n);
+  } else {
+    return vfloat{} + decay[0];
+  }
+}
+
+// One token of one head: S [P, N] advanced in place, y [P] = S C + D x; decay holds N factors
+// (kPerState) or one.
+template <bool kPerState>
 inline void step(float* __restrict__ S, const float* __restrict__ xf, const float* __restrict__ Bf,
-                 const float* __restrict__ Cf, float d, float decay, float Dh, int64_t P,
-                 int64_t N, float* __restrict__ y) {
+                 const float* __restrict__ Cf, float d, const float* __restrict__ decay, float Dh,
+                 int64_t P, int64_t N, float* __restrict__ y) {
   for (int64_t p = 0; p < P; ++p) {
     float* __restrict__ row = S + p * N;
     const float dx = d * xf[p];
     vfloat acc = {};
     int64_t n = 0;
     for (; n + kLanes <= N; n += kLanes) {
-      const vfloat s = loadv(row + n) * decay + loadv(Bf + n) * dx;
+      const vfloat s = loadv(row + n) * decay_at<kPerState>(decay, n) + loadv(Bf + n) * dx;
       storev(row + n, s);
       acc += s * loadv(Cf + n);
     }
     float sum = pagedq_vec::sum_lanes(acc);
     for (; n < N; ++n) {
-      const float s = row[n] * decay + Bf[n] * dx;
+      const float s = row[n] * decay[kPerState ? n : 0] + Bf[n] * dx;
       row[n] = s;
       sum += s * Cf[n];
     }
@@ -81,22 +95,31 @@ void run(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const a
   const int64_t cs0 = C.stride(0), cs1 = C.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t dts0 = dt.stride(0);
   const float lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max);
+  const bool per_state = A.dim() == 2;
 
   rec::for_each_sequence_head(
-      starts, state_indices.size(0), H, 2 * P + 2 * N, [&](int64_t seq, int64_t h, float* buf) {
+      starts, state_indices.size(0), H, 2 * P + 3 * N, [&](int64_t seq, int64_t h, float* buf) {
         float* __restrict__ xf = buf;
         float* __restrict__ y = xf + P;
         float* __restrict__ Bf = y + P;
         float* __restrict__ Cf = Bf + N;
+        float* __restrict__ decay = Cf + N;
         const int64_t g = h / heads_per_group;
         float* __restrict__ S = states.open(seq, h);
-        const float Ah = ap[h], Dh = dp ? dp[h] : 0.f, bias = biasp ? biasp[h] : 0.f;
+        const float* Ah = ap + (per_state ? h * N : h);
+        const float Dh = dp ? dp[h] : 0.f, bias = biasp ? biasp[h] : 0.f;
         for (int64_t t = starts[seq]; t < starts[seq + 1]; ++t) {
           const float d = std::min(std::max(softplus(dtp[t * dts0 + h] + bias), lo), hi);
           rec::load_float(xp + t * xs0 + h * xs1, xf, P);
           rec::load_float(bp + t * bs0 + g * bs1, Bf, N);
           rec::load_float(cp + t * cs0 + g * cs1, Cf, N);
-          step(S, xf, Bf, Cf, d, std::exp(d * Ah), Dh, P, N, y);
+          if (per_state) {
+            for (int64_t n = 0; n < N; ++n) decay[n] = std::exp(d * Ah[n]);
+            step<true>(S, xf, Bf, Cf, d, decay, Dh, P, N, y);
+          } else {
+            decay[0] = std::exp(d * Ah[0]);
+            step<false>(S, xf, Bf, Cf, d, decay, Dh, P, N, y);
+          }
           O* ot = op + t * os0 + h * os1;
           for (int64_t p = 0; p < P; ++p) ot[p] = static_cast<O>(y[p]);
         }
@@ -131,7 +154,10 @@ void mamba_chunk_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tenso
   TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.dim() == 2 && dt.size(0) == x.size(0) &&
                   dt.size(1) == H && dt.stride(1) == 1,
               "mamba_chunk_scan: dt must be fp32 [num_tokens, num_heads]");
-  check_head_vector(A, H, "A");
+  TORCH_CHECK(A.scalar_type() == at::kFloat && A.is_contiguous() && A.size(0) == H &&
+                  (A.dim() == 1 || (A.dim() == 2 && A.size(1) == B.size(2))),
+              "mamba_chunk_scan: A must be contiguous fp32 [num_heads = ", H,
+              "] or [num_heads, state_dim]");
   check_head_vector(D, H, "D");
   check_head_vector(dt_bias, H, "dt_bias");
   rec::check_state_pool("mamba_chunk_scan", state_pool, H, x.size(2), B.size(2),

@@ -351,6 +351,18 @@ CASES = [
         {"num_heads": 8, "head_dim": 16, "expand": 2, "n_groups": 2, "state_size": 8,
          "chunk_size": 16},
     ),
+    # Mamba-1: a decay per state dimension, the time step low-rank; Falcon Mamba RMS-normalises
+    # the time step, B and C; Jamba's Mamba-1 layers (weighted norms) beside attention without
+    # positions, experts every third layer (on a Mamba and on an attention layer).
+    ("mamba", "mamba", {"state_size": 8, "expand": 2, "time_step_rank": 6}),
+    ("falcon-mamba", "falcon_mamba", {"state_size": 8, "expand": 2, "mixer_rms_eps": 1e-5}),
+    (
+        "jamba",
+        "jamba",
+        {"num_hidden_layers": 5, "attn_layer_period": 2, "attn_layer_offset": 1,
+         "expert_layer_period": 3, "expert_layer_offset": 1, "num_experts": 6,
+         "num_experts_per_tok": 2, "mamba_d_state": 8, "mamba_dt_rank": 6},
+    ),
     (
         "falcon-h1-rmsnorm",  # the grouped norm after the gate
         "falcon_h1",

@@ -1,6 +1,7 @@
 """The Mamba-2 scan: recurrent == chunked == a plain float64 loop == transformers' functions; a
 prompt split over calls equals one pass; varlen batches with state slots; the C++ and Triton
-(interpreter) kernels against the reference; the dispatch and the argument checks."""
+(interpreter) kernels against the reference; the dispatch and the argument checks. Mamba-1's
+selective scan (a decay per state dimension) on every backend against the same loop."""
 
 import pytest
 import torch
@@ -48,16 +49,18 @@ def _inputs(rng, num_tokens, num_groups=2, extras=True, dtype=torch.float32, num
 def _naive(x, dt, A, B, C, D, dt_bias, pool, lens, slots, has_initial, dt_limit):
     """Sequence by sequence, token by token, head by head, in float64: the oracle."""
     x, dt, A, B, C, pool = (t.double() for t in (x, dt, A, B, C, pool))
-    D = torch.zeros(HEADS) if D is None else D
-    dt_bias = torch.zeros(HEADS) if dt_bias is None else dt_bias
+    heads = x.shape[1]
+    D = torch.zeros(heads) if D is None else D
+    dt_bias = torch.zeros(heads) if dt_bias is None else dt_bias
     out, t = torch.zeros_like(x), 0
-    heads_per_group = HEADS // B.shape[1]
+    heads_per_group = heads // B.shape[1]
     for i, n in enumerate(lens):
-        for h in range(HEADS):
+        for h in range(heads):
             g = h // heads_per_group
             state = pool[slots[i], h].clone() if has_initial[i] else torch.zeros_like(pool[0, 0])
             for r in range(t, t + n):
                 d = F.softplus(dt[r, h] + dt_bias[h]).clamp(*dt_limit)
+                # A[h]: one decay, or one per state dimension (Mamba-1)
                 state = torch.exp(d * A[h]) * state + d * torch.outer(x[r, h], B[r, g])
                 out[r, h] = state @ C[r, g] + D[h] * x[r, h]
             if n:
@@ -94,6 +97,62 @@ def test_varlen_batch_matches_float64_loop(rng, name, case):
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool.double(), want_pool, atol=1e-5, rtol=1e-5)
     assert torch.equal(pool[[0, 5, 6]], before[[0, 5, 6]])
+
+
+def _selective_inputs(rng, num_tokens, channels=12, dtype=torch.float32, num_slots=7):
+    """Mamba-1's scan as this kernel takes it: a head per channel (``head_dim`` 1), one group,
+    ``A`` ``[channels, state_dim]``."""
+    x = torch.randn(num_tokens, channels, 1, generator=rng)
+    dt = torch.randn(num_tokens, channels, generator=rng) - 1.0
+    A = -torch.rand(channels, STATE_DIM, generator=rng).mul(4).add(0.1)
+    B, C = torch.randn(2, num_tokens, 1, STATE_DIM, generator=rng).mul(0.5)
+    D, dt_bias = torch.randn(2, channels, generator=rng)
+    pool = torch.randn(num_slots, channels, 1, STATE_DIM, generator=rng) * 0.3
+    return x.to(dtype), dt, A, B.to(dtype), C.to(dtype), D, dt_bias, pool
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if getattr(n, "values", (n,))[0] != "chunked"])
+def test_a_decay_per_state_dimension_matches_float64_loop(rng, name):
+    """Mamba-1's selective scan (``A`` ``[heads, state_dim]``): a prefill chunk, decodes and an
+    empty sequence in one call equal the float64 loop, outputs and written-back states; split
+    over calls it equals one pass."""
+    lens, slots = [45, 1, 0, 6], [4, 1, 0, 3]
+    fresh = torch.tensor([True, False, True, False])
+    x, dt, A, B, C, D, dt_bias, pool = _selective_inputs(rng, sum(lens))
+    want, want_pool = _naive(x, dt, A, B, C, D, dt_bias, pool, lens, slots, fresh, (0.0, 9.0))
+    got = FORMS[name](x, dt, A, B, C, D, dt_bias, pool, loc(lens), torch.tensor(slots),
+                      has_initial_state=fresh, dt_limit=(0.0, 9.0))  # fmt: skip
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool.double(), want_pool, atol=1e-5, rtol=1e-5)
+    cuts = [0, 1, 17, 30]
+    x, dt, A, B, C, D, dt_bias, pool = _selective_inputs(rng, cuts[-1])
+    assert_split_equals_one_pass(
+        FORMS[name], lambda a, b: (x[a:b], dt[a:b], A, B[a:b], C[a:b], D, dt_bias), pool, cuts,
+        atol=2e-5, rtol=1e-5,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_a_decay_per_state_dimension_in_bf16(rng, backend):
+    """bf16 x/B/C into an fp32 ``out`` with a decay per state dimension: the kernel equals
+    the reference on the same inputs."""
+    lens = [21, 1, 1]
+    x, dt, A, B, C, D, dt_bias, pool = _selective_inputs(rng, sum(lens), dtype=torch.bfloat16)
+    starts, slots = loc(lens), torch.tensor([2, 0, 4])
+    results = []
+    for fn, kwargs in ((mamba_ssm.mamba_chunk_scan_torch, {}), (mamba_chunk_scan, {"backend": backend})):
+        p, out = pool.clone(), torch.empty(x.shape, dtype=torch.float32)
+        fn(x, dt, A, B, C, D, dt_bias, p, starts, slots, out=out, **kwargs)
+        results.append((out, p))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-6)
+
+
+def test_the_chunked_form_refuses_a_decay_per_state_dimension(rng):
+    x, dt, A, B, C, D, dt_bias, pool = _selective_inputs(rng, 4)
+    with pytest.raises(ValueError, match="chunked scan takes A"):
+        mamba_chunk_scan_chunked_torch(x, dt, A, B, C, D, dt_bias, pool, loc([4]),
+                                       torch.tensor([0]))  # fmt: skip
 
 
 def test_reference_matches_transformers(rng):
@@ -200,6 +259,7 @@ def test_auto_on_cpu_picks_the_cpp_kernel_for_its_dtypes(rng, monkeypatch):
     [
         (dict(dt=lambda t: t[:, :2]), "^dt "),
         (dict(A=lambda t: t[:2]), "^A "),
+        (dict(A=lambda t: t[:, None].expand(-1, 3)), "^A .*state_dim"),
         (dict(D=lambda t: t[:2]), "^D "),
         (dict(dt_bias=lambda t: t[:2]), "^dt_bias "),
         (dict(B=lambda t: t[:, :, :4]), "^C .* B "),
