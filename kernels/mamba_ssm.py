@@ -10,6 +10,10 @@ Per token and head, with ``A = -exp(A_log)`` (one scalar per head)::
 
     d = clamp(softplus(dt + dt_bias), *dt_limit);  S = exp(d A) S + d x B^T;  y = S C + D x
 
+A decaying linear attention (MiniMax's lightning attention: ``S = exp(-slope) S + v k^T``,
+``o = S q``) is the same recurrence with a unit step, ``x = v``, ``B = k``, ``C = q`` and a
+group per head: ``lightning_attention``.
+
 Mamba-1's selective scan is the same recurrence with a decay per state dimension: ``A``
 ``[num_heads, state_dim]``, one head per channel (``head_dim`` 1) and one group; the SSD
 (chunked) form needs one decay per head, so such a scan always runs in the recurrent form.
@@ -212,3 +216,22 @@ def mamba_chunk_scan_cpu(
         float(dt_limit[0]), float(dt_limit[1]), out,
     )  # fmt: skip
     return out
+
+
+UNIT_STEP = (1.0, 1.0)  # clamp(softplus(0), 1, 1) = 1 in every form
+
+
+def lightning_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
+    state_pool: torch.Tensor, query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:  # fmt: skip
+    """MiniMax's lightning attention over a varlen batch: per head, ``S = exp(-slope) S +
+    v k^T`` and ``o = S q`` (q, k, v ``[num_tokens, heads, head_dim]``, ``slope`` ``[heads]``,
+    the state ``[slots, heads, v_dim, k_dim]``): the scan with a unit step."""
+    dt = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
+    return mamba_chunk_scan(
+        v, dt, -slope.float(), k, q, None, None, state_pool, query_start_loc, state_indices,
+        has_initial_state, UNIT_STEP, out=out, backend=backend,
+    )  # fmt: skip

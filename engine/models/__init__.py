@@ -55,6 +55,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "mamba": ("engine.models.mamba_lm", "MambaForCausalLM"),
     "falcon_mamba": ("engine.models.mamba_lm", "FalconMambaForCausalLM"),
     "jamba": ("engine.models.jamba", "JambaForCausalLM"),
+    "minimax": ("engine.models.minimax", "MiniMaxForCausalLM"),
 }
 
 

@@ -364,6 +364,15 @@ CASES = [
          "num_experts_per_tok": 2, "mamba_d_state": 8, "mamba_dt_rank": 6},
     ),
     (
+        "minimax",  # lightning attention (decaying linear state) beside full attention, experts
+        "minimax",
+        {"num_hidden_layers": 4, "head_dim": 16, "num_local_experts": 6, "num_experts_per_tok": 2,
+         "layer_types": ["linear_attention", "full_attention", "linear_attention",
+                         "linear_attention"], "block_size": 8, "full_attn_alpha_factor": 1.1,
+         "full_attn_beta_factor": 0.9, "linear_attn_alpha_factor": 0.8,
+         "linear_attn_beta_factor": 1.2, "mlp_alpha_factor": 1.05, "mlp_beta_factor": 0.95},
+    ),
+    (
         "falcon-h1-rmsnorm",  # the grouped norm after the gate
         "falcon_h1",
         {**FALCON_H1, "mamba_rms_norm": True, "mamba_norm_before_gate": False},

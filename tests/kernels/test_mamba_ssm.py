@@ -1,7 +1,8 @@
 """The Mamba-2 scan: recurrent == chunked == a plain float64 loop == transformers' functions; a
 prompt split over calls equals one pass; varlen batches with state slots; the C++ and Triton
 (interpreter) kernels against the reference; the dispatch and the argument checks. Mamba-1's
-selective scan (a decay per state dimension) on every backend against the same loop."""
+selective scan (a decay per state dimension) and MiniMax's lightning attention (a unit step) on
+every backend against float64 loops of their own."""
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
 
 import kernels.mamba_ssm as mamba_ssm
 from kernels.mamba_ssm import (
+    lightning_attention,
     mamba_chunk_scan,
     mamba_chunk_scan_chunked_torch,
     mamba_chunk_scan_recurrent_torch,
@@ -146,6 +148,34 @@ def test_a_decay_per_state_dimension_in_bf16(rng, backend):
         results.append((out, p))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", *backends()])
+def test_lightning_attention_matches_its_float64_loop(rng, backend):
+    """Per head ``S = exp(-slope) S + k^T v``, ``o = q S`` (transformers' recurrent form, its
+    state ``[k_dim, v_dim]``; ours holds the transpose): a prefill past two chunks, decodes and
+    an empty sequence, fresh and continued; outputs and states."""
+    heads, dim = 3, 8
+    lens, slots = [70, 1, 0, 4], [2, 0, 1, 3]
+    fresh = torch.tensor([True, False, True, False])
+    q, k, v = torch.randn(3, sum(lens), heads, dim, generator=rng).mul(0.5)
+    slope = torch.tensor([0.5, 0.1, 0.02])
+    pool = torch.randn(5, heads, dim, dim, generator=rng) * 0.3
+    want, want_pool, t = torch.zeros(sum(lens), heads, dim, dtype=torch.float64), pool.double(), 0
+    for n, slot, warm in zip(lens, slots, fresh.tolist(), strict=True):
+        state = want_pool[slot].transpose(1, 2).clone() if warm else torch.zeros(heads, dim, dim)
+        for r in range(t, t + n):
+            kv = k[r].double()[:, :, None] * v[r].double()[:, None, :]  # [H, k, v]
+            state = torch.exp(-slope.double())[:, None, None] * state + kv
+            want[r] = torch.einsum("hk,hkv->hv", q[r].double(), state)
+        if n:
+            want_pool[slot] = state.transpose(1, 2)
+        t += n
+    out = torch.empty(sum(lens), heads, dim)
+    lightning_attention(q, k, v, slope, pool, loc(lens), torch.tensor(slots), fresh, out=out,
+                        backend=backend)  # fmt: skip
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool.double(), want_pool, atol=1e-5, rtol=1e-5)
 
 
 def test_the_chunked_form_refuses_a_decay_per_state_dimension(rng):
