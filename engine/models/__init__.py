@@ -56,6 +56,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "falcon_mamba": ("engine.models.mamba_lm", "FalconMambaForCausalLM"),
     "jamba": ("engine.models.jamba", "JambaForCausalLM"),
     "minimax": ("engine.models.minimax", "MiniMaxForCausalLM"),
+    "zamba2": ("engine.models.zamba2", "Zamba2ForCausalLM"),
 }
 
 

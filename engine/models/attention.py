@@ -110,11 +110,15 @@ class Attention(nn.Module):
     def _load_sinks(self, param: nn.Parameter, tensor: torch.Tensor, shard) -> None:
         param.data.copy_(tensor.narrow(0, tp_rank() * self.num_heads, self.num_heads))
 
+    def project_qkv(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[q | k | v]`` of ``hidden`` (Zamba2 adds a low-rank adapter of its own)."""
+        return self.qkv_proj(hidden)
+
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """``rope`` is the step's ``(cos, signed_sin)`` from ``RotaryEmbedding.cos_sin``, or None
         for a layer without positions (NoPE: Granite 4.0-H, Nemotron-H)."""
         num_tokens, heads = hidden.shape[0], self.num_heads
-        qkv = self.qkv_proj(hidden)
+        qkv = self.project_qkv(hidden)
         gate = None
         if self.output_gate:
             q_gate = qkv[:, : 2 * self.q_size].view(num_tokens, heads, 2, self.head_dim)

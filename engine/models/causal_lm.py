@@ -163,10 +163,13 @@ class CausalLM(nn.Module):
             return self.packed_lm_head is not None
         if tp_size() > 1:  # a packed row-parallel layer would drop its all-reduce
             return False
+        packed: dict[int, nn.Module] = {}  # a linear that several layers share is packed once
         for module in list(self.layers.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and not getattr(child, "no_prepack", False):
-                    setattr(module, name, pack(child))
+                    if id(child) not in packed:
+                        packed[id(child)] = pack(child)
+                    setattr(module, name, packed[id(child)])
         if self.tie_word_embeddings:
             self.packed_lm_head = pack(_Tied(weight), torch.float32)
         else:

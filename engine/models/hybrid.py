@@ -70,14 +70,19 @@ class HybridLayers:
         for j, mixer in enumerate(self._stateful_mixers()):
             mixer.bind_state(cache.conv_states[j], cache.ssm_states[j])
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+    def per_layer(self, kv_caches, meta) -> tuple[list, list]:
+        """Each layer's KV cache (None for a stateful layer) and metadata (a stateful layer
+        reads the first group's)."""
         caches, metas = iter(kv_caches), iter(meta)
         layer_caches, layer_meta = [], []
         for layer in self.layers:
             kv = takes_kv(layer)
             layer_caches.append(next(caches) if kv else None)
             layer_meta.append(next(metas) if kv else meta[0])
-        return super().forward(input_ids, positions, layer_caches, layer_meta)
+        return layer_caches, layer_meta
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        return super().forward(input_ids, positions, *self.per_layer(kv_caches, meta))
 
 
 def split_by_heads(param: nn.Parameter, shards: dict[str | None, list[int]]) -> None:

@@ -364,6 +364,17 @@ CASES = [
          "num_experts_per_tok": 2, "mamba_d_state": 8, "mamba_dt_rank": 6},
     ),
     (
+        "zamba2",  # two shared blocks taking turns over three hybrid layers, adapters per use
+        "zamba2",
+        {"tie_word_embeddings": True, "num_hidden_layers": 5, "layers_block_type": ["mamba", "hybrid", "hybrid", "mamba",
+         "hybrid"], "num_key_value_heads": 4, "num_mem_blocks": 2,
+         "use_shared_attention_adapter": True, "adapter_rank": 8, "use_mem_rope": True,
+         "n_mamba_heads": 8, "mamba_ngroups": 2, "mamba_d_state": 8, "chunk_size": 16},
+    ),
+    ("zamba2-untied", "zamba2", {"num_hidden_layers": 3, "layers_block_type": ["mamba", "hybrid",
+     "hybrid"], "num_key_value_heads": 4, "use_shared_attention_adapter": True,
+     "adapter_rank": 8, "n_mamba_heads": 8, "mamba_d_state": 8}),  # a block per hybrid layer
+    (
         "minimax",  # lightning attention (decaying linear state) beside full attention, experts
         "minimax",
         {"num_hidden_layers": 4, "head_dim": 16, "num_local_experts": 6, "num_experts_per_tok": 2,

@@ -1,4 +1,4 @@
-"""The Mamba-2 hybrids (Granite 4.0-H, Nemotron-H, Falcon-H1) and a pure Mamba-2 LM through the
+"""The Mamba-2 hybrids (Granite 4.0-H, Nemotron-H, Falcon-H1, Zamba2) and a pure Mamba-2 LM through the
 engine's regimes: chunked prefill carries the conv window and the SSM state from chunk to chunk,
 preemption drops them (recompute) or moves them (swap), a prefix-cache hit starts from a
 snapshot, n > 1 and JSON schemas hold. Their HF-exact greedy tokens per family are CASES rows
@@ -19,8 +19,8 @@ from tests.engine.test_architectures import (
 )
 
 LONG = [long_prompt(50)]  # longer than three 16-token blocks
-HYBRIDS = ["granite-4.0-h", "nemotron-h", "falcon-h1", "mamba2"]
-HOLDS = ("granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2")  # README's table names this file
+HYBRIDS = ["granite-4.0-h", "nemotron-h", "falcon-h1", "mamba2", "zamba2"]
+HOLDS = ("granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2", "zamba2")  # README's table names this file
 
 
 def test_state_per_sequence_is_conv_window_and_ssm_state(tmp_path_factory):
@@ -59,7 +59,7 @@ def test_a_model_without_attention_keeps_states_and_a_token_count_only(tmp_path_
     assert [kind for kind, _ in llm.stats.kv_blocks_by_group][0] == "token_blocks"
 
 
-@pytest.mark.parametrize("case_id", ["granite-4.0-h", "falcon-h1", "mamba2"])
+@pytest.mark.parametrize("case_id", ["granite-4.0-h", "falcon-h1", "mamba2", "zamba2"])
 def test_prefix_hit_on_shared_system_prompt(tmp_path_factory, case_id):
     """The second of two prompts sharing a two-block system prompt starts from the first's
     snapshot at the block boundary; both give HF's tokens."""
@@ -73,3 +73,17 @@ def test_seeded_samples_and_json_schema(tmp_path_factory, case_id):
     llm = tiny_llm(folder)
     check_seeded_samples(llm)
     check_json_schema(llm)
+
+
+def test_zamba2_uses_of_a_shared_block_share_its_weights_not_their_kv(tmp_path_factory):
+    """Zamba2's three hybrid layers run two shared blocks in turn: the third use runs the first
+    block's projections (one tensor, packed once) with adapters of its own, and each use has
+    its own paged KV (three attention groups)."""
+    folder, _ = built("zamba2", tmp_path_factory)
+    model = tiny_llm(folder).llm_engine.model
+    first, second, third = (model.layers[i] for i in (1, 2, 4))
+    assert third.self_attn.qkv_proj is first.self_attn.qkv_proj
+    assert third.feed_forward.down_proj is first.feed_forward.down_proj
+    assert second.self_attn.qkv_proj is not first.self_attn.qkv_proj
+    assert third.self_attn.adapters is not first.self_attn.adapters
+    assert len(model.kv_cache_specs()) == 3
