@@ -87,12 +87,15 @@ def _download(repo_id: str) -> str:
 
 
 def load_config(source: ModelSource):
-    """The transformers config of the model."""
+    """The transformers config of the model: of its text decoder, for a multimodal checkpoint
+    (engine/multimodal.py)."""
     from transformers import AutoConfig
+
+    from engine.multimodal import text_config_of
 
     if source.gguf_file:
         return AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file)
-    return AutoConfig.from_pretrained(source.folder)
+    return text_config_of(AutoConfig.from_pretrained(source.folder))
 
 
 def load_tokenizer(source: ModelSource):
@@ -310,6 +313,7 @@ def load_model(
     from engine.models import model_class
     from engine.models.config_fields import max_position_of
     from engine.models.quantized_weights import dequantized, quantization_method
+    from engine.multimodal import text_weights
     from engine.quantization import PACKED_METHODS, QuantizedCheckpoint
 
     source = cached_source(resolve_model(model))
@@ -321,6 +325,8 @@ def load_model(
     with _skip_weight_init():
         net = cls(hf_config, max_position, attention_backend)
     weights = iter_weights(source)
+    if getattr(hf_config, "wrapper_model_type", None):
+        weights = text_weights(weights)
     if method in PACKED_METHODS:
         qc = hf_config.quantization_config
         qc = qc if isinstance(qc, dict) else qc.to_dict()

@@ -72,7 +72,11 @@ class SwapSpace:
             for c, d in zip(kv_caches, self.block_dims, strict=True)
         ]
         self.bytes_per_block = bytes_per_block(kv_caches, self.block_dims)
-        self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Free host blocks: those given back (a stack) and the never used ones from
+        # ``_fresh`` on, not a list of every id: a model without attention has 64-byte blocks,
+        # and a list of a 4 GiB pool's 67 M ids took 2.6 GB.
+        self._returned: list[int] = []
+        self._fresh = 0
         self.req_to_host_blocks: dict[str, list[int]] = {}
         self.state_cache = None  # a StateCache whose slots move with the blocks, or None
         self.op_log = None  # a CacheOpLog where other tensor-parallel ranks follow these copies
@@ -88,18 +92,26 @@ class SwapSpace:
     @property
     def num_free_blocks(self) -> int:
         """Host blocks not holding a swapped request."""
-        return len(self.free_ids)
+        return len(self._returned) + self.num_blocks - self._fresh
 
     @property
     def num_swapped_requests(self) -> int:
         """Requests whose KV is in the pool now."""
         return len(self.req_to_host_blocks)
 
+    def _take(self) -> int:
+        """A free host block: the last given back, else the next never used."""
+        if self._returned:
+            return self._returned.pop()
+        self._fresh += 1
+        return self._fresh - 1
+
     def swap_out(self, request_id: str, block_ids: list[int]) -> int:
         """Copy these device blocks into free host blocks; returns the bytes copied."""
-        if len(block_ids) > len(self.free_ids):
-            raise ValueError(f"cannot swap out {len(block_ids)} blocks: {len(self.free_ids)} free")
-        host_ids = [self.free_ids.pop() for _ in block_ids]
+        free = self.num_free_blocks
+        if len(block_ids) > free:
+            raise ValueError(f"cannot swap out {len(block_ids)} blocks: {free} free")
+        host_ids = [self._take() for _ in block_ids]
         self.req_to_host_blocks[request_id] = host_ids
         self.copy_to_host(block_ids, host_ids)
         state_bytes = self.state_cache.swap_out(request_id) if self.state_cache else 0
@@ -116,7 +128,7 @@ class SwapSpace:
 
     def free(self, request_id: str) -> None:
         """Drop a request's host blocks (swap-in done, or the request was aborted)."""
-        self.free_ids.extend(reversed(self.req_to_host_blocks.pop(request_id, [])))
+        self._returned.extend(reversed(self.req_to_host_blocks.pop(request_id, [])))
         if self.state_cache is not None:
             self.state_cache.drop_swapped(request_id)
 

@@ -32,13 +32,19 @@ def default_tokenizer():
 
 
 def causal_lm_class(model_type: str):
-    """transformers' causal-LM class of ``model_type``: AutoModelForCausalLM's, or the family's
-    own ``...ForCausalLM`` where the auto mapping leaves it out (Mistral 4's text model)."""
+    """transformers' causal-LM class of ``model_type``: AutoModelForCausalLM's, the image-text
+    one's for a multimodal wrapper (Mistral 3), or the family's own ``...ForCausalLM`` where the
+    auto mappings leave it out (Mistral 4's text model)."""
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return transformers.AutoModelForCausalLM
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:  # a multimodal wrapper
+        return transformers.AutoModelForImageTextToText
     config_class = type(transformers.AutoConfig.for_model(model_type))
     return getattr(transformers, config_class.__name__.replace("Config", "ForCausalLM"))
 

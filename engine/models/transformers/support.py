@@ -16,9 +16,9 @@ import textwrap
 
 from torch import nn
 
+from engine.multimodal import MULTIMODAL_FIELDS
+
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-# Sub-configs of multimodal and encoder-decoder models: the backend runs text decoders only.
-MULTIMODAL_FIELDS = ("vision_config", "audio_config", "speech_config", "encoder_config")
 # RoPE types whose frequencies follow each sequence's length: transformers takes one length for
 # the whole batch (the longest position), a flat batch of many requests needs one per request.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
