@@ -1,6 +1,7 @@
 // The AMX tile GEMM over gemm_cpu.h's packed bf16 weights, for row counts where the products,
 // not the weight stream, bound the time (a prefill's experts: 2048 tokens x top-8 of 64 give
-// each expert 256 rows, where AVX512-BF16 ran at 0.2 TFLOP/s and oneDNN's AMX at 1).
+// each expert 256 rows, where AVX512-BF16 ran at 0.2 TFLOP/s and oneDNN's AMX at 1; the LM
+// head's fp32 logits of a decode batch, 32 rows at a time: linear_cpu.cpp).
 //
 // The packed layout is already the tile unit's: a column block's k-pair row holds 64 columns
 // of (k, k + 1) pairs, 256 bytes, so a B tile (16 k-pairs x 16 columns) is a tile load at a
@@ -89,3 +90,22 @@ void amx_rows(int rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64
 }  // namespace pagedq_gemm
 
 #endif  // PAGEDQ_AMX
+
+namespace pagedq_gemm {
+
+// A thread's tile configuration for the AMX paths while it lives (`on`), released after.
+struct TileScope {
+  bool on;
+  explicit TileScope(bool use) : on(use) {
+#if defined(PAGEDQ_AMX)
+    if (on) amx_gemm_configure();
+#endif
+  }
+  ~TileScope() {
+#if defined(PAGEDQ_AMX)
+    if (on) _tile_release();
+#endif
+  }
+};
+
+}  // namespace pagedq_gemm

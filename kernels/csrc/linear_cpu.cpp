@@ -24,6 +24,7 @@
 #include <mutex>
 #include <vector>
 
+#include "amx_gemm_cpu.h"
 #include "gemm_cpu.h"
 #include "vec_cpu.h"
 
@@ -32,6 +33,11 @@ namespace {
 using namespace pagedq_gemm;
 
 constexpr int64_t kMB = 192;  // rows per pass over the weights: x's block stays in L2
+#if defined(PAGEDQ_AMX)
+constexpr int64_t kSiluRows = kAmxRows > kMR ? kAmxRows : kMR;  // rows of a fused gate's silu
+#else
+constexpr int64_t kSiluRows = kMR;
+#endif
 
 bool bf16_supported() {
 #if defined(PAGEDQ_GEMM_BF16)
@@ -114,7 +120,7 @@ struct Output {
   const float* bias;  // nullptr or this block's 64 values (padded)
   int64_t valid;
   Epilogue epilogue = Epilogue::kStore;
-  float* silu = nullptr;  // kMR x 64 per thread (kGate writes it, kUpMul reads it)
+  float* silu = nullptr;  // kSiluRows x 64 per thread (kGate writes it, kUpMul reads it)
   int64_t silu_row0 = 0;  // the row of silu[0]
   float* best = nullptr;  // kArgmax: this thread's best value and index per row (index -1: none)
   int64_t* best_index = nullptr;
@@ -242,11 +248,32 @@ inline void store_row(const Output& o, int64_t row, int64_t col0, const float* s
 // One column block over rows [m0, m1) in micro-kernels of up to kMR rows. `up` (the fused
 // SiLU-and-mul) is the up block of the same columns: each micro-kernel's rows run the gate
 // block, then the up block, while the silu values are in L1.
+// With `amx` (bf16), whole groups of 32 rows run on AMX tiles first (they read 32 rows of x, so
+// only whole groups go there), the gate and up blocks in turn where SiLU-and-mul is fused, and
+// the rest on the micro-kernels: fused or not, a row's sums come from the same path.
 template <typename T, template <int, int> class Kernel, int NV>
 void block_rows(const T* x, int64_t ldx, const T* w, int64_t K, const char* next, const Output& o,
                 int64_t m0, int64_t m1, int64_t col0, const T* up = nullptr,
-                const char* up_next = nullptr, const float* up_bias = nullptr) {
-  for (int64_t m = m0; m < m1; m += kMR) {
+                const char* up_next = nullptr, const float* up_bias = nullptr, bool amx = false) {
+  int64_t m = m0;
+#if defined(PAGEDQ_AMX)
+  if constexpr (sizeof(T) == 2) {
+    for (; amx && m + kAmxRows <= m1; m += kAmxRows) {
+      if (up == nullptr) {
+        amx_rows<NV>(kAmxRows, x, ldx, w, K, o, m, col0);
+        continue;
+      }
+      Output gate = o, mul = o;
+      gate.epilogue = Epilogue::kGate;
+      mul.epilogue = Epilogue::kUpMul;
+      mul.bias = up_bias;
+      gate.silu_row0 = mul.silu_row0 = m;
+      amx_rows<NV>(kAmxRows, x, ldx, w, K, gate, m, col0);
+      amx_rows<NV>(kAmxRows, x, ldx, up, K, mul, m, col0);
+    }
+  }
+#endif
+  for (; m < m1; m += kMR) {
     const int rows = static_cast<int>(std::min<int64_t>(kMR, m1 - m));
     if (up == nullptr) {
       micro_rows<T, Kernel, NV>(rows, x, ldx, w, K, next, o, m, col0);
@@ -289,8 +316,15 @@ void run_linear(const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64
   const int64_t passes = argmax ? 1 : row_passes(M, units, at::get_num_threads());
   const int64_t rows = (M + passes - 1) / passes;
   std::mutex argmax_lock;
+  // AMX where a pass has a whole group of 32 rows: the LM head's fp32 logits of a decode batch
+  // (the projections run on oneDNN's AMX where that measured faster).
+  bool amx = false;
+#if defined(PAGEDQ_AMX)
+  amx = sizeof(T) == 2 && rows >= kAmxRows && amx_gemm_usable(K);
+#endif
   at::parallel_for(0, passes * units, 1, [&](int64_t t0, int64_t t1) {
-    alignas(64) float silu[kMR * kNR];
+    alignas(64) float silu[kSiluRows * kNR];
+    const TileScope tiles(amx);
     ArgmaxRun run{t0, {}, {}};
     if (argmax) {
       run.best.assign(M, 0.f);
@@ -320,9 +354,11 @@ void run_linear(const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64
           up && next ? reinterpret_cast<const char*>(w + (NB + next_nb) * block_elems) : nullptr;
       const float* up_bias = silu_mul && bias ? bias + N + col0 : nullptr;
       if (whole) {
-        block_rows<T, Kernel, 4>(x, ldx, block, K, next, o, m0, m1, col0, up, up_next, up_bias);
+        block_rows<T, Kernel, 4>(x, ldx, block, K, next, o, m0, m1, col0, up, up_next, up_bias,
+                                 amx);
       } else {
-        block_rows<T, Kernel, 2>(x, ldx, block, K, next, o, m0, m1, col0, up, up_next, up_bias);
+        block_rows<T, Kernel, 2>(x, ldx, block, K, next, o, m0, m1, col0, up, up_next, up_bias,
+                                 amx);
       }
     }
     if (argmax) {

@@ -65,20 +65,6 @@ constexpr int64_t kAmxRows = 0;
 constexpr int kMaxChunkRows = kMR;
 #endif
 
-// A thread's tile configuration for the AMX paths while it lives (`on`), released after.
-struct TileScope {
-  bool on;
-  explicit TileScope(bool use) : on(use) {
-#if defined(PAGEDQ_AMX)
-    if (on) amx_gemm_configure();
-#endif
-  }
-  ~TileScope() {
-#if defined(PAGEDQ_AMX)
-    if (on) _tile_release();
-#endif
-  }
-};
 
 // (token, slot) pairs grouped by expert: expert e owns rows [offsets[e], offsets[e + 1]) of the
 // gathered x, row r being pair order[r] (= token * top_k + slot).

@@ -245,3 +245,39 @@ def test_a_greedy_engine_gives_the_same_tokens_with_the_argmax_fused(tmp_path, m
         prompts, SamplingParams(temperature=0, max_tokens=10, logprobs=0), use_tqdm=False
     )
     assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in logits]
+
+
+def _amx_here() -> bool:
+    from kernels.cpu_attention import amx_decode_available, cpu_kernels_available
+
+    return cpu_kernels_available() and amx_decode_available() and packed_linear_available(bf16)
+
+
+@pytest.mark.skipif(not _amx_here(), reason="no AMX here (or PAGEDQ_CPU_AMX=0)")
+@pytest.mark.parametrize("tokens", [32, 64, 77])
+def test_amx_rows_give_the_fp32_sums_and_the_argmax(tokens, monkeypatch):
+    """bf16 products of 32 rows or more run whole groups of 32 rows on AMX tiles (77: two
+    groups and a tail on the micro-kernels): the LM head's fp32 logits are the fp32 sums as the
+    AVX path's are, a bf16 output is them rounded once, the fused argmax ranks them, and a
+    fused SiLU-and-mul gives the unfused bits."""
+    from kernels import silu_and_mul
+    from kernels.cpu_linear import packed_linear_silu_mul
+
+    from kernels.cpu_linear import packed_linear_argmax
+
+    w, _, gen = _weights(1000, 576, bf16, tokens)
+    x = torch.randn(tokens, 576, generator=gen).to(bf16)
+    packed = pack_linear_weight(w)
+    logits = packed_linear(x, packed, 1000, None, fp32)
+    exact = F.linear(x.double(), w.double())
+    scale = F.linear(x.double().abs(), w.double().abs()) + 1
+    assert torch.all((logits.double() - exact).abs() <= scale * 2**-20)
+    assert torch.equal(packed_linear(x, packed, 1000), logits.to(bf16))
+    assert torch.equal(packed_linear_argmax(x, packed, 1000), logits.argmax(-1))
+    gate_up = pack_linear_weight(w[:512])
+    unfused = silu_and_mul(packed_linear(x, gate_up, 512), backend="cpu")
+    assert torch.equal(packed_linear_silu_mul(x, gate_up, 256), unfused)
+    monkeypatch.setenv("PAGEDQ_CPU_AMX", "0")
+    avx = packed_linear(x, packed, 1000, None, fp32)
+    assert torch.all((avx.double() - exact).abs() <= scale * 2**-20)
+    assert not torch.equal(logits[:32], avx[:32])  # the tile path ran (another summing order)
