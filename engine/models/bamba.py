@@ -22,6 +22,16 @@ _RENAMES = (
 )
 
 
+def mamba_block_name(name: str) -> str:
+    """A Bamba- or Jamba-style checkpoint name (``mamba``, ``feed_forward``,
+    ``pre_ff_layernorm``, ``final_layernorm``) in a ``DecoderLayer`` stack's terms."""
+    if name.endswith("final_layernorm.weight"):
+        name = name.replace("final_layernorm", "norm")
+    for theirs, ours in _RENAMES:
+        name = name.replace(theirs, ours)
+    return name
+
+
 class BambaForCausalLM(HybridLayers, CausalLM):
     """Bamba's stack: Mamba-2 and partial-RoPE attention layers, SwiGLU MLPs."""
 
@@ -44,8 +54,4 @@ class BambaForCausalLM(HybridLayers, CausalLM):
         self.norm = RMSNorm(hidden, eps, backend)
 
     def checkpoint_name(self, name: str) -> str | None:
-        if name == "final_layernorm.weight":
-            return "norm.weight"
-        for theirs, ours in _RENAMES:
-            name = name.replace(theirs, ours)
-        return super().checkpoint_name(name)
+        return super().checkpoint_name(mamba_block_name(name))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from engine.models.attention import Attention
+from engine.models.bamba import mamba_block_name
 from engine.models.config_fields import head_dim_of, num_kv_heads_of
 from engine.models.decoder import DecoderLayer
 from engine.models.hybrid import HybridLayers
@@ -17,12 +18,6 @@ from engine.models.mlp import GatedMLP
 from engine.models.moe import FusedMoE, MoECausalLM
 from engine.models.norm import RMSNorm
 from engine.models.routers import Router
-
-_RENAMES = (
-    (".mamba.", ".self_attn."),
-    (".feed_forward.", ".mlp."),
-    (".pre_ff_layernorm.", ".post_attention_layernorm."),
-)
 
 
 class JambaForCausalLM(HybridLayers, MoECausalLM):
@@ -67,8 +62,4 @@ class JambaForCausalLM(HybridLayers, MoECausalLM):
     def checkpoint_name(self, name: str) -> str | None:
         """Jamba's names (``mamba``, ``feed_forward``, ``pre_ff_layernorm``,
         ``final_layernorm``) -> ours."""
-        if name.endswith("final_layernorm.weight"):
-            name = name.replace("final_layernorm", "norm")
-        for theirs, ours in _RENAMES:
-            name = name.replace(theirs, ours)
-        return super().checkpoint_name(name)
+        return super().checkpoint_name(mamba_block_name(name))

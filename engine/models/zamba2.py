@@ -39,7 +39,8 @@ _ADAPTER = re.compile(r"^(self_attn|feed_forward)\.(\w+)_adapter_list\.(\d+)\.(\
 
 def low_rank(in_size: int, rank: int, out_size: int) -> nn.Sequential:
     """Zamba2's adapter: ``B(A x)``, no bias."""
-    return nn.Sequential(nn.Linear(in_size, rank, bias=False), nn.Linear(rank, out_size, bias=False))
+    down, up = nn.Linear(in_size, rank, bias=False), nn.Linear(rank, out_size, bias=False)
+    return nn.Sequential(down, up)
 
 
 class Zamba2Attention(Attention):

@@ -366,8 +366,9 @@ CASES = [
     (
         "zamba2",  # two shared blocks taking turns over three hybrid layers, adapters per use
         "zamba2",
-        {"tie_word_embeddings": True, "num_hidden_layers": 5, "layers_block_type": ["mamba", "hybrid", "hybrid", "mamba",
-         "hybrid"], "num_key_value_heads": 4, "num_mem_blocks": 2,
+        {"tie_word_embeddings": True, "num_hidden_layers": 5,
+         "layers_block_type": ["mamba", "hybrid", "hybrid", "mamba", "hybrid"],
+         "num_key_value_heads": 4, "num_mem_blocks": 2,
          "use_shared_attention_adapter": True, "adapter_rank": 8, "use_mem_rope": True,
          "n_mamba_heads": 8, "mamba_ngroups": 2, "mamba_d_state": 8, "chunk_size": 16},
     ),

@@ -1,8 +1,8 @@
-"""The Mamba-2 hybrids (Granite 4.0-H, Nemotron-H, Falcon-H1, Zamba2) and a pure Mamba-2 LM through the
-engine's regimes: chunked prefill carries the conv window and the SSM state from chunk to chunk,
-preemption drops them (recompute) or moves them (swap), a prefix-cache hit starts from a
-snapshot, n > 1 and JSON schemas hold. Their HF-exact greedy tokens per family are CASES rows
-of test_architectures.py."""
+"""The Mamba-2 hybrids (Granite 4.0-H, Nemotron-H, Falcon-H1, Zamba2) and a pure Mamba-2 LM
+through the engine's regimes: chunked prefill carries the conv window and the SSM state from
+chunk to chunk, preemption drops them (recompute) or moves them (swap), a prefix-cache hit
+starts from a snapshot, n > 1 and JSON schemas hold. Their HF-exact greedy tokens per family
+are CASES rows of test_architectures.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from tests.engine.test_architectures import (
 
 LONG = [long_prompt(50)]  # longer than three 16-token blocks
 HYBRIDS = ["granite-4.0-h", "nemotron-h", "falcon-h1", "mamba2", "zamba2"]
-HOLDS = ("granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2", "zamba2")  # README's table names this file
+# README's table names this file
+HOLDS = ("granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2", "zamba2")
 
 
 def test_state_per_sequence_is_conv_window_and_ssm_state(tmp_path_factory):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import TINY, causal_lm_class, default_tokenizer
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
@@ -22,7 +23,6 @@ from tests.engine.test_architectures import (
     tiny_llm,
     token_ids,
 )
-from tiny_models import TINY, causal_lm_class, default_tokenizer
 
 VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
           "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
@@ -47,7 +47,7 @@ def make_wrapper(folder, model_type: str, overrides: dict | None = None):
     torch.manual_seed(0)
     model = causal_lm_class(model_type).from_config(config).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.15)
     model.save_pretrained(folder)

@@ -261,9 +261,7 @@ def test_amx_rows_give_the_fp32_sums_and_the_argmax(tokens, monkeypatch):
     AVX path's are, a bf16 output is them rounded once, the fused argmax ranks them, and a
     fused SiLU-and-mul gives the unfused bits."""
     from kernels import silu_and_mul
-    from kernels.cpu_linear import packed_linear_silu_mul
-
-    from kernels.cpu_linear import packed_linear_argmax
+    from kernels.cpu_linear import packed_linear_argmax, packed_linear_silu_mul
 
     w, _, gen = _weights(1000, 576, bf16, tokens)
     x = torch.randn(tokens, 576, generator=gen).to(bf16)

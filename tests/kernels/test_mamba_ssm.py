@@ -142,7 +142,8 @@ def test_a_decay_per_state_dimension_in_bf16(rng, backend):
     x, dt, A, B, C, D, dt_bias, pool = _selective_inputs(rng, sum(lens), dtype=torch.bfloat16)
     starts, slots = loc(lens), torch.tensor([2, 0, 4])
     results = []
-    for fn, kwargs in ((mamba_ssm.mamba_chunk_scan_torch, {}), (mamba_chunk_scan, {"backend": backend})):
+    forms = ((mamba_ssm.mamba_chunk_scan_torch, {}), (mamba_chunk_scan, {"backend": backend}))
+    for fn, kwargs in forms:
         p, out = pool.clone(), torch.empty(x.shape, dtype=torch.float32)
         fn(x, dt, A, B, C, D, dt_bias, p, starts, slots, out=out, **kwargs)
         results.append((out, p))
