@@ -30,6 +30,8 @@ class AttentionMetadata:
     has_initial_state: torch.Tensor | None = None  # [num_reqs] bool
     plan: object | None = None  # the backend's per-step plan, built by the first layer
     plan_backend: str | None = None  # the backend ``plan`` was built for
+    # Chunked local attention's views of this step, by chunk (engine/chunked_local_attention.py).
+    local_views: dict | None = None
 
     def plan_for(self, backend: str, block_size: int):
         """The step's plan for ``backend`` (built at the first call, then reused)."""
@@ -50,7 +52,8 @@ class PagedAttention:
     q - W < k <= q, Hugging Face's ``config.sliding_window`` of that layer), ``sinks``
     ``[num_heads]`` (gpt-oss's per-head sink logits; the tensor is read at each call, so a
     parameter filled in place by the loader is seen), ``logits_soft_cap`` c (Gemma 2's
-    ``attn_logit_softcapping``: scores become ``c * tanh(scores / c)``).
+    ``attn_logit_softcapping``: scores become ``c * tanh(scores / c)``). ``attention_chunk_size``
+    C (Llama 4): query position p sees keys of its own chunk only, ``C * (p // C) <= k <= p``.
     """
 
     def __init__(
@@ -60,8 +63,18 @@ class PagedAttention:
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
         logits_soft_cap: float | None = None,
+        attention_chunk_size: int | None = None,
     ) -> None:
         check_options(sliding_window, sinks, logits_soft_cap)
+        if attention_chunk_size is not None and (
+            isinstance(attention_chunk_size, bool)
+            or not isinstance(attention_chunk_size, int)
+            or attention_chunk_size < 1
+        ):
+            raise ValueError(
+                f"attention_chunk_size must be None or an int >= 1, got {attention_chunk_size!r}"
+            )
+        self.attention_chunk_size = attention_chunk_size
         self.scale = scale
         self.backend = backend
         self.sliding_window = sliding_window
@@ -87,6 +100,10 @@ class PagedAttention:
         backend = self.resolve(query.device)
         if key is not None:  # None: a layer that reads another layer's cache (Gemma 4)
             write_kv(key, value, kv_cache, meta.slot_mapping, backend=backend)
+        if self.attention_chunk_size is not None:
+            from engine.chunked_local_attention import local_metadata
+
+            meta = local_metadata(meta, self.attention_chunk_size, kv_cache.shape[2])
         return unified_attention(
             query,
             kv_cache,

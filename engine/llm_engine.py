@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from engine.chunked_local_attention import check_model_chunks
 from engine.config import (
     EngineConfig,
     parse_memory,
@@ -137,6 +138,7 @@ class LLMEngine:
             config.moe_parallel, config.model_impl,
         )  # fmt: skip
         max_position = self.model.max_position
+        check_model_chunks(self.model, config.block_size)
         self.kv_layout = make_layout(self.model.kv_cache_specs())
         self.state_specs = getattr(self.model, "recurrent_state_specs", list)()
 

@@ -41,10 +41,11 @@ def causal_lm_class(model_type: str):
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
     )
 
+    # A multimodal wrapper first: Llama 4's causal-LM mapping builds its text model alone.
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return transformers.AutoModelForImageTextToText
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return transformers.AutoModelForCausalLM
-    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:  # a multimodal wrapper
-        return transformers.AutoModelForImageTextToText
     config_class = type(transformers.AutoConfig.for_model(model_type))
     return getattr(transformers, config_class.__name__.replace("Config", "ForCausalLM"))
 

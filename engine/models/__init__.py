@@ -57,6 +57,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "jamba": ("engine.models.jamba", "JambaForCausalLM"),
     "minimax": ("engine.models.minimax", "MiniMaxForCausalLM"),
     "zamba2": ("engine.models.zamba2", "Zamba2ForCausalLM"),
+    "llama4_text": ("engine.models.llama4", "Llama4ForCausalLM"),
 }
 
 

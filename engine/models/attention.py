@@ -38,6 +38,12 @@ class AttentionOptions:
     # LFM3: g_proj gives one gate per head from the layer's input; each head's output is scaled
     # by sigmoid(gate) before o_proj.
     head_gate: bool = False
+    qk_norm_scale: bool = True  # False: a QK-norm with no learned scale (Llama 4's L2 norm)
+    # Llama 4: features rotate in adjacent pairs (x0, x1), (x2, x3)... (complex rotary), not in
+    # halves: q and k are laid out [evens | odds] first (attention is the same for any layout
+    # q and k share).
+    rope_interleave: bool = False
+    attention_chunk_size: int | None = None  # Llama 4: keys of the query's own chunk only
 
     def __post_init__(self) -> None:
         if self.qk_norm not in QK_NORMS:
@@ -88,10 +94,15 @@ class Attention(nn.Module):
             q_dim, k_dim = (
                 (head_dim, head_dim) if opts.qk_norm == "head" else (self.q_size, self.kv_size)
             )
-            self.q_norm = RMSNorm(q_dim, opts.norm_eps, backend, opts.norm_unit_offset)
-            self.k_norm = RMSNorm(k_dim, opts.norm_eps, backend, opts.norm_unit_offset)
+            self.q_norm = RMSNorm(
+                q_dim, opts.norm_eps, backend, opts.norm_unit_offset, opts.qk_norm_scale
+            )
+            self.k_norm = RMSNorm(
+                k_dim, opts.norm_eps, backend, opts.norm_unit_offset, opts.qk_norm_scale
+            )
         self.rotary_dim = opts.rotary_dim or head_dim
         self.sliding_window = opts.sliding_window
+        self.rope_interleave = opts.rope_interleave
         self.backend = backend
         if opts.sinks:  # this rank's heads' sinks
             self.sinks = nn.Parameter(torch.zeros(self.num_heads))
@@ -104,6 +115,8 @@ class Attention(nn.Module):
             extra["sinks"] = self.sinks
         if opts.logits_soft_cap is not None:
             extra["logits_soft_cap"] = opts.logits_soft_cap
+        if opts.attention_chunk_size is not None:
+            extra["attention_chunk_size"] = opts.attention_chunk_size
         scale = opts.scale if opts.scale is not None else head_dim**-0.5
         self.attn = PagedAttention(scale, backend, **extra)
 
@@ -116,7 +129,9 @@ class Attention(nn.Module):
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """``rope`` is the step's ``(cos, signed_sin)`` from ``RotaryEmbedding.cos_sin``, or None
-        for a layer without positions (NoPE: Granite 4.0-H, Nemotron-H)."""
+        for a layer without positions (NoPE: Granite 4.0-H, Nemotron-H); a third element
+        ``query_scale`` ``[tokens]`` fp32 scales each token's query after rotation (cos and sin
+        None: a NoPE layer's, Llama 4's attention temperature)."""
         num_tokens, heads = hidden.shape[0], self.num_heads
         qkv = self.project_qkv(hidden)
         gate = None
@@ -139,14 +154,20 @@ class Attention(nn.Module):
         qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
         if self.qk_norm == "head":
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        cos, sin, *query_scale = rope if rope is not None else (None, None)
+        if cos is not None and self.rope_interleave:
+            qk = torch.cat((qk[..., 0::2], qk[..., 1::2]), dim=-1)
         # In place on qkv where the backend can (the C++ kernel on the CPU).
-        if rope is not None and self.rotary_dim == self.head_dim:
-            qk = apply_rotary(qk, *rope, backend=self.backend)
-        elif rope is not None:
+        if cos is not None and self.rotary_dim == self.head_dim:
+            qk = apply_rotary(qk, cos, sin, backend=self.backend)
+        elif cos is not None:
             part = qk[..., : self.rotary_dim]
-            part.copy_(apply_rotary(part, *rope, backend=self.backend))
+            part.copy_(apply_rotary(part, cos, sin, backend=self.backend))
+        q = qk[:, :heads]
+        if query_scale:  # in fp32, rounded once, as transformers scales it
+            q = (q * query_scale[0][:, None, None]).to(q.dtype)
         v = qkv[:, qk_size:].view(num_tokens, -1, self.head_dim)
-        out = self.attn(qk[:, :heads], qk[:, heads:], v, kv_cache, meta)
+        out = self.attn(q, qk[:, heads:], v, kv_cache, meta)
         if self.g_proj is not None:
             head_gate = torch.sigmoid(self.g_proj(hidden)).unsqueeze(-1)
             out = out.view(num_tokens, heads, self.head_dim) * head_gate

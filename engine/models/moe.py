@@ -45,7 +45,9 @@ class FusedMoE(KeepsPackedDtypes):
     """``out = sum_j weight_j * expert_j(x)`` over each token's ``top_k`` experts (``gate``
     picks them), plus ``shared_expert(x)`` where one is given, scaled by
     ``sigmoid(shared_expert_gate(x))`` with ``shared_expert_gate=True`` (Qwen2-MoE); the sum
-    through ``post_norm`` where one is given (A.X-K1's ``post_mlp_layernorm``)."""
+    through ``post_norm`` where one is given (A.X-K1's ``post_mlp_layernorm``).
+    ``router_weight_on_input`` (Llama 4): ``out = sum_j expert_j(weight_j * x)``, the input
+    scaled in the model's dtype as transformers scales it."""
 
     def __init__(
         self,
@@ -62,6 +64,7 @@ class FusedMoE(KeepsPackedDtypes):
         shared_expert_gate: bool = False,
         backend: str = "auto",
         post_norm: nn.Module | None = None,
+        router_weight_on_input: bool = False,
     ) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -112,6 +115,7 @@ class FusedMoE(KeepsPackedDtypes):
             nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
         )
         self.post_mlp_layernorm = post_norm
+        self.router_weight_on_input = router_weight_on_input
         self.packed = None  # the C++ kernel's weights, once `prepack` ran
         # (weight type, group sizes of w13 and w2) where the experts stay quantized
         # (engine/quantization/moe.py: packed stacks replace w13_weight and w2_weight).
@@ -120,10 +124,17 @@ class FusedMoE(KeepsPackedDtypes):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[tokens, hidden]`` through the routed experts (and the shared one)."""
         topk_weights, topk_ids = self.gate(x)
+        routed = x
+        if self.router_weight_on_input:  # a row per (token, expert), each weight 1
+            routed = (x[:, None] * topk_weights[..., None].to(x.dtype)).flatten(0, 1)
+            topk_ids = topk_ids.reshape(-1, 1)
+            topk_weights = torch.ones_like(topk_ids, dtype=torch.float32)
         if self.parallel is None:
-            out = self.experts(x, topk_weights, topk_ids)
+            out = self.experts(routed, topk_weights, topk_ids)
         else:  # summed over the ranks in fp32, rounded once (as one rank's kernel does)
-            out = all_reduce(self._rank_share(x, topk_weights, topk_ids)).to(x.dtype)
+            out = all_reduce(self._rank_share(routed, topk_weights, topk_ids)).to(x.dtype)
+        if self.router_weight_on_input and self.top_k > 1:
+            out = out.view(x.shape[0], self.top_k, -1).sum(dim=1)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

@@ -4,6 +4,8 @@ what weights, computed exactly as Hugging Face's families do.
 - ``softmax_topk``: softmax over all experts, the top k, renormalised or not (Qwen2/3-MoE with
   ``norm_topk_prob``; Mixtral always renormalises).
 - ``topk_softmax``: the top k logits, then a softmax over them (gpt-oss, whose router has a bias).
+- ``topk_sigmoid``: the top k logits, each through a sigmoid (Llama 4, whose experts take the
+  weight on their input: ``FusedMoE(router_weight_on_input=True)``).
 - ``grouped_topk_sigmoid``: sigmoid scores; experts chosen by the scores plus
   ``e_score_correction_bias``, within the ``topk_group`` best of ``n_group`` groups (a group's
   score is the sum of its two best); weights from the uncorrected scores, renormalised, times
@@ -21,7 +23,9 @@ from torch import nn
 
 from engine.models.linear import KeepsPackedDtypes, linear_fp32_out
 
-SCORING = ("softmax_topk", "topk_softmax", "grouped_topk_sigmoid", "grouped_topk_softmax")
+SCORING = (
+    "softmax_topk", "topk_softmax", "topk_sigmoid", "grouped_topk_sigmoid", "grouped_topk_softmax"
+)  # fmt: skip
 GROUP_SCORES = ("top2", "max")
 
 
@@ -171,6 +175,9 @@ class Router(KeepsPackedDtypes):
             weights, ids = softmax_topk(logits, self.top_k, self.renormalize)
         elif self.scoring == "topk_softmax":
             weights, ids = topk_softmax(logits, self.top_k)
+        elif self.scoring == "topk_sigmoid":
+            values, ids = torch.topk(logits, self.top_k, dim=-1)
+            weights = values.sigmoid()
         elif self.scoring == "grouped_topk_softmax":
             weights, ids = grouped_topk_softmax(
                 logits, self.top_k, self.n_group, self.topk_group, self.renormalize,

@@ -420,6 +420,13 @@ CASES = [
     ("minicpm3", "minicpm3", {**MLA, "scale_emb": 2.0, "scale_depth": 1.4, "dim_model_base": 32}),
     # Kimi Delta Attention (a decay per key channel) beside latent attention without RoPE.
     ("kimi-linear", "kimi_linear", KIMI_LINEAR),
+    # Llama 4: chunked local attention (16-token chunks: every prompt crosses one) with complex
+    # rotary and L2 QK-norm, NoPE layers with a query temperature that grows every 4 positions,
+    # sigmoid-routed experts weighting their input (two per token) beside a shared expert.
+    ("llama4", "llama4_text", {"num_hidden_layers": 4, "head_dim": 16,
+     "no_rope_layer_interval": 2, "attention_chunk_size": 16, "floor_scale": 4,
+     "attn_scale": 0.5, "interleave_moe_layer_step": 2, "num_local_experts": 4,
+     "num_experts_per_tok": 2, "intermediate_size": 64, "intermediate_size_mlp": 128}),
 ]  # fmt: skip
 
 
@@ -460,7 +467,7 @@ def test_tiny_model_matches_hf(tmp_path_factory, case_id):
 # RoPE with partial rotary (Phi-3 longrope); a latent cache (DeepSeek-V3); experts.
 REGIME_CASES = [
     "gemma2", "gemma3-text", "gemma4-text", "olmo3", "phi3-longrope", "deepseek-v3", "qwen3-moe",
-    "gpt-oss", "glm4-moe",
+    "gpt-oss", "glm4-moe", "llama4",
 ]  # fmt: skip
 
 
@@ -529,7 +536,7 @@ def check_json_schema(llm) -> None:
 
 
 @pytest.mark.parametrize(
-    "case_id", ["gemma3-text", "phi3-longrope", "deepseek-v3", "qwen3-moe", "gpt-oss"]
+    "case_id", ["gemma3-text", "phi3-longrope", "deepseek-v3", "qwen3-moe", "gpt-oss", "llama4"]
 )
 def test_seeded_samples_and_json_schema(tmp_path_factory, case_id):
     """n > 1 with a seed gives the same samples alone and in a batch; a JSON schema holds."""

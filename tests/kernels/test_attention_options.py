@@ -25,8 +25,9 @@ MIX = ([1, 7, 20, 1, 3], [70, 13, 0, 4, 40])
 WINDOWS = [1, 5, 13, 1000]
 
 
-def dense_attention(batch, sliding_window=None, sinks=None, logits_soft_cap=None):
-    """The oracle: per request, its K/V gathered by position, attention in float64."""
+def dense_attention(batch, sliding_window=None, sinks=None, logits_soft_cap=None, chunk=None):
+    """The oracle: per request, its K/V gathered by position, attention in float64 (``chunk``:
+    Hugging Face's ``chunked_overlay``, keys of the query's own chunk only)."""
     kv_cache, table = batch.kv_cache.double(), batch.block_table.long()
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = batch.query.shape[1] // num_kv_heads
@@ -45,6 +46,8 @@ def dense_attention(batch, sliding_window=None, sinks=None, logits_soft_cap=None
         visible = pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             visible &= pos[None, :] > q_pos[:, None] - sliding_window
+        if chunk is not None:
+            visible &= pos[None, :] // chunk == q_pos[:, None] // chunk
         s = s.masked_fill(~visible, float("-inf"))
         if sinks is not None:
             sink = sinks.double()[:, None, None].expand(-1, q.shape[0], 1)
@@ -307,3 +310,37 @@ def test_triton_decode_reads_the_window_only(rng, num_splits):
         first_block = (seq_len - window) // block_size
         batch.kv_cache[:, batch.block_table[i, :first_block].long()] = float("nan")
     assert rel_err(_triton(batch, num_splits=num_splits, **options), expected) < 1e-5
+
+
+# ---- chunked local attention (Llama 4) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_chunked_local_attention_equals_the_chunk_mask(rng, backend, chunk):
+    """Queries that cross chunk borders (a 20-token prompt, a chunk from 13 to 20, a decode at
+    70) see their own chunk's keys only: the step split into virtual requests, one per chunk."""
+    if backend == "cpu" and not cpu_kernels_available():
+        pytest.skip("the C++ CPU kernels cannot be built here")
+    batch = _batch(rng, block_size=8)
+    layer = PagedAttention(batch.scale, backend, attention_chunk_size=chunk)
+    key = value = batch.query.new_zeros(batch.query.shape[0], 2, batch.query.shape[2])
+    out = layer(batch.query, key, value, batch.kv_cache, _metadata(batch))
+    assert rel_err(out, dense_attention(batch, chunk=chunk)) < 1e-5
+    assert rel_err(out, dense_attention(batch)) > 1e-2  # the chunks changed the result
+
+
+def test_a_chunk_past_every_context_is_plain_attention(rng):
+    batch = _batch(rng, block_size=8)
+    meta = _metadata(batch)
+    from engine.chunked_local_attention import local_metadata
+
+    assert local_metadata(meta, 128, 8) is meta
+
+
+def test_a_chunk_that_is_not_whole_blocks_is_refused(rng):
+    batch = _batch(rng, block_size=16)
+    layer = PagedAttention(batch.scale, "torch", attention_chunk_size=24)
+    key = value = batch.query.new_zeros(batch.query.shape[0], 2, batch.query.shape[2])
+    with pytest.raises(ValueError, match="attention_chunk_size=24 must be a multiple of block_s"):
+        layer(batch.query, key, value, batch.kv_cache, _metadata(batch))
