@@ -86,9 +86,28 @@ def _download(repo_id: str) -> str:
         ) from e
 
 
+@lru_cache(maxsize=1)
+def check_no_hub_kernels() -> None:
+    """Refuse, naming the fix, an environment with Hugging Face's ``kernels`` package: its
+    import name is pagedq's ``kernels/``, so transformers' modeling files would import ours in
+    its place and fail with a bare ImportError."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        found = distribution("kernels")
+    except PackageNotFoundError:
+        return
+    raise ImportError(
+        f"Hugging Face's `kernels` package ({found.version}) is installed beside pagedq, whose "
+        "own `kernels` package shares its import name: `pip uninstall kernels` and keep "
+        "transformers < 5.25 (5.25 requires it), as pagedq's pyproject.toml pins"
+    )
+
+
 def load_config(source: ModelSource):
     """The transformers config of the model: of its text decoder, for a multimodal checkpoint
     (engine/multimodal.py)."""
+    check_no_hub_kernels()
     from transformers import AutoConfig
 
     from engine.multimodal import text_config_of
