@@ -66,18 +66,21 @@ class LatentAttentionSpec:
 
     kv_lora_rank: int
     qk_rope_head_dim: int
-    # The layer's tensor is ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``.
+    # DeepSeek Sparse Attention: the indexer's key of each token, after the latent row.
+    index_head_dim: int = 0
+    # The layer's tensor is ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim
+    # (+ index_head_dim)]``.
     block_dim: ClassVar[int] = 0
 
     @property
     def page_shape(self) -> tuple[int]:
-        """``(kv_lora_rank + qk_rope_head_dim,)``: one token's row of the latent cache."""
-        return (self.kv_lora_rank + self.qk_rope_head_dim,)
+        """``(token_elems,)``: one token's row of the latent cache."""
+        return (self.token_elems,)
 
     @property
     def token_elems(self) -> int:
-        """Values one token keeps in one layer: its latent row."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
+        """Values one token keeps in one layer: its latent row (and indexer key)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim
 
     def first_needed_block(self, first_query_pos: int, block_size: int) -> int:
         """The first block a query at ``first_query_pos`` or later still reads."""

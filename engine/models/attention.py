@@ -11,6 +11,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.norm import RMSNorm, ShardedRMSNorm
+from engine.models.rotary import deinterleave
 from engine.parallel.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.parallel.state import tp_rank, tp_size
 from kernels import apply_rotary
@@ -156,7 +157,7 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
         cos, sin, *query_scale = rope if rope is not None else (None, None)
         if cos is not None and self.rope_interleave:
-            qk = torch.cat((qk[..., 0::2], qk[..., 1::2]), dim=-1)
+            qk = deinterleave(qk)
         # In place on qkv where the backend can (the C++ kernel on the CPU).
         if cos is not None and self.rotary_dim == self.head_dim:
             qk = apply_rotary(qk, cos, sin, backend=self.backend)

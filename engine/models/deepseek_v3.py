@@ -42,8 +42,8 @@ def is_sparse(config, layer_idx: int) -> bool:
 
 class DeepseekV3ForCausalLM(MoECausalLM):
     """DeepSeek-V3's block: latent attention, dense first layers, then routed and shared
-    experts. Subclasses change ``make_moe`` (the routing), ``rope_interleave`` or
-    ``residual_multiplier``, or wrap ``self.rotaries["default"]``."""
+    experts. Subclasses change ``make_moe`` (the routing), ``make_attention``,
+    ``rope_interleave`` or ``residual_multiplier``, or wrap ``self.rotaries["default"]``."""
 
     rope_interleave: bool | None = None  # None: the config's, True where it has none
     make_moe = staticmethod(Glm4MoeForCausalLM.make_moe)
@@ -62,7 +62,7 @@ class DeepseekV3ForCausalLM(MoECausalLM):
                 mlp = self.make_moe(config, backend)
             else:
                 mlp = GatedMLP(hidden, config.intermediate_size, backend, bias=mlp_bias)
-            attn = LatentAttention(config, backend, self.rope_interleave)
+            attn = self.make_attention(config, backend)
             layer = DecoderLayer(
                 attn, mlp, hidden, config.rms_norm_eps, backend,
                 residual_multiplier=self.residual_multiplier(config),
@@ -70,6 +70,10 @@ class DeepseekV3ForCausalLM(MoECausalLM):
             layer.rope_key = "default"
             self.layers.append(layer)
         self.norm = self.make_norm()
+
+    def make_attention(self, config, backend: str) -> LatentAttention:
+        """A layer's latent attention (DeepSeek-V3.2 adds its indexer)."""
+        return LatentAttention(config, backend, self.rope_interleave)
 
     @staticmethod
     def residual_multiplier(config) -> float | None:

@@ -23,7 +23,7 @@ from engine.attention import AttentionMetadata
 from engine.kv_cache_spec import LatentAttentionSpec
 from engine.models.linear import MergedLinear
 from engine.models.norm import RMSNorm
-from engine.models.rotary import rope_parameters
+from engine.models.rotary import deinterleave, rope_parameters
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from engine.parallel.state import divide, tp_size
 from kernels import apply_rotary, select_backend
@@ -97,9 +97,11 @@ class LatentAttention(nn.Module):
         (``query_scale`` ``[tokens]``: Mistral 4's Llama-4 attention scaling);
         ``kv_cache`` the layer's ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``."""
         num_tokens, heads, rank = hidden.shape[0], self.num_heads, self.kv_lora_rank
+        q_resid = None
         if self.q_lora_rank is not None:
             q_a, kv_a = self.qkv_a_proj(hidden).split([self.q_lora_rank, rank + self.rope_dim], 1)
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
+            q_resid = self.q_a_layernorm(q_a)
+            q = self.q_b_proj(q_resid)
         else:
             q, kv_a = self.q_proj(hidden), self.kv_a_proj_with_mqa(hidden)
         q_nope, q_pe = q.view(num_tokens, heads, self.qk_head_dim).split(
@@ -112,23 +114,29 @@ class LatentAttention(nn.Module):
         if rope is not None:
             cos, sin, *rest = rope
             if self.rope_interleave:
-                # Pairs (x0, x1), (x2, x3)... rotate together: as transformers does, rotate the
-                # even features with the odd ones, laid out [evens | odds] (rotate-half's).
-                pe = torch.cat((pe[..., 0::2], pe[..., 1::2]), dim=-1)
+                pe = deinterleave(pe)
             pe = apply_rotary(pe, cos, sin, backend=self.backend)
             if rest:
                 query_scale = rest[0][:, None, None]
         backend = self._backend(hidden.device)
-        write_latent(latent, pe[:, heads], kv_cache, meta.slot_mapping, backend=backend)
+        latent_cache = kv_cache[..., : rank + self.rope_dim]
+        write_latent(latent, pe[:, heads], latent_cache, meta.slot_mapping, backend=backend)
         w_uk, w_uv = split_kv_b_proj(self.kv_b_proj.weight, heads, self.nope_dim, self.v_head_dim)
         q_pe = pe[:, :heads]
         if query_scale is not None:
             q_nope, q_pe = q_nope * query_scale, q_pe * query_scale
-        out = mla_attention(
-            absorb_query(q_nope, w_uk), q_pe, kv_cache, meta.query_start_loc,
-            meta.seq_lens, meta.block_table, self.scale, backend=backend,
-        )  # fmt: skip
+        q_latent = absorb_query(q_nope, w_uk)
+        extra = (rope, hidden, q_resid)
+        out = self.attend(q_latent, q_pe, kv_cache, meta, backend, *extra)
         return self.o_proj(project_output(out, w_uv).reshape(num_tokens, -1))
+
+    def attend(self, q_latent, q_pe, kv_cache, meta, backend, rope, hidden, q_resid):
+        """Absorbed attention over the latent cache (DeepSeek Sparse Attention chooses the keys
+        first: ``sparse_attention.py``, from the step's ``rope``, ``hidden`` and ``q_resid``)."""
+        return mla_attention(
+            q_latent, q_pe, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
+            self.scale, backend=backend,
+        )  # fmt: skip
 
     def _backend(self, device: torch.device) -> str:
         chosen = self._resolved.get(device)

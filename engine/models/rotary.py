@@ -20,6 +20,13 @@ from kernels.reference import rotary_torch
 LENGTH_DEPENDENT = ("dynamic", "longrope")
 
 
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Features that rotate in adjacent pairs (x0, x1), (x2, x3)... (DeepSeek's and Llama 4's
+    complex rotary) laid out [evens | odds], so that rotate-half's halves are the pairs; the dot
+    products of a q and a k laid out alike are unchanged."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
 def is_per_layer_type(config) -> bool:
     """True when ``rope_parameters`` holds one entry per layer type (Gemma 3, OLMo 3). A
     type may have no layer: a Gemma 3 config read from GGUF keeps both entries with the

@@ -116,6 +116,9 @@ MLA_MOE = {
     "n_shared_experts": 1, "routed_scaling_factor": 2.0,
 }  # fmt: skip
 
+DSA = {**MLA_MOE, "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2, "index_topk": 8,
+       "index_head_dim": 32, "index_n_heads": 4}  # fmt: skip
+
 # KDA layers first and last around a NoPE latent-attention one (q_proj, as Kimi ships it); the
 # first MLP dense, then DeepSeek's experts under Kimi's names. HF's pad id (163839) is past
 # this vocabulary.
@@ -420,6 +423,10 @@ CASES = [
     ("minicpm3", "minicpm3", {**MLA, "scale_emb": 2.0, "scale_depth": 1.4, "dim_model_base": 32}),
     # Kimi Delta Attention (a decay per key channel) beside latent attention without RoPE.
     ("kimi-linear", "kimi_linear", KIMI_LINEAR),
+    # DeepSeek Sparse Attention: each query attends to the indexer's 8 best keys (every prompt
+    # and continuation passes 8); V3.2's indexer rotates in halves, GLM-5's in pairs.
+    ("deepseek-v32", "deepseek_v32", DSA),
+    ("glm-moe-dsa", "glm_moe_dsa", DSA),
     # Llama 4: chunked local attention (16-token chunks: every prompt crosses one) with complex
     # rotary and L2 QK-norm, NoPE layers with a query temperature that grows every 4 positions,
     # sigmoid-routed experts weighting their input (two per token) beside a shared expert.
@@ -467,7 +474,7 @@ def test_tiny_model_matches_hf(tmp_path_factory, case_id):
 # RoPE with partial rotary (Phi-3 longrope); a latent cache (DeepSeek-V3); experts.
 REGIME_CASES = [
     "gemma2", "gemma3-text", "gemma4-text", "olmo3", "phi3-longrope", "deepseek-v3", "qwen3-moe",
-    "gpt-oss", "glm4-moe", "llama4",
+    "gpt-oss", "glm4-moe", "llama4", "deepseek-v32",
 ]  # fmt: skip
 
 
