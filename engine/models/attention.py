@@ -45,6 +45,10 @@ class AttentionOptions:
     # q and k share).
     rope_interleave: bool = False
     attention_chunk_size: int | None = None  # Llama 4: keys of the query's own chunk only
+    # MiMo-V2-Flash: values narrower than keys (cached padded to the key width: one paged cache
+    # of K and V) and scaled by ``value_scale`` as they are projected.
+    v_head_dim: int | None = None
+    value_scale: float | None = None
 
     def __post_init__(self) -> None:
         if self.qk_norm not in QK_NORMS:
@@ -69,15 +73,22 @@ class Attention(nn.Module):
         opts = options or AttentionOptions()
         self.output_gate = opts.output_gate
         q_head_dim = head_dim * (2 if opts.output_gate else 1)
+        self.v_head_dim = opts.v_head_dim or head_dim
+        if self.v_head_dim > head_dim:
+            raise ValueError(
+                f"v_head_dim={self.v_head_dim} is not supported: must be <= head_dim={head_dim}"
+            )
+        self.value_scale = opts.value_scale
         self.qkv_proj = QKVParallelLinear(
-            hidden_size, num_heads, num_kv_heads, head_dim, opts.qkv_bias, q_head_dim
-        )
+            hidden_size, num_heads, num_kv_heads, head_dim, opts.qkv_bias, q_head_dim,
+            self.v_head_dim,
+        )  # fmt: skip
         # This rank's heads (all of them at one rank).
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=opts.o_bias)
+        self.o_proj = RowParallelLinear(num_heads * self.v_head_dim, hidden_size, bias=opts.o_bias)
         # This rank's heads' gates.
         self.g_proj = ColumnParallelLinear(hidden_size, num_heads) if opts.head_gate else None
         self.qk_norm = opts.qk_norm
@@ -167,12 +178,18 @@ class Attention(nn.Module):
         q = qk[:, :heads]
         if query_scale:  # in fp32, rounded once, as transformers scales it
             q = (q * query_scale[0][:, None, None]).to(q.dtype)
-        v = qkv[:, qk_size:].view(num_tokens, -1, self.head_dim)
+        v = qkv[:, qk_size:].view(num_tokens, -1, self.v_head_dim)
+        if self.value_scale is not None:
+            v = v * self.value_scale
+        if self.v_head_dim != self.head_dim:  # zeros to the key width, dropped from the output
+            v = torch.nn.functional.pad(v, (0, self.head_dim - self.v_head_dim))
         out = self.attn(q, qk[:, heads:], v, kv_cache, meta)
+        if self.v_head_dim != self.head_dim:
+            out = out.view(num_tokens, heads, self.head_dim)[..., : self.v_head_dim]
         if self.g_proj is not None:
             head_gate = torch.sigmoid(self.g_proj(hidden)).unsqueeze(-1)
             out = out.view(num_tokens, heads, self.head_dim) * head_gate
-        out = out.reshape(num_tokens, self.q_size)
+        out = out.reshape(num_tokens, heads * self.v_head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)

@@ -68,11 +68,12 @@ class QKVParallelLinear(nn.Linear):
     """q, k and v projections in one GEMM, split by heads: this rank's ``heads / N`` q heads and
     ``max(1, kv_heads / N)`` KV heads (a KV head replicated on ``N / kv_heads`` ranks when
     there are fewer KV heads than ranks). ``q_head_dim``: a q head's rows where they are more
-    than ``head_dim`` (Qwen3.5's output gate: ``[q_h, gate_h]`` per head)."""
+    than ``head_dim`` (Qwen3.5's output gate: ``[q_h, gate_h]`` per head); ``v_head_dim``: a v
+    head's where values are narrower than keys (MiMo-V2-Flash)."""
 
     def __init__(
         self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-        bias: bool = False, q_head_dim: int | None = None,
+        bias: bool = False, q_head_dim: int | None = None, v_head_dim: int | None = None,
     ) -> None:  # fmt: skip
         n, rank = tp_size(), tp_rank()
         self.num_heads = divide(num_heads, n, "num_attention_heads")
@@ -83,11 +84,16 @@ class QKVParallelLinear(nn.Linear):
             divide(n, num_kv_heads, "tensor_parallel_size over num_key_value_heads")
             self.num_kv_heads, self.kv_head0 = 1, rank * num_kv_heads // n
         self.head_dim, self.q_head_dim = head_dim, q_head_dim or head_dim
-        q, kv = self.num_heads * self.q_head_dim, self.num_kv_heads * head_dim
-        super().__init__(hidden_size, q + 2 * kv, bias)
-        self.shard_offsets = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
-        kv_full = num_kv_heads * head_dim
-        self.full_sizes = {"q": num_heads * self.q_head_dim, "k": kv_full, "v": kv_full}
+        self.v_head_dim = v_head_dim or head_dim
+        q, k = self.num_heads * self.q_head_dim, self.num_kv_heads * head_dim
+        v = self.num_kv_heads * self.v_head_dim
+        super().__init__(hidden_size, q + k + v, bias)
+        self.shard_offsets = {"q": (0, q), "k": (q, k), "v": (q + k, v)}
+        self.full_sizes = {
+            "q": num_heads * self.q_head_dim,
+            "k": num_kv_heads * head_dim,
+            "v": num_kv_heads * self.v_head_dim,
+        }
         _shard_loaders(self, self.full_sizes)
 
     def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
@@ -97,7 +103,7 @@ class QKVParallelLinear(nn.Linear):
         if shard == "q":
             start = tp_rank() * self.num_heads * self.q_head_dim
         else:
-            start = self.kv_head0 * self.head_dim
+            start = self.kv_head0 * (self.v_head_dim if shard == "v" else self.head_dim)
         param.data[offset : offset + size].copy_(tensor.narrow(0, start, size))
 
 

@@ -427,6 +427,13 @@ CASES = [
     # and continuation passes 8); V3.2's indexer rotates in halves, GLM-5's in pairs.
     ("deepseek-v32", "deepseek_v32", DSA),
     ("glm-moe-dsa", "glm_moe_dsa", DSA),
+    # MiMo-V2-Flash: values narrower than keys (24 vs 16, scaled), a third of each head rotated
+    # with a RoPE base per layer type, sliding layers with twice the KV heads and sinks, experts
+    # without a shared one after a dense first layer.
+    ("mimo-v2-flash", "mimo_v2_flash", {"num_hidden_layers": 3, "head_dim": 24, "v_head_dim": 16,
+     "sliding_window": 8, "layer_types": ["full_attention", "sliding_attention",
+     "sliding_attention"], "n_routed_experts": 8, "num_experts_per_tok": 3,
+     "moe_intermediate_size": 32, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.0}),
     # Llama 4: chunked local attention (16-token chunks: every prompt crosses one) with complex
     # rotary and L2 QK-norm, NoPE layers with a query temperature that grows every 4 positions,
     # sigmoid-routed experts weighting their input (two per token) beside a shared expert.
