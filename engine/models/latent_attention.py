@@ -83,6 +83,9 @@ class LatentAttention(nn.Module):
             rope_interleave = bool(getattr(config, "rope_interleave", True))
         self.rope_interleave = rope_interleave
         self.scale = softmax_scale(config)
+        # LongCat-Flash's LoRA scales: the query and the normed latent multiplied as projected.
+        self.q_scale: float | None = None
+        self.latent_scale: float | None = None
         self.backend = backend
         self._resolved: dict[torch.device, str] = {}
 
@@ -104,10 +107,14 @@ class LatentAttention(nn.Module):
             q = self.q_b_proj(q_resid)
         else:
             q, kv_a = self.q_proj(hidden), self.kv_a_proj_with_mqa(hidden)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         q_nope, q_pe = q.view(num_tokens, heads, self.qk_head_dim).split(
             [self.nope_dim, self.rope_dim], dim=-1
         )
         latent = self.kv_a_layernorm(kv_a[:, :rank])
+        if self.latent_scale is not None:
+            latent = latent * self.latent_scale
         # Every head's rope query and the shared rope key: one rotation for all of them.
         pe = torch.cat((q_pe, kv_a[:, None, rank:]), dim=1)
         query_scale = None

@@ -427,6 +427,12 @@ CASES = [
     # and continuation passes 8); V3.2's indexer rotates in halves, GLM-5's in pairs.
     ("deepseek-v32", "deepseek_v32", DSA),
     ("glm-moe-dsa", "glm_moe_dsa", DSA),
+    # LongCat-Flash: two latent-attention sublayers a block (LoRA scales on the query and the
+    # latent), each with a dense MLP, and the shortcut MoE whose router also picks
+    # zero-computation (identity) experts.
+    ("longcat-flash", "longcat_flash", {**MLA, "num_hidden_layers": 4, "head_dim": 16,
+     "n_routed_experts": 6, "zero_expert_num": 3, "moe_topk": 3,
+     "expert_ffn_hidden_size": 32, "ffn_hidden_size": 64, "routed_scaling_factor": 2.0}),
     # MiMo-V2-Flash: values narrower than keys (24 vs 16, scaled), a third of each head rotated
     # with a RoPE base per layer type, sliding layers with twice the KV heads and sinks, experts
     # without a shared one after a dense first layer.
