@@ -14,6 +14,17 @@ from engine.models.rotary import RotaryEmbedding, rope_parameters
 from engine.models.routers import Router
 
 
+def grouped_sigmoid_router(config, num_experts: int) -> Router:
+    """DeepSeek-V3's router as its descendants configure it: grouped sigmoid scores with a
+    correction bias, fp32 (GLM-4.5, MiMo-V2-Flash)."""
+    return Router(
+        config.hidden_size, num_experts, config.num_experts_per_tok,
+        scoring="grouped_topk_sigmoid", renormalize=config.norm_topk_prob,
+        n_group=config.n_group, topk_group=config.topk_group,
+        routed_scaling_factor=config.routed_scaling_factor, fp32_weights=True,
+    )  # fmt: skip
+
+
 class Glm4MoeForCausalLM(MoECausalLM):
     """GLM-4.5's block: dense first layers, then routed and shared experts."""
 
@@ -54,12 +65,7 @@ class Glm4MoeForCausalLM(MoECausalLM):
         it otherwise than ``n_routed_experts`` (Kimi Linear's ``num_experts``)."""
         hidden, top_k = config.hidden_size, config.num_experts_per_tok
         experts = config.n_routed_experts if num_experts is None else num_experts
-        gate = Router(
-            hidden, experts, top_k, scoring="grouped_topk_sigmoid",
-            renormalize=config.norm_topk_prob, n_group=config.n_group,
-            topk_group=config.topk_group, routed_scaling_factor=config.routed_scaling_factor,
-            fp32_weights=True,
-        )  # fmt: skip
+        gate = grouped_sigmoid_router(config, experts)
         inter = config.moe_intermediate_size
         shared = GatedMLP(hidden, inter * config.n_shared_experts, backend)
         return FusedMoE(experts, top_k, hidden, inter, gate, shared_expert=shared, backend=backend)

@@ -9,10 +9,10 @@ from __future__ import annotations
 from engine.models.attention import Attention, AttentionOptions
 from engine.models.config_fields import layer_sliding_window
 from engine.models.decoder import DecoderLayer
+from engine.models.glm4_moe import grouped_sigmoid_router
 from engine.models.mlp import GatedMLP
 from engine.models.moe import FusedMoE, MoECausalLM
 from engine.models.rotary import RotaryEmbedding, rope_parameters
-from engine.models.routers import Router
 
 # transformers' rotary for this family rotates a third of a head where the config says nothing.
 DEFAULT_PARTIAL_ROTARY = 0.334
@@ -61,13 +61,8 @@ class MiMoV2FlashForCausalLM(MoECausalLM):
     @staticmethod
     def make_moe(config, backend: str) -> FusedMoE:
         """Routed experts under grouped sigmoid routing with a correction bias (fp32)."""
-        hidden, top_k, experts = (
-            config.hidden_size, config.num_experts_per_tok, config.n_routed_experts
+        experts = config.n_routed_experts
+        return FusedMoE(
+            experts, config.num_experts_per_tok, config.hidden_size,
+            config.moe_intermediate_size, grouped_sigmoid_router(config, experts), backend=backend,
         )  # fmt: skip
-        gate = Router(
-            hidden, experts, top_k, scoring="grouped_topk_sigmoid",
-            renormalize=config.norm_topk_prob, n_group=config.n_group,
-            topk_group=config.topk_group, routed_scaling_factor=config.routed_scaling_factor,
-            fp32_weights=True,
-        )  # fmt: skip
-        return FusedMoE(experts, top_k, hidden, config.moe_intermediate_size, gate, backend=backend)
