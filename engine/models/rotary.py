@@ -65,6 +65,11 @@ def make_rotaries(config, head_dim: int, max_position: int) -> dict[str, RotaryE
     return {"default": RotaryEmbedding(config, head_dim, max_position)}
 
 
+# Positions tabulated at first: a whole table of a 10M-position model (Llama 4 Scout) would be
+# 10 GB of fp32 cos and sin; it grows as longer sequences come.
+INITIAL_POSITIONS = 8192
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding with a cos/sin cache indexed by absolute position.
 
@@ -102,14 +107,16 @@ class RotaryEmbedding(nn.Module):
             )
         self.rotary_dim = 2 * inv_freq.shape[0]
         self.length_dependent = rope_type in LENGTH_DEPENDENT
+        self.max_position, self.inv_freq = max_position, inv_freq
+        rows = min(max_position, INITIAL_POSITIONS)
         if rope_type == "longrope":
             # Past the pretraining length every token rotates with the long factors.
             self.threshold = int(params["original_max_position_embeddings"])
-            long_inv_freq, _ = self._init_fn(seq_len=self.threshold + 1)
-            self.long_cos, self.long_sin = self._table(long_inv_freq, max_position)
+            self.long_inv_freq, _ = self._init_fn(seq_len=self.threshold + 1)
+            self.long_cos, self.long_sin = self._table(self.long_inv_freq, rows)
         elif rope_type == "dynamic":
             self.threshold = int(config.max_position_embeddings)
-        self.cos, self.sin = self._table(inv_freq, max_position)
+        self.cos, self.sin = self._table(inv_freq, rows)
 
     def _init_fn(self, **kwargs):
         if self.layer_type is not None:
@@ -124,6 +131,19 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos() * self.scaling, emb.sin() * self.scaling
 
+    def _cover(self, positions: torch.Tensor) -> None:
+        """Grow the tables (doubling, to ``max_position`` at most) to cover ``positions``: the
+        same fp32 values a whole table would hold."""
+        rows = self.cos.shape[0]
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need <= rows or rows >= self.max_position:
+            return
+        rows, device = min(self.max_position, max(need, 2 * rows)), self.cos.device
+        self.cos, self.sin = (t.to(device) for t in self._table(self.inv_freq, rows))
+        if self.rope_type == "longrope":
+            tables = self._table(self.long_inv_freq, rows)
+            self.long_cos, self.long_sin = (t.to(device) for t in tables)
+
     def to_device(self, device: torch.device) -> None:
         """Move the fp32 cos/sin caches to ``device``."""
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
@@ -132,6 +152,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotate ``q`` ``[T, heads, D]`` and ``k`` ``[T, kv_heads, D]`` by their positions."""
+        self._cover(positions)
         return rotary_torch(positions, q, k, self.cos, self.sin)
 
     def cos_sin(
@@ -146,6 +167,7 @@ class RotaryEmbedding(nn.Module):
         ``rope_lengths`` (a length-dependent type only): the sequence length each token's
         frequencies are computed for.
         """
+        self._cover(positions)
         cos, sin = self.cos[positions], self.sin[positions]
         if self.length_dependent and rope_lengths is not None:
             cos, sin = self._length_dependent(positions, rope_lengths, cos, sin)

@@ -74,3 +74,22 @@ def test_rotary_reference_is_the_engine_layer():
     got = rotary_torch(positions, q, k, rotary.cos, rotary.sin)
     want = rotary(positions, q, k)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_rotary_tables_grow_to_the_positions_a_step_needs():
+    """A 10M-position model (Llama 4 Scout) gets no 10 GB table at load: the tables start at
+    ``INITIAL_POSITIONS`` and grow, with the values a whole table holds."""
+    from transformers import LlamaConfig
+
+    from engine.models.rotary import INITIAL_POSITIONS, RotaryEmbedding
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=2)
+    lazy = RotaryEmbedding(config, 32, 10_000_000)
+    assert lazy.cos.shape[0] == INITIAL_POSITIONS
+    positions = torch.tensor([3, INITIAL_POSITIONS + 5, 3 * INITIAL_POSITIONS])
+    cos, sin = lazy.cos_sin(positions, torch.float32)
+    assert lazy.cos.shape[0] == 3 * INITIAL_POSITIONS + 1  # grown to what was needed
+    whole = RotaryEmbedding(config, 32, 3 * INITIAL_POSITIONS + 1)
+    whole.cos, whole.sin = whole._table(whole.inv_freq, 3 * INITIAL_POSITIONS + 1)
+    want_cos, want_sin = whole.cos_sin(positions, torch.float32)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
