@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from engine.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheGroup,
     LatentAttentionSpec,
@@ -268,6 +269,8 @@ class KVCacheManager:
 
 
 def _kind(group: KVCacheGroup) -> str:
+    if isinstance(group.spec, ChunkedLocalAttentionSpec):
+        return f"attention_chunk_size={group.spec.attention_chunk_size}"
     if isinstance(group.spec, SlidingWindowSpec):
         return f"sliding_window={group.spec.sliding_window}"
     if isinstance(group.spec, LatentAttentionSpec):

@@ -59,6 +59,22 @@ class SlidingWindowSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkedLocalAttentionSpec(SlidingWindowSpec):
+    """K and V of the query's own chunk (Llama 4's ``attention_chunk_size`` C, a whole number of
+    blocks): a query at ``p`` reads keys from ``C * (p // C)`` on, so the blocks of earlier
+    chunks are given back as a window's are."""
+
+    attention_chunk_size: int = 0
+
+    def first_needed_block(self, first_query_pos: int, block_size: int) -> int:
+        chunk = self.attention_chunk_size
+        return first_query_pos // chunk * chunk // block_size
+
+    def max_blocks(self, num_tokens: int, block_size: int) -> int:
+        return min(-(-num_tokens // block_size), self.attention_chunk_size // block_size + 1)
+
+
+@dataclass(frozen=True, slots=True)
 class LatentAttentionSpec:
     """Multi-head latent attention (DeepSeek-V2/V3): one compressed latent and one rope key per
     token, shared by every head, no separate K and V (``kernels/mla.py``): 512 + 64 = 576 values

@@ -114,6 +114,7 @@ class Attention(nn.Module):
             )
         self.rotary_dim = opts.rotary_dim or head_dim
         self.sliding_window = opts.sliding_window
+        self.attention_chunk_size = opts.attention_chunk_size
         self.rope_interleave = opts.rope_interleave
         self.backend = backend
         if opts.sinks:  # this rank's heads' sinks

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+from engine.kv_cache_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 from engine.models.linear import load_param
 from engine.models.norm import RMSNorm
 from engine.models.packed_linear import pack, prepack_supported
@@ -102,7 +102,14 @@ class CausalLM(nn.Module):
                 continue
             attn = layer.self_attn
             window = attn.sliding_window
-            if window is None:
+            chunk = getattr(attn, "attention_chunk_size", None)
+            if chunk is not None:
+                specs.append(
+                    ChunkedLocalAttentionSpec(
+                        attn.num_kv_heads, attn.head_dim, attention_chunk_size=chunk
+                    )
+                )
+            elif window is None:
                 specs.append(FullAttentionSpec(attn.num_kv_heads, attn.head_dim))
             else:
                 specs.append(SlidingWindowSpec(attn.num_kv_heads, attn.head_dim, window))

@@ -585,6 +585,25 @@ def test_latent_cache_keeps_one_row_per_token_per_layer(tmp_path_factory):
     assert num_blocks == 2**22 // (bs * layers * per_token_layer)
 
 
+def test_chunked_layers_give_back_the_blocks_of_earlier_chunks(tmp_path_factory):
+    """Llama 4's chunked layers keep the blocks of the query's own chunk only (16-token chunks
+    of one block here), its NoPE layers every block; the tokens stay HF's (and under chunked
+    prefill, preemption and prefix hits: the regimes above)."""
+    folder, expected = built("llama4", tmp_path_factory)
+    engine = tiny_llm(folder).llm_engine
+    engine.add_request("long", PROMPTS[1], GREEDY)  # 33 + 20 tokens: 4 blocks
+    held, tokens = [], []
+    while engine.has_unfinished_requests():
+        tokens = engine.step()[0].outputs[0].token_ids
+        usage = dict(engine.get_stats().kv_blocks_by_group)
+        held.append((usage["full_attention"], usage["attention_chunk_size=16"]))
+    assert tokens == expected[1]
+    # The prefill step holds the prompt's 3 blocks; each decode its own chunk's one block; the
+    # request's end gives back everything.
+    assert held[0] == (3, 3) and {c for _, c in held[1:-1]} == {1}
+    assert held[-2][0] == 4 and held[-1] == (0, 0)
+
+
 def test_unsupported_architecture_is_refused(tmp_path):
     folder = make_tiny_model(tmp_path / "m", "llama")
     cfg = json.loads((folder / "config.json").read_text())
