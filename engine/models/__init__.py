@@ -40,6 +40,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "youtu": ("engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "sarvam_mla": ("engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "axk1": ("engine.models.axk1", "AXK1ForCausalLM"),
+    "axk2": ("engine.models.axk2", "AXK2ForCausalLM"),
     "deepseek_v32": ("engine.models.deepseek_v32", "DeepseekV32ForCausalLM"),
     "glm_moe_dsa": ("engine.models.deepseek_v32", "DeepseekV32ForCausalLM"),
     "deepseek_v2": ("engine.models.deepseek_v2", "DeepseekV2ForCausalLM"),

@@ -100,11 +100,10 @@ class LatentAttention(nn.Module):
         (``query_scale`` ``[tokens]``: Mistral 4's Llama-4 attention scaling);
         ``kv_cache`` the layer's ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``."""
         num_tokens, heads, rank = hidden.shape[0], self.num_heads, self.kv_lora_rank
-        q_resid = None
+        q_resid = gate = None
         if self.q_lora_rank is not None:
             q_a, kv_a = self.qkv_a_proj(hidden).split([self.q_lora_rank, rank + self.rope_dim], 1)
-            q_resid = self.q_a_layernorm(q_a)
-            q = self.q_b_proj(q_resid)
+            q, q_resid, gate = self.project_query(q_a)
         else:
             q, kv_a = self.q_proj(hidden), self.kv_a_proj_with_mqa(hidden)
         if self.q_scale is not None:
@@ -135,7 +134,16 @@ class LatentAttention(nn.Module):
         q_latent = absorb_query(q_nope, w_uk)
         extra = (rope, hidden, q_resid)
         out = self.attend(q_latent, q_pe, kv_cache, meta, backend, *extra)
-        return self.o_proj(project_output(out, w_uv).reshape(num_tokens, -1))
+        out = project_output(out, w_uv).reshape(num_tokens, -1)
+        if gate is not None:  # in fp32, rounded once, as transformers gates it
+            out = (out * torch.sigmoid(gate.float())).to(out.dtype)
+        return self.o_proj(out)
+
+    def project_query(self, q_a: torch.Tensor):
+        """``(q, q_resid, output gate or None)`` from the query LoRA's down projection ``q_a``:
+        ``q_b_proj`` of the normed latent (A.X-K2 derives a gate per head too)."""
+        q_resid = self.q_a_layernorm(q_a)
+        return self.q_b_proj(q_resid), q_resid, None
 
     def attend(self, q_latent, q_pe, kv_cache, meta, backend, rope, hidden, q_resid):
         """Absorbed attention over the latent cache (DeepSeek Sparse Attention chooses the keys

@@ -71,11 +71,14 @@ def grouped_topk_sigmoid(
     renormalize: bool,
     routed_scaling_factor: float,
     renormalize_eps: float = 1e-20,
+    group_fill: float = float("-inf"),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights fp32, ids)`` of DeepSeek-V3's grouped sigmoid routing (fp32 ``logits``)."""
+    """``(weights fp32, ids)`` of DeepSeek-V3's grouped sigmoid routing (fp32 ``logits``); the
+    experts outside the chosen groups score ``group_fill`` (A.X-K2: 0)."""
     scores = logits.sigmoid()
     choice = scores + correction_bias
-    choice = choice.masked_fill(~group_mask(choice, n_group, topk_group), float("-inf"))
+    if n_group > 1:
+        choice = choice.masked_fill(~group_mask(choice, n_group, topk_group), group_fill)
     ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if renormalize:
@@ -136,6 +139,7 @@ class Router(KeepsPackedDtypes):
         renormalize_eps: float = 1e-20,  # LFM2-MoE adds 1e-6 to the sum it divides by
         fp32_weights: bool = False,
         group_score: str = "top2",
+        group_fill: float = float("-inf"),
     ) -> None:
         super().__init__()
         if scoring not in SCORING:
@@ -158,7 +162,7 @@ class Router(KeepsPackedDtypes):
         self.routed_scaling_factor = routed_scaling_factor
         self.round_weights = round_weights
         self.renormalize_eps = renormalize_eps
-        self.group_score = group_score
+        self.group_score, self.group_fill = group_score, group_fill
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
         if scoring == "grouped_topk_sigmoid":  # a parameter, so that checkpoints load it
@@ -193,6 +197,7 @@ class Router(KeepsPackedDtypes):
                 self.renormalize,
                 self.routed_scaling_factor,
                 self.renormalize_eps,
+                self.group_fill,
             )
         if self.round_weights:
             weights = weights.to(x.dtype)

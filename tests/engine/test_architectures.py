@@ -427,6 +427,10 @@ CASES = [
     # and continuation passes 8); V3.2's indexer rotates in halves, GLM-5's in pairs.
     ("deepseek-v32", "deepseek_v32", DSA),
     ("glm-moe-dsa", "glm_moe_dsa", DSA),
+    # A.X-K2: the sparse block with a query-and-gate projection (the output gated per head),
+    # gated RMSNorms, sigmoid routing in groups whose outsiders score 0.
+    ("axk2", "axk2", {**DSA, "mlp_layer_types": ["dense", "sparse", "sparse"],
+                      "gated_norm_rank": 8}),
     # LongCat-Flash: two latent-attention sublayers a block (LoRA scales on the query and the
     # latent), each with a dense MLP, and the shortcut MoE whose router also picks
     # zero-computation (identity) experts.
