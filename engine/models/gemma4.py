@@ -146,7 +146,7 @@ class Gemma4DecoderLayer(DecoderLayer):
             self.pre_feedforward_layernorm_2 = RMSNorm(size, eps, backend)
             self.post_feedforward_layernorm_1 = RMSNorm(size, eps, backend)
             self.post_feedforward_layernorm_2 = RMSNorm(size, eps, backend)
-        self.per_layer_size = config.hidden_size_per_layer_input
+        self.per_layer_size = getattr(config, "hidden_size_per_layer_input", None)
         if self.per_layer_size:
             size = self.per_layer_size
             self.per_layer_input_gate = nn.Linear(config.hidden_size, size, bias=False)
@@ -199,7 +199,7 @@ class Gemma4ForCausalLM(CausalLM):
                 )
             self.layers.append(layer)
         self.norm = self.make_norm()
-        self.per_layer_size = size = config.hidden_size_per_layer_input
+        self.per_layer_size = size = getattr(config, "hidden_size_per_layer_input", None)
         if size:
             layers = config.num_hidden_layers
             self.embed_tokens_per_layer = nn.Embedding(

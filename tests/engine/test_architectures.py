@@ -214,6 +214,14 @@ CASES = [
         },
     ),
     (
+        "gemma4-unified-text",  # Gemma 4 12B's text model: Gemma 4's layers, no per-layer inputs
+        "gemma4_unified_text",
+        {"num_hidden_layers": 4, "head_dim": 16, "global_head_dim": 32,
+         "num_global_key_value_heads": 1, "layer_types": SLIDING_FULL * 2, "sliding_window": 8,
+         "num_kv_shared_layers": 2, "attention_k_eq_v": True, "use_double_wide_mlp": True,
+         "final_logit_softcapping": 30.0},
+    ),
+    (
         "gemma4-moe",  # 26B-A4B's block: routed GeGLU experts beside the dense MLP
         "gemma4_text",
         {

@@ -1,5 +1,5 @@
-"""A multimodal checkpoint serves its text model (engine/multimodal.py): tiny Gemma 3, Mistral 3
-and Llama 4 wrappers (a vision tower and projector beside the text decoder, saved by transformers
+"""A multimodal checkpoint serves its text model (engine/multimodal.py): tiny Gemma 3, Gemma 4
+12B, Mistral 3 and Llama 4 wrappers (a vision tower and projector beside the text decoder, saved by transformers
 itself) give the wrapper's own greedy tokens on text prompts, the towers' weights unread; a
 wrapper around a text model pagedq does not run is refused naming it."""
 
@@ -45,6 +45,15 @@ WRAPPERS = {
                "vision_config": {**VISION, "model_type": "llama4_vision_model",
                                  "vision_output_dim": 32, "projector_input_dim": 32,
                                  "projector_output_dim": 32}},
+    # Gemma 4 12B ("unified"): Gemma 4's text layers (K = V global layers, KV shared across
+    # layers) beside a patch embedder
+    "gemma4_unified": {"text_config": {**TINY, "model_type": "gemma4_unified_text",
+                                       "head_dim": 16, "global_head_dim": 32,
+                                       "layer_types": ["sliding_attention", "full_attention"],
+                                       "sliding_window": 8, "attention_k_eq_v": True},
+                       "vision_config": {"model_type": "gemma4_unified_vision", "patch_size": 4,
+                                         "mm_embed_dim": 32, "mm_posemb_size": 16,
+                                         "output_proj_dims": 32}},
 }  # fmt: skip
 
 
