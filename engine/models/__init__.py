@@ -61,6 +61,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "jamba": ("engine.models.jamba", "JambaForCausalLM"),
     "minimax": ("engine.models.minimax", "MiniMaxForCausalLM"),
     "zamba2": ("engine.models.zamba2", "Zamba2ForCausalLM"),
+    "mllama_text_model": ("engine.models.mllama", "MllamaForCausalLM"),
     "llama4_text": ("engine.models.llama4", "Llama4ForCausalLM"),
     "longcat_flash": ("engine.models.longcat_flash", "LongcatFlashForCausalLM"),
     "mimo_v2_flash": ("engine.models.mimo_v2_flash", "MiMoV2FlashForCausalLM"),

@@ -1,7 +1,8 @@
 """A multimodal checkpoint serves its text model (engine/multimodal.py): tiny Gemma 3, Gemma 4
-12B, Mistral 3 and Llama 4 wrappers (a vision tower and projector beside the text decoder, saved by transformers
-itself) give the wrapper's own greedy tokens on text prompts, the towers' weights unread; a
-wrapper around a text model pagedq does not run is refused naming it."""
+12B, Mistral 3, Llama 3.2 Vision and Llama 4 wrappers (a vision tower and projector beside the
+text decoder, saved by transformers itself) give the wrapper's own greedy tokens on text
+prompts, the towers' weights unread; a wrapper around a text model pagedq does not run is
+refused naming it."""
 
 from __future__ import annotations
 
@@ -54,6 +55,16 @@ WRAPPERS = {
                        "vision_config": {"model_type": "gemma4_unified_vision", "patch_size": 4,
                                          "mm_embed_dim": 32, "mm_posemb_size": 16,
                                          "output_proj_dims": 32}},
+    # Llama 3.2 Vision (11B, 90B): Llama 3.1's layers with cross-attention layers to the image
+    # among them, which a text prompt skips
+    "mllama": {"text_config": {**TINY, "model_type": "mllama_text_model",
+                               "num_hidden_layers": 4, "cross_attention_layers": [1, 3],
+                               "pad_token_id": 0},
+               "vision_config": {"model_type": "mllama_vision_model", "hidden_size": 32,
+                                 "intermediate_size": 64, "num_hidden_layers": 2,
+                                 "num_global_layers": 1, "attention_heads": 2,
+                                 "vision_output_dim": 64, "image_size": 28, "patch_size": 14,
+                                 "intermediate_layers_indices": [0]}},
 }  # fmt: skip
 
 
