@@ -75,6 +75,10 @@ CASES = [
     ("bitnet", "bitnet", {}),  # sub-norms inside attention and MLP, ReLU^2 (weights unpacked)
     ("cohere", "cohere", {}),  # parallel block, LayerNorm, logit_scale
     ("cohere2", "cohere2", WINDOW),  # windows, no RoPE on the full layers
+    # North (Cohere Compass' text model): a RoPE base per layer type, windows
+    ("cohere_compass_text", "cohere_compass_text", {**WINDOW, "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 50000.0}}}),
     ("cohere2_moe", "cohere2_moe",  # parallel block and windows of cohere2, with experts
      {"head_dim": 16, **WINDOW, "num_experts": 8, "num_experts_per_tok": 3}),
     ("cwm", "cwm", {"head_dim": 16, **WINDOW}),  # Llama with sliding/full layers, llama3 RoPE
