@@ -3,7 +3,8 @@ two RoPE bases, Gemma's chat template), a Phi-3 with longrope (length-dependent 
 DeepSeek-V3 (latent attention over a latent cache, grouped-sigmoid experts), a Qwen3.5
 (hybrid linear attention: state slots beside paged KV), a Falcon-H1 (Mamba-2 beside attention
 in every layer), a pure Mamba-2 LM (no attention layer: state slots and a block table that only
-counts tokens), a GPTQ llama (4-bit act-order weights
+counts tokens), a Llama 4 (chunked local attention, its prompts in 8-token chunks), a
+DeepSeek-V3.2 (sparse attention: the indexer's 8 best keys), a GPTQ llama (4-bit act-order weights
 kept packed) and a Cohere2 (no native family: the default `--model-impl auto` serves it on the
 Transformers modeling backend; sliding layers, full layers without RoPE), one worker each, all on
 the module's Redis. Token-id prompts give Hugging Face's greedy tokens; a chat, seeded n > 1
@@ -38,14 +39,17 @@ pytestmark = pytest.mark.slow
 
 CASES = [
     "gemma3-text", "phi3-longrope", "deepseek-v3", "qwen3-moe", "gpt-oss", "qwen3.5", "falcon-h1",
-    "mamba2", "jamba",
+    "mamba2", "jamba", "llama4", "deepseek-v32",
 ]  # fmt: skip
 QUANTIZED = ["gptq-asym-act-order"]  # tests/engine/test_quantized.py's cases
 BACKEND = ["cohere2"]  # tests/engine/test_transformers_backend.py's cases
 ALL_CASES = CASES + QUANTIZED + BACKEND
 # Flags of one case's worker: Falcon-H1's prompts arrive in 8-token chunks, so its SSM and conv
 # states carry from step to step inside the worker.
-WORKER_FLAGS = {"falcon-h1": ("--max-num-batched-tokens", "8")}
+WORKER_FLAGS = {
+    "falcon-h1": ("--max-num-batched-tokens", "8"),
+    "llama4": ("--max-num-batched-tokens", "8"),  # prefill chunks across its 16-token chunks
+}
 
 
 @pytest.fixture(scope="module")
