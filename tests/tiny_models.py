@@ -73,6 +73,8 @@ def tiny_hf_model(model_type: str, seed: int = 0, **overrides):
                 p.normal_(0, 0.1)
             elif "norm" in name:  # around its init: 1 (Llama) or 0 (Gemma's 1 + w)
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("correct_output_scale"):  # Gemma 3n's AltUp: 0 at init
+                p.normal_(1.0, 0.2)
         for name, b in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # zeros at init
                 b.normal_(0, 0.1)

@@ -23,6 +23,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "gemma2": ("engine.models.gemma", "Gemma2ForCausalLM"),
     "gemma3_text": ("engine.models.gemma", "Gemma3ForCausalLM"),
     "gemma4_text": ("engine.models.gemma4", "Gemma4ForCausalLM"),
+    "gemma3n_text": ("engine.models.gemma3n", "Gemma3nForCausalLM"),
     "gemma4_unified_text": ("engine.models.gemma4", "Gemma4ForCausalLM"),
     "olmo2": ("engine.models.olmo", "Olmo2ForCausalLM"),
     "olmo3": ("engine.models.olmo", "Olmo2ForCausalLM"),

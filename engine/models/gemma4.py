@@ -45,7 +45,7 @@ class Gemma4Attention(nn.Module):
         self.head_dim = head_dim = layer.head_dim
         self.shares_kv = config.kv_sharing_modes[layer_idx] == "reuse"
         sliding = config.layer_types[layer_idx] == "sliding_attention"
-        self.k_eq_v = bool(config.attention_k_eq_v) and not sliding
+        self.k_eq_v = bool(getattr(config, "attention_k_eq_v", False)) and not sliding
         self.q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         shards = {"q": self.q_size}
         if not self.shares_kv:

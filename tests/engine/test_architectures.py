@@ -214,6 +214,15 @@ CASES = [
         },
     ),
     (
+        "gemma3n-text",  # AltUp streams, LAuReL, sparse GeGLU in the first layers, per-layer
+        # inputs, the last two layers reading the first two's KV
+        "gemma3n_text",
+        {"num_hidden_layers": 4, "head_dim": 16, "layer_types": SLIDING_FULL * 2,
+         "sliding_window": 8, "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8,
+         "laurel_rank": 8, "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0],
+         "intermediate_size": [128, 96, 128, 64], "vocab_size_per_layer_input": 4000},
+    ),
+    (
         "gemma4-unified-text",  # Gemma 4 12B's text model: Gemma 4's layers, no per-layer inputs
         "gemma4_unified_text",
         {"num_hidden_layers": 4, "head_dim": 16, "global_head_dim": 32,
