@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.causal_lm import CausalLM
-from engine.models.gemma4 import Gemma4Attention
+from engine.models.gemma4 import Gemma4Attention, is_unused_kv_weight, share_kv
 from engine.models.linear import MergedLinear
 from engine.models.norm import RMSNorm
 from engine.models.rotary import RotaryEmbedding
@@ -152,16 +152,10 @@ class Gemma3nForCausalLM(CausalLM):
             self.rotaries[layer_type] = RotaryEmbedding(
                 config, config.head_dim, max_position, layer_type=layer_type
             )
-        modes = config.kv_sharing_modes
         for i in range(layers):
             layer = Gemma3nDecoderLayer(config, i, max_position, backend)
             layer.rope_key = config.layer_types[i]
-            if modes[i] == "reuse":  # the last earlier layer of its type that keeps a cache
-                layer.kv_shared_from = max(
-                    j
-                    for j in range(i)
-                    if modes[j] != "reuse" and config.layer_types[j] == config.layer_types[i]
-                )
+            share_kv(layer, config, i)
             self.layers.append(layer)
         self.norm = self.make_norm()
         self.per_layer_size = size = config.hidden_size_per_layer_input
@@ -206,10 +200,4 @@ class Gemma3nForCausalLM(CausalLM):
         return self.norm(torch.stack(unembedded).mean(dim=0))
 
     def checkpoint_name(self, name: str) -> str | None:
-        # Checkpoints keep K/V weights of the sharing layers, which never run.
-        parts = name.split(".")
-        if len(parts) > 3 and parts[0] == "layers" and parts[2] == "self_attn":
-            layer = self.layers[int(parts[1])]
-            if layer.self_attn.shares_kv and parts[3] in ("k_proj", "v_proj", "k_norm", "v_norm"):
-                return None
-        return super().checkpoint_name(name)
+        return None if is_unused_kv_weight(self.layers, name) else super().checkpoint_name(name)

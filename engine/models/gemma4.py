@@ -170,6 +170,26 @@ class Gemma4DecoderLayer(DecoderLayer):
         return hidden * self.layer_scalar
 
 
+def share_kv(layer: nn.Module, config, i: int) -> None:
+    """Where layer ``i`` reads another's KV (``kv_sharing_modes[i]`` "reuse"), set its
+    ``kv_shared_from``: the last earlier layer of its type that keeps a cache."""
+    modes, types = config.kv_sharing_modes, config.layer_types
+    if modes[i] == "reuse":
+        layer.kv_shared_from = max(
+            j for j in range(i) if modes[j] != "reuse" and types[j] == types[i]
+        )
+
+
+def is_unused_kv_weight(layers: nn.ModuleList, name: str) -> bool:
+    """True for a K/V weight of a layer that reads another's KV: checkpoints keep some, and
+    they never run."""
+    parts = name.split(".")
+    if len(parts) > 3 and parts[0] == "layers" and parts[2] == "self_attn":
+        shares = layers[int(parts[1])].self_attn.shares_kv
+        return shares and parts[3] in ("k_proj", "v_proj", "k_norm", "v_norm")
+    return False
+
+
 class Gemma4ForCausalLM(CausalLM):
     """Gemma 4 (text)."""
 
@@ -187,16 +207,10 @@ class Gemma4ForCausalLM(CausalLM):
             self.rotaries[layer_type] = RotaryEmbedding(
                 config, head_dim, max_position, layer_type=layer_type
             )
-        modes = config.kv_sharing_modes
         for i in range(config.num_hidden_layers):
             layer = Gemma4DecoderLayer(config, i, max_position, backend)
             layer.rope_key = config.layer_types[i]
-            if modes[i] == "reuse":  # the last earlier layer of its type that keeps a cache
-                layer.kv_shared_from = max(
-                    j
-                    for j in range(i)
-                    if modes[j] != "reuse" and config.layer_types[j] == config.layer_types[i]
-                )
+            share_kv(layer, config, i)
             self.layers.append(layer)
         self.norm = self.make_norm()
         self.per_layer_size = size = getattr(config, "hidden_size_per_layer_input", None)
@@ -233,10 +247,4 @@ class Gemma4ForCausalLM(CausalLM):
         return self.norm(hidden)
 
     def checkpoint_name(self, name: str) -> str | None:
-        # Some checkpoints keep K/V weights of the sharing layers, which never run.
-        parts = name.split(".")
-        if len(parts) > 3 and parts[0] == "layers" and parts[2] == "self_attn":
-            layer = self.layers[int(parts[1])]
-            if layer.self_attn.shares_kv and parts[3] in ("k_proj", "v_proj", "k_norm", "v_norm"):
-                return None
-        return super().checkpoint_name(name)
+        return None if is_unused_kv_weight(self.layers, name) else super().checkpoint_name(name)

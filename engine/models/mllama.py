@@ -41,6 +41,5 @@ class MllamaForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         vocab = self.config.vocab_size
         super().load_weights(
-            (name, t[:vocab] if name.endswith("embed_tokens.weight") else t)
-            for name, t in weights
+            (name, t[:vocab] if name.endswith("embed_tokens.weight") else t) for name, t in weights
         )
