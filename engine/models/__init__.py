@@ -62,6 +62,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "jamba": ("engine.models.jamba", "JambaForCausalLM"),
     "minimax": ("engine.models.minimax", "MiniMaxForCausalLM"),
     "zamba2": ("engine.models.zamba2", "Zamba2ForCausalLM"),
+    "falcon": ("engine.models.falcon", "FalconForCausalLM"),
     "mllama_text_model": ("engine.models.mllama", "MllamaForCausalLM"),
     "llama4_text": ("engine.models.llama4", "Llama4ForCausalLM"),
     "longcat_flash": ("engine.models.longcat_flash", "LongcatFlashForCausalLM"),

@@ -461,6 +461,14 @@ CASES = [
      "sliding_window": 8, "layer_types": ["full_attention", "sliding_attention",
      "sliding_attention"], "n_routed_experts": 8, "num_experts_per_tok": 3,
      "moe_intermediate_size": 32, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.0}),
+    # Falcon: one fused qkv in each of its three layouts, LayerNorms with biases, GeLU MLPs;
+    # multi-query with attention and MLP side by side (7B), the new decoder architecture's KV
+    # groups with a LayerNorm each (40B / 180B), and per-head qkv in sequence.
+    ("falcon-7b", "falcon", {"multi_query": True, "parallel_attn": True}),
+    ("falcon-40b", "falcon", {"new_decoder_architecture": True, "num_kv_heads": 2,
+                              "bias": True}),
+    ("falcon-sequential", "falcon", {"multi_query": False, "parallel_attn": False,
+                                     "bias": True}),
     # Llama 4: chunked local attention (16-token chunks: every prompt crosses one) with complex
     # rotary and L2 QK-norm, NoPE layers with a query temperature that grows every 4 positions,
     # sigmoid-routed experts weighting their input (two per token) beside a shared expert.
@@ -623,6 +631,12 @@ def test_chunked_layers_give_back_the_blocks_of_earlier_chunks(tmp_path_factory)
     # request's end gives back everything.
     assert held[0] == (3, 3) and {c for _, c in held[1:-1]} == {1}
     assert held[-2][0] == 4 and held[-1] == (0, 0)
+
+
+def test_falcon_with_alibi_is_refused_naming_the_field(tmp_path):
+    folder = make_tiny_model(tmp_path / "m", "falcon", alibi=True, multi_query=False)
+    with pytest.raises(ValueError, match=r"alibi=True .* not supported"):
+        tiny_llm(folder)
 
 
 def test_unsupported_architecture_is_refused(tmp_path):

@@ -1,0 +1,135 @@
+"""Falcon (``falcon``: Falcon-7B / 40B / 180B, Falcon 2 11B; RoPE, not ALiBi): LayerNorms with
+biases, one fused ``query_key_value`` projection in one of three layouts (multi-query: all q
+heads, then one k and one v; the new decoder architecture: per KV group its q heads, its k and
+its v; else per head q, k, v), a GeLU MLP, and attention and MLP side by side on the block's
+input (``parallel_attn``; the new architecture with a LayerNorm each, ``num_ln_in_parallel_attn``
+2) or one after the other. Transformers' Falcon calls no ``AttentionInterface``, so the backend
+cannot run it: this file does."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.attention import Attention, AttentionOptions
+from engine.models.causal_lm import CausalLM
+from engine.models.rotary import RotaryEmbedding
+from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+# Checkpoint module names -> ours (after ``transformer.`` is dropped).
+_RENAMES = (
+    ("word_embeddings.", "embed_tokens."),
+    ("h.", "layers."),
+    ("ln_f.", "norm."),
+    (".self_attention.dense.", ".self_attn.o_proj."),
+)
+
+
+class GeluMLP(nn.Module):
+    """``dense_4h_to_h(gelu(dense_h_to_4h(x)))``."""
+
+    def __init__(self, hidden_size: int, ffn_size: int, bias: bool) -> None:
+        super().__init__()
+        self.dense_h_to_4h = ColumnParallelLinear(hidden_size, ffn_size, bias=bias)
+        self.dense_4h_to_h = RowParallelLinear(ffn_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
+
+
+class FalconDecoderLayer(nn.Module):
+    """Attention and MLP in parallel on the input, or in sequence; residuals added here."""
+
+    def __init__(self, config, num_kv_heads: int, backend: str) -> None:
+        super().__init__()
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        eps, bias = config.layer_norm_epsilon, bool(config.bias)
+        self.self_attn = Attention(
+            hidden, heads, num_kv_heads, hidden // heads, backend,
+            AttentionOptions(qkv_bias=bias, o_bias=bias),
+        )  # fmt: skip
+        self.mlp = GeluMLP(hidden, config.ffn_hidden_size or 4 * hidden, bias)
+        self.parallel = bool(config.parallel_attn or config.new_decoder_architecture)
+        self.two_norms = bool(config.new_decoder_architecture) and (
+            config.num_ln_in_parallel_attn in (None, 2)
+        )
+        if self.two_norms:
+            self.ln_attn = nn.LayerNorm(hidden, eps=eps)
+            self.ln_mlp = nn.LayerNorm(hidden, eps=eps)
+        else:
+            self.input_layernorm = nn.LayerNorm(hidden, eps=eps)
+            if not self.parallel:
+                self.post_attention_layernorm = nn.LayerNorm(hidden, eps=eps)
+
+    def forward(self, rope, hidden, residual, kv_cache, meta):
+        """``(x + attn + mlp, None)``: the residual is added inside the block."""
+        if self.two_norms:
+            attn_in, mlp_in = self.ln_attn(hidden), self.ln_mlp(hidden)
+        else:
+            attn_in = mlp_in = self.input_layernorm(hidden)
+        attn = self.self_attn(rope, attn_in, kv_cache, meta)
+        if not self.parallel:
+            hidden = hidden + attn
+            return hidden + self.mlp(self.post_attention_layernorm(hidden)), None
+        return hidden + (self.mlp(mlp_in) + attn), None
+
+
+class FalconForCausalLM(CausalLM):
+    """Falcon with rotary positions."""
+
+    def __init__(self, config, max_position: int, backend: str = "auto") -> None:
+        if config.alibi:
+            raise ValueError(
+                "alibi=True (Falcon-RW's ALiBi positions) is not supported: pagedq runs Falcon "
+                "with rotary positions (alibi=False)"
+            )
+        super().__init__(config, max_position, backend)
+        heads = config.num_attention_heads
+        if config.new_decoder_architecture:
+            self.num_kv_heads = config.num_kv_heads
+        else:
+            self.num_kv_heads = 1 if config.multi_query else heads
+        head_dim = config.hidden_size // heads
+        self.rotaries["default"] = RotaryEmbedding(config, head_dim, max_position)
+        for _ in range(config.num_hidden_layers):
+            layer = FalconDecoderLayer(config, self.num_kv_heads, backend)
+            layer.rope_key = "default"
+            self.layers.append(layer)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        name = name.removeprefix("transformer.")
+        for old, new in _RENAMES:
+            name = name.replace(old, new) if old.startswith(".") else _prefix(name, old, new)
+        return super().checkpoint_name(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The fused ``query_key_value`` tensors split into q, k and v in our order."""
+        super().load_weights(self._split_qkv(weights))
+
+    def _split_qkv(self, weights):
+        config, heads = self.config, self.config.num_attention_heads
+        head_dim, kv = config.hidden_size // heads, self.num_kv_heads
+        for name, tensor in weights:
+            if ".self_attention.query_key_value." not in name:
+                yield name, tensor
+                continue
+            rest = tensor.shape[1:]
+            if config.new_decoder_architecture:  # per KV group: its q heads, its k, its v
+                grouped = tensor.view(kv, heads // kv + 2, head_dim, *rest)
+                q, k, v = grouped[:, :-2], grouped[:, -2], grouped[:, -1]
+            elif config.multi_query:  # every q head, then one k and one v
+                q, k, v = tensor.view(heads + 2, head_dim, *rest).split([heads, 1, 1])
+            else:  # per head: q, k, v
+                per_head = tensor.view(heads, 3, head_dim, *rest)
+                q, k, v = per_head[:, 0], per_head[:, 1], per_head[:, 2]
+            prefix = name.replace(".self_attention.query_key_value.", ".self_attn.{}.")
+            for part, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                yield prefix.format(part), t.reshape(-1, *rest).contiguous()
+
+
+def _prefix(name: str, old: str, new: str) -> str:
+    return new + name.removeprefix(old) if name.startswith(old) else name
