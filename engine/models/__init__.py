@@ -63,6 +63,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "minimax": ("engine.models.minimax", "MiniMaxForCausalLM"),
     "zamba2": ("engine.models.zamba2", "Zamba2ForCausalLM"),
     "falcon": ("engine.models.falcon", "FalconForCausalLM"),
+    "gpt_neo": ("engine.models.gpt_neo", "GPTNeoForCausalLM"),
     "mllama_text_model": ("engine.models.mllama", "MllamaForCausalLM"),
     "llama4_text": ("engine.models.llama4", "Llama4ForCausalLM"),
     "longcat_flash": ("engine.models.longcat_flash", "LongcatFlashForCausalLM"),

@@ -11,13 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.attention import Attention, AttentionOptions
 from engine.models.causal_lm import CausalLM
+from engine.models.mlp import GeluMLP
 from engine.models.rotary import RotaryEmbedding
-from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 # Checkpoint module names -> ours (after ``transformer.`` is dropped).
 _RENAMES = (
@@ -26,18 +25,6 @@ _RENAMES = (
     ("ln_f.", "norm."),
     (".self_attention.dense.", ".self_attn.o_proj."),
 )
-
-
-class GeluMLP(nn.Module):
-    """``dense_4h_to_h(gelu(dense_h_to_4h(x)))``."""
-
-    def __init__(self, hidden_size: int, ffn_size: int, bias: bool) -> None:
-        super().__init__()
-        self.dense_h_to_4h = ColumnParallelLinear(hidden_size, ffn_size, bias=bias)
-        self.dense_4h_to_h = RowParallelLinear(ffn_size, hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
 
 
 class FalconDecoderLayer(nn.Module):

@@ -1,4 +1,5 @@
-"""Dense gated feed-forward blocks: SwiGLU (Llama) and GeGLU (Gemma)."""
+"""Dense feed-forward blocks: SwiGLU (Llama), GeGLU (Gemma) and the plain GeLU MLP (Falcon,
+GPT-Neo)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.parallel.layers import MergedColumnParallelLinear, RowParallelLinear
+from engine.parallel.layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from kernels import silu_and_mul
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -44,3 +49,20 @@ class GatedMLP(nn.Module):
             return self.down_proj(silu_and_mul(gate_up(x), backend=self.backend))
         gate, up = gate_up(x).chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class GeluMLP(nn.Module):
+    """``dense_4h_to_h(gelu(dense_h_to_4h(x)))``, the two-matrix MLP of Falcon and GPT-Neo
+    (``approximate="tanh"``: GPT-Neo's ``gelu_new``)."""
+
+    def __init__(
+        self, hidden_size: int, ffn_size: int, bias: bool, approximate: str = "none"
+    ) -> None:
+        super().__init__()
+        self.dense_h_to_4h = ColumnParallelLinear(hidden_size, ffn_size, bias=bias)
+        self.dense_4h_to_h = RowParallelLinear(ffn_size, hidden_size, bias=bias)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.gelu(self.dense_h_to_4h(x), approximate=self.approximate)
+        return self.dense_4h_to_h(hidden)

@@ -469,6 +469,9 @@ CASES = [
                               "bias": True}),
     ("falcon-sequential", "falcon", {"multi_query": False, "parallel_attn": False,
                                      "bias": True}),
+    # GPT-Neo: learned positions, attention without scale, global and 8-token local layers.
+    ("gpt-neo", "gpt_neo", {"num_hidden_layers": 4, "attention_types": [[["global", "local"], 2]],
+                            "window_size": 8}),
     # Llama 4: chunked local attention (16-token chunks: every prompt crosses one) with complex
     # rotary and L2 QK-norm, NoPE layers with a query temperature that grows every 4 positions,
     # sigmoid-routed experts weighting their input (two per token) beside a shared expert.
