@@ -54,6 +54,8 @@ class PagedAttention:
     parameter filled in place by the loader is seen), ``logits_soft_cap`` c (Gemma 2's
     ``attn_logit_softcapping``: scores become ``c * tanh(scores / c)``). ``attention_chunk_size``
     C (Llama 4): query position p sees keys of its own chunk only, ``C * (p // C) <= k <= p``.
+    ``alibi_slopes`` ``[num_heads]`` (BLOOM, MPT): each head's scores gain
+    ``slope * (k - p)``.
     """
 
     def __init__(
@@ -64,8 +66,9 @@ class PagedAttention:
         sinks: torch.Tensor | None = None,
         logits_soft_cap: float | None = None,
         attention_chunk_size: int | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> None:
-        check_options(sliding_window, sinks, logits_soft_cap)
+        check_options(sliding_window, sinks, logits_soft_cap, alibi_slopes=alibi_slopes)
         if attention_chunk_size is not None and (
             isinstance(attention_chunk_size, bool)
             or not isinstance(attention_chunk_size, int)
@@ -80,6 +83,7 @@ class PagedAttention:
         self.sliding_window = sliding_window
         self.sinks = sinks
         self.logits_soft_cap = logits_soft_cap
+        self.alibi_slopes = alibi_slopes
         self._resolved: dict[torch.device, str] = {}
 
     def resolve(self, device: torch.device) -> str:
@@ -116,4 +120,5 @@ class PagedAttention:
             sliding_window=self.sliding_window,
             sinks=self.sinks,
             logits_soft_cap=self.logits_soft_cap,
+            alibi_slopes=self.alibi_slopes,
         )

@@ -137,31 +137,34 @@ def unified_attention(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     logits_soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed prefill/decode varlen batch.
 
-    ``sliding_window``, ``sinks`` and ``logits_soft_cap`` are ``kernels.attention_options``;
-    None (the default) is plain causal attention.
+    ``sliding_window``, ``sinks``, ``logits_soft_cap`` and ``alibi_slopes`` are
+    ``kernels.attention_options``; None (the default) is plain causal attention.
     """
     chosen = select_backend(query.device, backend)
-    options = has_options(sliding_window, sinks, logits_soft_cap)
+    options = has_options(sliding_window, sinks, logits_soft_cap, alibi_slopes)
     if options:
-        check_options(sliding_window, sinks, logits_soft_cap, query.shape[1])
+        check_options(sliding_window, sinks, logits_soft_cap, query.shape[1], alibi_slopes)
     if chosen == "triton":
         from kernels.triton_attention import unified_attention_triton
 
         return unified_attention_triton(
             query, kv_cache, query_start_loc, seq_lens, block_table, scale, out,
             sliding_window=sliding_window, sinks=sinks, logits_soft_cap=logits_soft_cap,
+            alibi_slopes=alibi_slopes,
         )  # fmt: skip
     if chosen == "cpu" and _cpu_fits(query, kv_cache):
         return cpu_attention.unified_attention_cpu(
             query, kv_cache, query_start_loc, seq_lens, block_table, scale, out,
             sliding_window=sliding_window, sinks=sinks, logits_soft_cap=logits_soft_cap,
+            alibi_slopes=alibi_slopes,
         )  # fmt: skip
     return unified_attention_torch(
         query, kv_cache, query_start_loc, seq_lens, block_table, scale, out, plan,
-        sliding_window, sinks, logits_soft_cap,
+        sliding_window, sinks, logits_soft_cap, alibi_slopes,
     )  # fmt: skip
 
 

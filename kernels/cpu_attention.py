@@ -166,6 +166,7 @@ def unified_attention_cpu(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     logits_soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """C++ twin of ``unified_attention_torch``, reading K/V blocks in place.
 
@@ -178,7 +179,7 @@ def unified_attention_cpu(
         out = torch.empty_like(query)
     torch.ops.pagedq.unified_attention(
         query, kv_cache, query_start_loc, seq_lens, block_table, float(scale), out, kv_split_size,
-        sliding_window or 0, float(logits_soft_cap or 0.0), sinks,
+        sliding_window or 0, float(logits_soft_cap or 0.0), sinks, alibi_slopes,
     )  # fmt: skip
     return out
 

@@ -48,6 +48,7 @@ def unified_attention_torch(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     logits_soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a flat varlen batch of prefill chunks and decodes.
 
@@ -61,13 +62,14 @@ def unified_attention_torch(
     The options (``kernels.attention_options``; None leaves plain causal attention, through
     SDPA): ``sliding_window`` W lets query position q see keys q - W < k <= q; ``sinks``
     ``[num_heads]`` adds one logit per head to the softmax denominator (with no value);
-    ``logits_soft_cap`` c maps scores to ``c * tanh(scores / c)`` before the mask.
+    ``logits_soft_cap`` c maps scores to ``c * tanh(scores / c)`` before the mask;
+    ``alibi_slopes`` ``[num_heads]`` adds ``slope * (key - query position)`` after it.
     """
     if out is None:
         out = torch.empty_like(query)
     if plan is None:
         plan = build_plan(query_start_loc, seq_lens, block_table, kv_cache.shape[2])
-    options = _Options(sliding_window, sinks, logits_soft_cap)
+    options = _Options(sliding_window, sinks, logits_soft_cap, alibi_slopes)
     for group in plan.decode_groups:
         _decode_attention(query, kv_cache, group, scale, out, options)
     for start, q_len, seq_len, i in plan.prefills:
@@ -80,11 +82,11 @@ def unified_attention_torch(
 class _Options:
     """One call's attention options; ``plain`` when none is set (SDPA's path)."""
 
-    __slots__ = ("window", "sinks", "soft_cap", "plain")
+    __slots__ = ("window", "sinks", "soft_cap", "alibi", "plain")
 
-    def __init__(self, window, sinks, soft_cap) -> None:
-        self.window, self.sinks, self.soft_cap = window, sinks, soft_cap
-        self.plain = window is None and sinks is None and soft_cap is None
+    def __init__(self, window, sinks, soft_cap, alibi) -> None:
+        self.window, self.sinks, self.soft_cap, self.alibi = window, sinks, soft_cap, alibi
+        self.plain = window is None and sinks is None and soft_cap is None and alibi is None
 
     def mask(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
         """Visible keys: causal, and within the window when there is one (Hugging Face's
@@ -95,17 +97,21 @@ class _Options:
         return visible
 
 
-def _attend(q, k, v, mask, scale, options: _Options) -> torch.Tensor:
-    """``q [B, H, Lq, D]`` over ``k``/``v [B, H_kv, Lk, D]`` under a boolean ``mask``."""
-    if options.sinks is None and options.soft_cap is None:
+def _attend(q, k, v, mask, scale, options: _Options, relative=None) -> torch.Tensor:
+    """``q [B, H, Lq, D]`` over ``k``/``v [B, H_kv, Lk, D]`` under a boolean ``mask``;
+    ``relative`` ``[B or 1, 1, Lq, Lk]``: key minus query position (for ALiBi)."""
+    if options.sinks is None and options.soft_cap is None and options.alibi is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    # Soft-capping and sinks do not fit SDPA: scores, cap, mask, sink column, softmax, in fp32.
+    # Soft-capping, ALiBi and sinks do not fit SDPA: scores, cap, bias, mask, sink column,
+    # softmax, in fp32.
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, 1)
     v = v.float().repeat_interleave(group, 1)
     s = q.float() @ k.transpose(-1, -2) * scale
     if options.soft_cap is not None:
         s = options.soft_cap * torch.tanh(s / options.soft_cap)
+    if options.alibi is not None:
+        s = s + options.alibi.float().to(s.device).view(1, -1, 1, 1) * relative.float()
     s = s.masked_fill(~mask, float("-inf"))
     if options.sinks is not None:
         sink = options.sinks.float().to(s.device).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
@@ -191,7 +197,8 @@ def _prefill_attention(
         first = max(0, num_context - options.window + 1) if options.window is not None else 0
         k, v, key_pos = k[:, first:], v[:, first:], key_pos[first:]
         mask = options.mask(key_pos[None, :], query_pos[:, None])
-        o = _attend(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, scale, options)
+        relative = (key_pos[None, :] - query_pos[:, None])[None, None]
+        o = _attend(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, scale, options, relative)
     out[start : start + q_len] = o[0].transpose(0, 1)
 
 
@@ -203,10 +210,11 @@ def _decode_attention(query, kv_cache, group: _DecodeGroup, scale, out, options)
     kv = kv[:, :, : group.max_len].to(query.dtype)
     q = query[group.rows].unsqueeze(2)  # [batch, num_heads, 1, head_dim]
     mask = group.mask
+    key_pos = torch.arange(group.max_len, device=query.device)[None, :]
     if options.window is not None:  # each decode sits at position lens - 1
-        key_pos = torch.arange(group.max_len, device=query.device)[None, :]
         mask = mask & (key_pos > group.lens[:, None] - 1 - options.window)[:, None, None, :]
-    o = _attend(q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), mask, scale, options)
+    relative = (key_pos - (group.lens[:, None] - 1))[:, None, None, :]
+    o = _attend(q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), mask, scale, options, relative)
     out[group.rows] = o.squeeze(2)
 
 

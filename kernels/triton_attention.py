@@ -16,6 +16,7 @@ from kernels.triton_common import (
     cast,
     interpreting,
     join_sinks,
+    load_slopes,
     option_args,
     tile_config,
 )
@@ -43,11 +44,12 @@ def _unified_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od, stride_bt, stride_bn,
     stride_cb, stride_cs, stride_ch, stride_cd, num_seqs, head_dim, qk_scale,
-    window, soft_cap, sinks_ptr,
+    window, soft_cap, sinks_ptr, alibi_ptr,
     NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -88,7 +90,9 @@ def _unified_attention_kernel(
         block_table_ptr + seq.to(tl.int64) * stride_bt, stride_bn, kv_head,
         stride_cb, stride_cs, stride_ch, stride_cd,
         key_start, key_end, context_len + q_local, dim_mask, qk_scale, window, soft_cap,
+        load_slopes(alibi_ptr, head, row_mask, HAS_ALIBI),
         BLOCK_SIZE, TILE_N, HEAD_PAD, DOT_PRECISION, INTERPRET, USE_WINDOW, USE_SOFT_CAP,
+        HAS_ALIBI,
     )  # fmt: skip
     if HAS_SINKS:
         acc, l_i, m_i = join_sinks(acc, l_i, m_i, sinks_ptr, head, row_mask)
@@ -117,6 +121,7 @@ def unified_attention_triton(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     logits_soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``unified_attention_torch``.
 
@@ -151,7 +156,7 @@ def unified_attention_triton(
     if num_splits > 1:
         return split_decode_attention(
             query, kv_cache, query_start_loc, seq_lens, block_table, scale, out, num_splits,
-            sliding_window, sinks, logits_soft_cap,
+            sliding_window, sinks, logits_soft_cap, alibi_slopes,
         )  # fmt: skip
     qk_scale, window, soft_cap = option_args(scale, sliding_window, logits_soft_cap)
     num_queries_per_kv = num_heads // num_kv_heads
@@ -166,9 +171,10 @@ def unified_attention_triton(
         out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
         *query.stride(), *out.stride(), *block_table.stride(), *k_cache.stride(),
         num_seqs, head_dim, qk_scale, window, soft_cap, query if sinks is None else sinks,
+        query if alibi_slopes is None else alibi_slopes,
         NUM_QUERIES_PER_KV=num_queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_SIZE=block_size, TILE_N=tile_n, HEAD_PAD=head_pad, DOT_PRECISION=precision,
         INTERPRET=interpreting(), USE_WINDOW=window > 0, USE_SOFT_CAP=soft_cap > 0,
-        HAS_SINKS=sinks is not None,
+        HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None,
     )  # fmt: skip
     return out

@@ -74,16 +74,17 @@ def tanh(x):
 def attend_tiles(
     acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr, stride_bn, kv_head,
     stride_cb, stride_cs, stride_ch, stride_cd, key_start, key_end, query_pos, dim_mask, qk_scale,
-    window, soft_cap,
+    window, soft_cap, slopes,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_ALIBI: tl.constexpr,
 ):  # fmt: skip
     """Online softmax (base 2, fp32) of ``q`` over keys ``key_start..key_end-1``.
 
     ``USE_WINDOW``: row r sees keys above ``query_pos[r] - window`` only. ``USE_SOFT_CAP``:
     scores (q . k x ``qk_scale``) become ``soft_cap * tanh(scores)`` (``soft_cap`` in log2 units,
-    ``qk_scale`` then scale / cap).
+    ``qk_scale`` then scale / cap). ``USE_ALIBI``: row r's scores gain
+    ``slopes[r] * (key - query_pos[r])`` (``slopes`` in log2 units) after that.
     """
     dims = tl.arange(0, HEAD_PAD)
     for tile_start in range(key_start, key_end, TILE_N):
@@ -108,6 +109,8 @@ def attend_tiles(
         s = dot(q, k, DOT_PRECISION, INTERPRET) * qk_scale
         if USE_SOFT_CAP:
             s = soft_cap * tanh(s)
+        if USE_ALIBI:
+            s += slopes[:, None] * (key_pos[None, :] - query_pos[:, None]).to(tl.float32)
         visible = key_mask[None, :] & (key_pos[None, :] <= query_pos[:, None])
         if USE_WINDOW:
             visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
@@ -121,6 +124,16 @@ def attend_tiles(
         acc = acc * alpha[:, None] + dot(cast(p, v.dtype, INTERPRET), v, DOT_PRECISION, INTERPRET)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def load_slopes(alibi_ptr, head, row_mask, HAS_ALIBI: tl.constexpr):
+    """Each row's ALiBi slope (natural-log units at ``alibi_ptr + head``) in log2 units, or
+    zeros without ALiBi."""
+    slopes = tl.zeros(head.shape, tl.float32)
+    if HAS_ALIBI:
+        slopes = tl.load(alibi_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * LOG2E
+    return slopes
 
 
 @triton.jit

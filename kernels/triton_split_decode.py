@@ -13,7 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import attend_tiles, cast, interpreting, option_args, tile_config
+from kernels.triton_common import (
+    attend_tiles,
+    cast,
+    interpreting,
+    load_slopes,
+    option_args,
+    tile_config,
+)
 
 MAX_SPLITS = 16
 
@@ -24,11 +31,11 @@ def _split_decode_kernel(
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_qd, stride_bt, stride_bn,
     stride_cb, stride_cs, stride_ch, stride_cd,
-    num_heads, head_dim, qk_scale, window, soft_cap,
+    num_heads, head_dim, qk_scale, window, soft_cap, alibi_ptr,
     NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -61,8 +68,9 @@ def _split_decode_kernel(
         block_table_ptr + seq.to(tl.int64) * stride_bt, stride_bn, kv_head,
         stride_cb, stride_cs, stride_ch, stride_cd,
         key_start, key_end, tl.zeros([BLOCK_M], tl.int32) + seq_len - 1, dim_mask, qk_scale,
-        window, soft_cap,
+        window, soft_cap, load_slopes(alibi_ptr, head, row_mask, HAS_ALIBI),
         BLOCK_SIZE, TILE_N, HEAD_PAD, DOT_PRECISION, INTERPRET, USE_WINDOW, USE_SOFT_CAP,
+        HAS_ALIBI,
     )  # fmt: skip
     # An empty split stores l = 0, m = -inf and zeros, which the reduction weighs by 0.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -139,6 +147,7 @@ def split_decode_attention(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     logits_soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode-only attention (one query per request) with each context split ``num_splits`` ways
     (under a sliding window, the window's keys only)."""
@@ -163,11 +172,12 @@ def split_decode_attention(
         partial_out, partial_m, partial_l, query, k_cache, v_cache, block_table, seq_lens,
         query_start_loc, *query.stride(), *block_table.stride(), *k_cache.stride(),
         num_heads, head_dim, qk_scale, window, soft_cap,
+        query if alibi_slopes is None else alibi_slopes,
         NUM_QUERIES_PER_KV=num_queries_per_kv,
         BLOCK_M=max(16, triton.next_power_of_2(num_queries_per_kv)),
         BLOCK_SIZE=block_size, TILE_N=tile_n, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
         DOT_PRECISION=precision, INTERPRET=interpreting(),
-        USE_WINDOW=window > 0, USE_SOFT_CAP=soft_cap > 0,
+        USE_WINDOW=window > 0, USE_SOFT_CAP=soft_cap > 0, HAS_ALIBI=alibi_slopes is not None,
     )  # fmt: skip
     _split_reduce_kernel[(num_seqs, num_heads)](
         out, partial_out, partial_m, partial_l, query_start_loc, *out.stride(),

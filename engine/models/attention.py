@@ -49,6 +49,9 @@ class AttentionOptions:
     # of K and V) and scaled by ``value_scale`` as they are projected.
     v_head_dim: int | None = None
     value_scale: float | None = None
+    # BLOOM, MPT: ALiBi, one slope per query head of the whole model (``alibi.py``); each
+    # head's scores gain ``slope * (key - query position)``. No rotary goes with it.
+    alibi_slopes: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.qk_norm not in QK_NORMS:
@@ -130,6 +133,9 @@ class Attention(nn.Module):
             extra["logits_soft_cap"] = opts.logits_soft_cap
         if opts.attention_chunk_size is not None:
             extra["attention_chunk_size"] = opts.attention_chunk_size
+        if opts.alibi_slopes is not None:  # this rank's heads', fp32 whatever the model's dtype
+            slopes = torch.tensor(opts.alibi_slopes, dtype=torch.float32)
+            extra["alibi_slopes"] = slopes[tp_rank() * self.num_heads :][: self.num_heads]
         scale = opts.scale if opts.scale is not None else head_dim**-0.5
         self.attn = PagedAttention(scale, backend, **extra)
 
@@ -184,6 +190,9 @@ class Attention(nn.Module):
             v = v * self.value_scale
         if self.v_head_dim != self.head_dim:  # zeros to the key width, dropped from the output
             v = torch.nn.functional.pad(v, (0, self.head_dim - self.v_head_dim))
+        slopes = self.attn.alibi_slopes
+        if slopes is not None and slopes.device != q.device:  # kept off the model's .to()
+            self.attn.alibi_slopes = slopes.to(q.device)
         out = self.attn(q, qk[:, heads:], v, kv_cache, meta)
         if self.v_head_dim != self.head_dim:
             out = out.view(num_tokens, heads, self.head_dim)[..., : self.v_head_dim]

@@ -1,18 +1,22 @@
-"""Falcon (``falcon``: Falcon-7B / 40B / 180B, Falcon 2 11B; RoPE, not ALiBi): LayerNorms with
+"""Falcon (``falcon``: Falcon-7B / 40B / 180B, Falcon 2 11B, Falcon-RW): LayerNorms with
 biases, one fused ``query_key_value`` projection in one of three layouts (multi-query: all q
 heads, then one k and one v; the new decoder architecture: per KV group its q heads, its k and
 its v; else per head q, k, v), a GeLU MLP, and attention and MLP side by side on the block's
 input (``parallel_attn``; the new architecture with a LayerNorm each, ``num_ln_in_parallel_attn``
-2) or one after the other. Transformers' Falcon calls no ``AttentionInterface``, so the backend
-cannot run it: this file does."""
+2) or one after the other. Positions by RoPE, or by ALiBi where ``alibi`` (Falcon-RW: BLOOM's
+slopes as transformers applies them, rounded to bf16 and divided by ``sqrt(head_dim)``).
+Transformers' Falcon calls no ``AttentionInterface``, so the backend cannot run it: this file
+does."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from engine.models.alibi import bloom_slopes
 from engine.models.attention import Attention, AttentionOptions
 from engine.models.causal_lm import CausalLM
 from engine.models.mlp import GeluMLP
@@ -27,6 +31,15 @@ _RENAMES = (
 )
 
 
+def falcon_alibi(config) -> tuple[float, ...] | None:
+    """Falcon-RW's ALiBi slopes as the attention adds them, or None (RoPE)."""
+    if not config.alibi:
+        return None
+    heads = config.num_attention_heads
+    slopes = torch.tensor(bloom_slopes(heads)).bfloat16().float()
+    return tuple((slopes / math.sqrt(config.hidden_size // heads)).tolist())
+
+
 class FalconDecoderLayer(nn.Module):
     """Attention and MLP in parallel on the input, or in sequence; residuals added here."""
 
@@ -36,7 +49,7 @@ class FalconDecoderLayer(nn.Module):
         eps, bias = config.layer_norm_epsilon, bool(config.bias)
         self.self_attn = Attention(
             hidden, heads, num_kv_heads, hidden // heads, backend,
-            AttentionOptions(qkv_bias=bias, o_bias=bias),
+            AttentionOptions(qkv_bias=bias, o_bias=bias, alibi_slopes=falcon_alibi(config)),
         )  # fmt: skip
         self.mlp = GeluMLP(hidden, config.ffn_hidden_size or 4 * hidden, bias)
         self.parallel = bool(config.parallel_attn or config.new_decoder_architecture)
@@ -65,14 +78,9 @@ class FalconDecoderLayer(nn.Module):
 
 
 class FalconForCausalLM(CausalLM):
-    """Falcon with rotary positions."""
+    """Falcon, with rotary or ALiBi positions."""
 
     def __init__(self, config, max_position: int, backend: str = "auto") -> None:
-        if config.alibi:
-            raise ValueError(
-                "alibi=True (Falcon-RW's ALiBi positions) is not supported: pagedq runs Falcon "
-                "with rotary positions (alibi=False)"
-            )
         super().__init__(config, max_position, backend)
         heads = config.num_attention_heads
         if config.new_decoder_architecture:
@@ -80,10 +88,11 @@ class FalconForCausalLM(CausalLM):
         else:
             self.num_kv_heads = 1 if config.multi_query else heads
         head_dim = config.hidden_size // heads
-        self.rotaries["default"] = RotaryEmbedding(config, head_dim, max_position)
+        if not config.alibi:
+            self.rotaries["default"] = RotaryEmbedding(config, head_dim, max_position)
         for _ in range(config.num_hidden_layers):
             layer = FalconDecoderLayer(config, self.num_kv_heads, backend)
-            layer.rope_key = "default"
+            layer.rope_key = None if config.alibi else "default"
             self.layers.append(layer)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 

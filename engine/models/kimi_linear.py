@@ -92,7 +92,9 @@ class KimiDeltaAttention(KeepsPackedDtypes):
         self.g_b_proj = ColumnParallelLinear(head_dim, full)
         conv_dim = 3 * self.qkv_dim
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.kernel_size, groups=conv_dim, bias=False)
-        split_by_heads(self.conv1d.weight, {s: [full] for s in "qkv"})
+        # A conv per q, k and v in released checkpoints; one over their concatenation where
+        # transformers 5 saved its own layout.
+        split_by_heads(self.conv1d.weight, {None: [full] * 3, **{s: [full] for s in "qkv"}})
         self.dt_bias = nn.Parameter(torch.zeros(self.qkv_dim))
         split_by_heads(self.dt_bias, {None: [full]})
         self.dt_bias.keep_dtype = True
@@ -128,16 +130,22 @@ class KimiDeltaAttention(KeepsPackedDtypes):
             backend=self.backend,
         )  # fmt: skip
         q, k, v = (x.reshape(num_tokens, heads, dim) for x in mixed.split(self.qkv_dim, dim=1))
-        f_a, g_a = self.fg_a_proj(hidden).split(dim, dim=1)
+        forget, gate = self.gate_inputs(hidden)
         out = kimi_delta_rule(
-            q, k, v, self._decay(self.f_b_proj(f_a)), torch.sigmoid(b.float()), self.ssm_state,
+            q, k, v, self.decay(forget), torch.sigmoid(b.float()), self.ssm_state,
             meta.query_start_loc, meta.state_indices, meta.has_initial_state,
             backend=self.backend,
         )  # fmt: skip
-        out = self.o_norm(out, self.g_b_proj(g_a).view(num_tokens, heads, dim))
+        out = self.o_norm(out, gate.view(num_tokens, heads, dim))
         return self.o_proj(out.reshape(num_tokens, self.qkv_dim))
 
-    def _decay(self, forget: torch.Tensor) -> torch.Tensor:
+    def gate_inputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forget gate's and the output gate's pre-activations, ``[tokens, qkv_dim]``
+        each: Kimi's low-rank ``f_b(f_a(x))`` and ``g_b(g_a(x))``."""
+        f_a, g_a = self.fg_a_proj(hidden).split(self.head_dim, dim=1)
+        return self.f_b_proj(f_a), self.g_b_proj(g_a)
+
+    def decay(self, forget: torch.Tensor) -> torch.Tensor:
         """fp32 log decay ``[tokens, heads, head_dim]``: ``-exp(A_log) * softplus(f + dt_bias)``,
         with transformers' softplus (``log(1 + exp(x))``, ``x`` past 20)."""
         x = (forget.float() + self.dt_bias.float()).view(-1, self.num_heads, self.head_dim)

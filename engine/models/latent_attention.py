@@ -135,9 +135,15 @@ class LatentAttention(nn.Module):
         extra = (rope, hidden, q_resid)
         out = self.attend(q_latent, q_pe, kv_cache, meta, backend, *extra)
         out = project_output(out, w_uv).reshape(num_tokens, -1)
-        if gate is not None:  # in fp32, rounded once, as transformers gates it
-            out = (out * torch.sigmoid(gate.float())).to(out.dtype)
-        return self.o_proj(out)
+        return self.o_proj(self.gate_output(out, gate, hidden))
+
+    def gate_output(self, out: torch.Tensor, gate, hidden: torch.Tensor) -> torch.Tensor:
+        """The heads' output ``[tokens, heads * v_head_dim]`` before ``o_proj``, scaled by
+        ``sigmoid(gate)`` where ``project_query`` gave one (in fp32, rounded once, as
+        transformers gates it); Ling's gate per head overrides this."""
+        if gate is None:
+            return out
+        return (out * torch.sigmoid(gate.float())).to(out.dtype)
 
     def project_query(self, q_a: torch.Tensor):
         """``(q, q_resid, output gate or None)`` from the query LoRA's down projection ``q_a``:

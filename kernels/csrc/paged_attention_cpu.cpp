@@ -11,8 +11,10 @@
 // A layer's options (kernels/attention_options.py) ride in the Layout: a sliding window moves
 // each item's first key up to the window of its first row (whole blocks before it are never
 // read) and masks below each row's window inside the tiles that reach under it; a soft cap maps
-// scores through tanh before the mask; sinks join the softmax denominator when an item ends (or
-// when split chunks merge). Without options each costs one predictable branch per row or tile.
+// scores through tanh before the mask; ALiBi adds slope x (key - query position) per query head
+// after it (on the generic and decode paths: an item of ALiBi never takes the blocked-prefill or
+// AMX paths); sinks join the softmax denominator when an item ends (or when split chunks merge).
+// Without options each costs one predictable branch per row or tile.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -122,11 +124,21 @@ struct Layout {
   int block_shift;  // log2(block_size) when it is a power of two, else -1
   // The layer's options. window: query position p sees keys p - window < k <= p (0: all k <=
   // p). cap: scores s (q scaled by scale / soft cap) become cap * tanh(s), cap = soft cap x
-  // log2 e (0: no cap). sinks: one logit per query head in log2 units, or null.
+  // log2 e (0: no cap). sinks: one logit per query head in log2 units, or null. alibi: one
+  // slope per query head in log2 units, or null: row i's score of key k gains
+  // alibi[head] * (k - pos_i), which is 0 on the diagonal and negative below it.
   int window;
   float cap;
   const float* sinks;
+  const float* alibi;
 };
+
+// Adds row i's ALiBi bias to its scores s[0..n) of keys key0..key0+n-1 (query position pos).
+inline void alibi_scores(float* s, int n, float slope, int64_t key0, int64_t pos) {
+  const float base = static_cast<float>(key0 - pos);
+#pragma omp simd
+  for (int j = 0; j < n; ++j) s[j] += slope * (base + static_cast<float>(j));
+}
 
 // The first key query position pos sees (0 without a window).
 inline int64_t window_start(const Layout& L, int64_t pos) {
@@ -259,6 +271,10 @@ void attend_item(const WorkItem& w, const Layout& L, const scalar_t* query, cons
     }
     if (L.cap > 0.f)
       for (int i = 0; i < rows; ++i) soft_cap_scores(score + i * kKeyTile, n, L.cap);
+    if (L.alibi != nullptr)
+      for (int i = 0; i < rows; ++i)
+        alibi_scores(score + i * kKeyTile, n, L.alibi[w.kv_head * G + i % G], key,
+                     first_pos + i / G);
     // causal mask: only tiles that reach past the tile's first query position need it
     if (key + n - 1 > first_pos) {
       for (int i = 0; i < rows; ++i) {
@@ -714,7 +730,8 @@ __attribute__((always_inline)) inline void score_tile(const float* q_f, int rows
 // p = 0 outside them (and in the padding rows past `rows`); m and l get each row's max and sum.
 // Row i sees keys [lo, visible) of the item: below lo lies outside its sliding window.
 inline void decode_softmax(float* S, int stride, int rows, int padded_rows, const Layout& L,
-                           int64_t first_pos, int key_begin, int num_keys, float* m, float* l) {
+                           int64_t first_pos, int key_begin, int num_keys, int kv_head, float* m,
+                           float* l) {
   for (int i = 0; i < padded_rows; ++i) {
     float* si = S + i * stride;
     const int64_t pos = first_pos + i / L.group;
@@ -728,6 +745,9 @@ inline void decode_softmax(float* S, int stride, int rows, int padded_rows, cons
     }
     std::fill(si, si + lo, 0.f);
     if (L.cap > 0.f) soft_cap_scores(si + lo, visible - lo, L.cap);
+    if (L.alibi != nullptr)
+      alibi_scores(si + lo, visible - lo, L.alibi[kv_head * L.group + i % L.group],
+                   key_begin + lo, pos);
     vfloat vm = vfloat{} + kNegInf;
     int j = lo;
     for (; j + kLanes <= visible; j += kLanes) vm = vmax(vm, loadv(si + j));
@@ -866,7 +886,8 @@ void decode_item(const WorkItem& w, const Layout& L, const scalar_t* query,
   }
 
   // One softmax per row over its visible keys; p = 0 past them (and in the padding rows).
-  decode_softmax(S, stride, rows, padded_rows, L, first_pos, w.key_begin, num_keys, m, l);
+  decode_softmax(S, stride, rows, padded_rows, L, first_pos, w.key_begin, num_keys, w.kv_head, m,
+                 l);
 
   // Pass 2: acc[i] = sum_k p[i][k] V[k], the rows of a pass sharing every V row loaded.
   constexpr float kOnes[kDecodePvRows] = {1.f, 1.f, 1.f};
@@ -1495,7 +1516,7 @@ void run(const std::vector<WorkItem>& items, const std::vector<SplitGroup>& grou
 #if defined(PAGEDQ_AMX)
         if constexpr (kAmxShape) {
           const int rows = items[k].q_len * L.group;
-          if (amx_keys > 0 && rows <= kAmxMaxRows) {
+          if (amx_keys > 0 && rows <= kAmxMaxRows && L.alibi == nullptr) {
             amx_used = true;
             if (!amx) amx = std::make_unique<AmxScratch>();
             decode_item_amx<scalar_t, DT>(items[k], L, amx_keys, q_ptr, k_ptr, v_ptr, bt_ptr,
@@ -1515,7 +1536,11 @@ void run(const std::vector<WorkItem>& items, const std::vector<SplitGroup>& grou
           k = k_next;
           continue;
         }
-        if (options)
+        if (L.alibi != nullptr)
+          attend_item<scalar_t, cache_t, DT>(items[k], L, q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr,
+                                             sl_ptr, qk_scale, o_ptr, partial_acc.data(),
+                                             partial_ml.data(), q_f, acc, score, m, l, kv_tile);
+        else if (options)
           attend_item_vec<scalar_t, cache_t, DT, true>(
               items[k], L, q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, sl_ptr, qk_scale, o_ptr,
               partial_acc.data(), partial_ml.data(), q_f, acc, m, l, score, kv_tile);
@@ -1563,7 +1588,8 @@ void unified_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
                        const at::Tensor& query_start_loc, const at::Tensor& seq_lens_in,
                        const at::Tensor& block_table_in, double scale, at::Tensor& out,
                        int64_t kv_split_size, int64_t sliding_window, double logits_soft_cap,
-                       const std::optional<at::Tensor>& sinks_in) {
+                       const std::optional<at::Tensor>& sinks_in,
+                       const std::optional<at::Tensor>& alibi_in) {
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 1 (0: none), got ", sliding_window);
   TORCH_CHECK(logits_soft_cap >= 0, "logits_soft_cap must be > 0 (0: none), got ",
               logits_soft_cap);
@@ -1589,6 +1615,12 @@ void unified_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
     TORCH_CHECK(sinks_in->dim() == 1 && sinks_in->size(0) == num_heads,
                 "sinks must be [num_heads] = [", num_heads, "], got ", sinks_in->sizes());
     sinks = (sinks_in->to(at::kFloat) * kLog2e).contiguous();
+  }
+  at::Tensor alibi;  // slopes in log2 units, as the scores
+  if (alibi_in.has_value()) {
+    TORCH_CHECK(alibi_in->dim() == 1 && alibi_in->size(0) == num_heads,
+                "alibi_slopes must be [num_heads] = [", num_heads, "], got ", alibi_in->sizes());
+    alibi = (alibi_in->to(at::kFloat) * kLog2e).contiguous();
   }
   const int64_t window = sliding_window;
 
@@ -1680,6 +1712,7 @@ void unified_attention(const at::Tensor& query_in, const at::Tensor& kv_cache,
   L.window = static_cast<int>(window);
   L.cap = static_cast<float>(logits_soft_cap) * kLog2e;
   L.sinks = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
+  L.alibi = alibi.defined() ? alibi.data_ptr<float>() : nullptr;
   // Soft-capped scores are tanh of q . k x scale / cap, times cap in log2 units (L.cap);
   // otherwise the scores are q . k x scale in log2 units straight away.
   const float qk_scale = logits_soft_cap > 0 ? static_cast<float>(scale / logits_soft_cap)
@@ -1785,7 +1818,7 @@ TORCH_LIBRARY(pagedq, m) {
   m.def(
       "unified_attention(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_table, float scale, Tensor(a!) out, int kv_split_size, int sliding_window, "
-      "float logits_soft_cap, Tensor? sinks) -> ()");
+      "float logits_soft_cap, Tensor? sinks, Tensor? alibi_slopes) -> ()");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("amx_decode_available() -> bool", &amx_decode_available);
 }

@@ -131,6 +131,17 @@ KIMI_LINEAR = {
     "n_shared_experts": 1, "routed_scaling_factor": 2.0, "pad_token_id": 0,
 }  # fmt: skip
 
+# Ling 3: KDA layers around a rotated latent-attention one gated per head; full-rank KDA gates
+# over q/k/v convs; a dense first MLP, then grouped sigmoid experts. The second case takes the
+# query LoRA and Kimi's unbounded decay, saved in transformers 5's layout (one conv, 3-D experts).
+LING = {
+    "num_hidden_layers": 3, "layer_types": [KDA, "full_attention", KDA], "head_dim": 16,
+    "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+    "v_head_dim": 24, "num_local_experts": 8, "num_experts_per_tok": 3,
+    "moe_intermediate_size": 32, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.0, "pad_token_id": 0,
+}  # fmt: skip
+
 CASES = [
     ("llama", "llama", {}),
     (
@@ -440,6 +451,9 @@ CASES = [
     ("minicpm3", "minicpm3", {**MLA, "scale_emb": 2.0, "scale_depth": 1.4, "dim_model_base": 32}),
     # Kimi Delta Attention (a decay per key channel) beside latent attention without RoPE.
     ("kimi-linear", "kimi_linear", KIMI_LINEAR),
+    ("ling-hybrid", "bailing_hybrid", LING),
+    ("ling-hybrid-q-lora", "bailing_hybrid",
+     {**LING, "q_lora_rank": 24, "kda_safe_gate": False, "save_original_format": False}),
     # DeepSeek Sparse Attention: each query attends to the indexer's 8 best keys (every prompt
     # and continuation passes 8); V3.2's indexer rotates in halves, GLM-5's in pairs.
     ("deepseek-v32", "deepseek_v32", DSA),
@@ -469,9 +483,27 @@ CASES = [
                               "bias": True}),
     ("falcon-sequential", "falcon", {"multi_query": False, "parallel_attn": False,
                                      "bias": True}),
+    # Falcon-RW: ALiBi with 16 heads (slopes of 2^-0.5 steps, rounded to bf16 as HF does).
+    ("falcon-rw", "falcon", {"alibi": True, "multi_query": False, "parallel_attn": False,
+                             "bias": True, "hidden_size": 128, "num_attention_heads": 16}),
     # GPT-Neo: learned positions, attention without scale, global and 8-token local layers.
     ("gpt-neo", "gpt_neo", {"num_hidden_layers": 4, "attention_types": [[["global", "local"], 2]],
                             "window_size": 8}),
+    # fairseq's decoder: scaled embeddings and positions offset by 2; XGLM's sinusoids (its
+    # pad id 5 zeroes position 3's row, as transformers' table does), BioGPT's learned table
+    # and its head named output_projection; tied and untied heads.
+    ("xglm", "xglm", {"ffn_dim": 128, "pad_token_id": 5, "tie_word_embeddings": True}),
+    ("biogpt", "biogpt", {"num_hidden_layers": 3}),
+    ("biogpt-tied", "biogpt", {"tie_word_embeddings": True, "scale_embedding": False}),
+    # ALiBi: BLOOM's slopes (6 heads: past the power of two, its extra slopes) with the
+    # embedding norm, and with residuals from the norms' outputs; MPT's slopes (6 heads: odd
+    # ones first), bias-free, q/k/v clamped, its own softmax scale.
+    ("bloom", "bloom", {"n_head": 6, "hidden_size": 96}),
+    ("bloom-post-ln-residual", "bloom", {"apply_residual_connection_post_layernorm": True}),
+    ("mpt", "mpt", {"n_heads": 6, "hidden_size": 96,
+                    "attn_config": {"clip_qkv": 0.3, "softmax_scale": 0.2}}),
+    # GPT-1: post-LayerNorm blocks, no final norm, Conv1D weights with q/k/v fused.
+    ("openai-gpt", "openai-gpt", {"n_positions": 128}),
     # Llama 4: chunked local attention (16-token chunks: every prompt crosses one) with complex
     # rotary and L2 QK-norm, NoPE layers with a query temperature that grows every 4 positions,
     # sigmoid-routed experts weighting their input (two per token) beside a shared expert.
@@ -634,12 +666,6 @@ def test_chunked_layers_give_back_the_blocks_of_earlier_chunks(tmp_path_factory)
     # request's end gives back everything.
     assert held[0] == (3, 3) and {c for _, c in held[1:-1]} == {1}
     assert held[-2][0] == 4 and held[-1] == (0, 0)
-
-
-def test_falcon_with_alibi_is_refused_naming_the_field(tmp_path):
-    folder = make_tiny_model(tmp_path / "m", "falcon", alibi=True, multi_query=False)
-    with pytest.raises(ValueError, match=r"alibi=True .* not supported"):
-        tiny_llm(folder)
 
 
 def test_unsupported_architecture_is_refused(tmp_path):

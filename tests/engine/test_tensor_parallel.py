@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 FAMILIES = [
     "llama", "qwen3-moe", "gpt-oss", "deepseek-v3", "qwen3.5", "lfm3", "falcon-h1", "olmo-hybrid",
     "nemotron-h", "jamba", "minimax", "llama4", "deepseek-v32",
-    "mimo-v2-flash", "longcat-flash", "axk2", "falcon-40b",
+    "mimo-v2-flash", "longcat-flash", "axk2", "falcon-40b", "bloom",
 ]  # fmt: skip
 
 

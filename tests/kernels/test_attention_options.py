@@ -1,8 +1,10 @@
-"""Sliding windows, sinks and soft-capping equal a plain dense implementation on every backend.
+"""Sliding windows, sinks, soft-capping and ALiBi equal a plain dense implementation on every
+backend.
 
 The oracle gathers each request's K/V by position and computes, in float64, Hugging Face's
-masked softmax: scores ``q . k * scale``, ``c * tanh(s / c)`` when capped, keys outside
-``q - W < k <= q`` masked, a sink column joined to the softmax and dropped.
+masked softmax: scores ``q . k * scale``, ``c * tanh(s / c)`` when capped, ``slope * k`` added
+per head under ALiBi (as BLOOM does), keys outside ``q - W < k <= q`` masked, a sink column
+joined to the softmax and dropped.
 """
 
 import pytest
@@ -25,7 +27,9 @@ MIX = ([1, 7, 20, 1, 3], [70, 13, 0, 4, 40])
 WINDOWS = [1, 5, 13, 1000]
 
 
-def dense_attention(batch, sliding_window=None, sinks=None, logits_soft_cap=None, chunk=None):
+def dense_attention(
+    batch, sliding_window=None, sinks=None, logits_soft_cap=None, chunk=None, alibi_slopes=None
+):
     """The oracle: per request, its K/V gathered by position, attention in float64 (``chunk``:
     Hugging Face's ``chunked_overlay``, keys of the query's own chunk only)."""
     kv_cache, table = batch.kv_cache.double(), batch.block_table.long()
@@ -43,6 +47,8 @@ def dense_attention(batch, sliding_window=None, sinks=None, logits_soft_cap=None
         s = torch.einsum("qhd,khd->hqk", q, k) * batch.scale
         if logits_soft_cap is not None:
             s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
+        if alibi_slopes is not None:
+            s = s + alibi_slopes.double()[:, None, None] * pos.double()[None, None, :]
         visible = pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             visible &= pos[None, :] > q_pos[:, None] - sliding_window
@@ -72,6 +78,11 @@ def _sinks(rng, num_heads, dtype=fp32):
     return (torch.randn(num_heads, generator=rng) * 3).to(dtype)
 
 
+def _slopes(rng, num_heads):
+    # BLOOM's slopes run from 2^-1 down to 2^-8; random ones in that range, per head.
+    return 2.0 ** -(1 + 7 * torch.rand(num_heads, generator=rng))
+
+
 OPTION_CASES = {
     "window": lambda rng, h, t=fp32: {"sliding_window": 5},
     "sinks": lambda rng, h, t=fp32: {"sinks": _sinks(rng, h, t)},
@@ -79,6 +90,12 @@ OPTION_CASES = {
     "all": lambda rng, h, t=fp32: {
         "sliding_window": 13,
         "sinks": _sinks(rng, h, t),
+        "logits_soft_cap": 2.0,
+    },
+    "alibi": lambda rng, h, t=fp32: {"alibi_slopes": _slopes(rng, h)},
+    "alibi_window_softcap": lambda rng, h, t=fp32: {
+        "alibi_slopes": _slopes(rng, h),
+        "sliding_window": 13,
         "logits_soft_cap": 2.0,
     },
 }
@@ -167,6 +184,9 @@ def test_paged_attention_carries_its_options_to_the_backend(rng):
         ({"logits_soft_cap": -1.0}, "logits_soft_cap"),
         ({"logits_soft_cap": float("inf")}, "logits_soft_cap"),
         ({"sinks": torch.zeros(2, 3)}, "sinks"),
+        ({"alibi_slopes": torch.zeros(2, 3)}, "alibi_slopes"),
+        ({"alibi_slopes": torch.zeros(3, dtype=torch.long)}, "alibi_slopes"),
+        ({"alibi_slopes": torch.zeros(3), "sinks": torch.zeros(3)}, "alibi_slopes"),
     ],
 )
 def test_bad_options_are_refused_naming_the_field(options, field):
@@ -230,8 +250,10 @@ SHAPES = [(1, 128, 8), (3, 64, 16), (8, 96, 32), (4, 48, 64)]
 @pytest.mark.parametrize("queries_per_kv,head_dim,block_size", SHAPES)
 def test_cpu_all_options_every_path(rng, queries_per_kv, head_dim, block_size, window):
     batch = _batch(rng, fp32, bf16, queries_per_kv, head_dim, block_size)
-    options = {"sliding_window": window, "sinks": _sinks(rng, batch.query.shape[1]),
-               "logits_soft_cap": 3.0}  # fmt: skip
+    heads = batch.query.shape[1]
+    options = {"sliding_window": window, "sinks": _sinks(rng, heads), "logits_soft_cap": 3.0}
+    assert rel_err(_cpu(batch, **options), dense_attention(batch, **options)) < 1e-5
+    options = {"sliding_window": window, "alibi_slopes": _slopes(rng, heads)}
     assert rel_err(_cpu(batch, **options), dense_attention(batch, **options)) < 1e-5
 
 
@@ -246,6 +268,7 @@ def test_cpu_split_chunks_merge_with_options(rng, kv_split_size, cache_dtype):
         {"sliding_window": 100, "sinks": _sinks(rng, batch.query.shape[1])},
         {"sliding_window": 37, "logits_soft_cap": 2.0},
         {"sinks": _sinks(rng, batch.query.shape[1]), "logits_soft_cap": 2.0},
+        {"alibi_slopes": _slopes(rng, batch.query.shape[1])},
     ):
         out = _cpu(batch, kv_split_size=kv_split_size, **options)
         assert rel_err(out, dense_attention(batch, **options)) < 1e-5
@@ -295,6 +318,18 @@ def test_triton_softcap_and_sinks_alone(rng):
     batch = _batch(rng, mix=([1, 6], [30, 9]))
     for options in ({"logits_soft_cap": 1.5}, {"sinks": _sinks(rng, batch.query.shape[1])}):
         assert rel_err(_triton(batch, **options), dense_attention(batch, **options)) < 1e-5
+
+
+def test_triton_alibi_unified_and_split_decode(rng):
+    """ALiBi with a window on a mixed batch (the unified kernel), then on decodes split four
+    ways (each segment biased by its own keys' distance)."""
+    batch = _batch(rng, mix=([1, 5, 9, 1], [40, 13, 0, 3]))
+    options = OPTION_CASES["alibi_window_softcap"](rng, batch.query.shape[1])
+    assert rel_err(_triton(batch, **options), dense_attention(batch, **options)) < 1e-5
+    batch = _batch(rng, mix=([1, 1], [300, 70]))
+    options = {"alibi_slopes": _slopes(rng, batch.query.shape[1])}
+    expected = dense_attention(batch, **options)
+    assert rel_err(_triton(batch, num_splits=4, **options), expected) < 1e-5
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
