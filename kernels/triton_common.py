@@ -132,7 +132,8 @@ def load_slopes(alibi_ptr, head, row_mask, HAS_ALIBI: tl.constexpr):
     zeros without ALiBi."""
     slopes = tl.zeros(head.shape, tl.float32)
     if HAS_ALIBI:
-        slopes = tl.load(alibi_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * LOG2E
+        slopes = tl.load(alibi_ptr + head, mask=row_mask, other=0.0).to(tl.float32)
+        slopes = slopes * 1.4426950408889634
     return slopes
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from engine.models.alibi import bloom_slopes
 from engine.models.attention import Attention, AttentionOptions
 from engine.models.causal_lm import CausalLM
+from engine.models.fused_qkv import split_per_head
 from engine.models.mlp import GeluMLP
 
 # Checkpoint names (``transformer.`` dropped) -> ours.
@@ -73,11 +74,8 @@ class BloomForCausalLM(CausalLM):
             self.layers.append(layer)
         self.norm = nn.LayerNorm(hidden, eps=eps)
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        hidden = self.embed_layernorm(self.embed_tokens(input_ids))
-        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, meta):
-            hidden, _ = layer(None, hidden, None, kv_cache, layer_meta)
-        return self.norm(hidden)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed_layernorm(self.embed_tokens(input_ids))
 
     def checkpoint_name(self, name: str) -> str | None:
         name = name.removeprefix("transformer.")
@@ -93,17 +91,5 @@ class BloomForCausalLM(CausalLM):
         return super().checkpoint_name(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """``query_key_value`` (``[heads, 3, head_dim]`` rows: q, k, v per head) split."""
-        super().load_weights(self._split_qkv(weights))
-
-    def _split_qkv(self, weights):
-        heads = self.config.n_head
-        for name, tensor in weights:
-            if ".query_key_value." not in name:
-                yield name, tensor
-                continue
-            rest = tensor.shape[1:]
-            per_head = tensor.view(heads, 3, -1, *rest)
-            for i, part in enumerate(("q_proj", "k_proj", "v_proj")):
-                t = per_head[:, i].reshape(-1, *rest).contiguous()
-                yield name.replace(".query_key_value.", f".{part}."), t
+        """``query_key_value`` (q, k, v per head) split."""
+        super().load_weights(split_per_head(weights, "query_key_value", self.config.n_head))

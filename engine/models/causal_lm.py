@@ -62,10 +62,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` of one flat batch; ``kv_caches`` and ``meta``
         (the attention metadata of the layer's group) per layer."""
-        hidden = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            # In the model's dtype, as Gemma rounds its normalizer.
-            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        hidden = self.embed(input_ids, positions)
         lengths = self.rope_lengths(positions, meta[0]) if meta else None
         ropes = {
             key: rotary.cos_sin(positions, hidden.dtype, lengths)
@@ -76,6 +73,15 @@ class CausalLM(nn.Module):
             rope = ropes.get(layer.rope_key)  # None: a layer without rotary (NoPE)
             hidden, residual = layer(rope, hidden, residual, kv_cache, layer_meta)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The first layer's input: the token embeddings, scaled by ``embed_scale`` where set;
+        families with absolute positions or an embedding norm (BLOOM) add them here."""
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            # In the model's dtype, as Gemma rounds its normalizer.
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        return hidden
 
     @property
     def uses_prompt_lens(self) -> bool:

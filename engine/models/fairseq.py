@@ -86,7 +86,7 @@ class FairseqDecoderForCausalLM(CausalLM):
         field = "activation_function" if config.model_type == "xglm" else "hidden_act"
         approximate = gelu_approximation(config, field)
         hidden = config.hidden_size
-        self.embed_scale = math.sqrt(hidden) if config.scale_embedding else None
+        self.token_scale = math.sqrt(hidden) if config.scale_embedding else None
         self.learned_positions = config.model_type == "biogpt"
         if self.learned_positions:
             rows = config.max_position_embeddings + POSITION_OFFSET
@@ -104,14 +104,11 @@ class FairseqDecoderForCausalLM(CausalLM):
         table = sinusoids(positions, self.config.hidden_size, self.config.pad_token_id)
         return table.to(dtype)
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            hidden = hidden * self.embed_scale
-        hidden = hidden + self.position_embeddings(positions, hidden.dtype)
-        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, meta):
-            hidden, _ = layer(None, hidden, None, kv_cache, layer_meta)
-        return self.norm(hidden)
+        if self.token_scale is not None:  # a Python float, as transformers multiplies
+            hidden = hidden * self.token_scale
+        return hidden + self.position_embeddings(positions, hidden.dtype)
 
     def checkpoint_name(self, name: str) -> str | None:
         name = name.removeprefix("biogpt.")

@@ -66,11 +66,8 @@ class GPTNeoForCausalLM(CausalLM):
             self.layers.append(layer)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) + self.embed_positions(positions)
-        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, meta):
-            hidden, _ = layer(None, hidden, None, kv_cache, layer_meta)
-        return self.norm(hidden)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) + self.embed_positions(positions)
 
     def checkpoint_name(self, name: str) -> str | None:
         name = name.removeprefix("transformer.")

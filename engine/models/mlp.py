@@ -14,7 +14,7 @@ from engine.parallel.layers import (
 )
 from kernels import silu_and_mul
 
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 
 
 class GatedMLP(nn.Module):
@@ -48,7 +48,8 @@ class GatedMLP(nn.Module):
                 return self.down_proj(gate_up.silu_and_mul(x))
             return self.down_proj(silu_and_mul(gate_up(x), backend=self.backend))
         gate, up = gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        approximate = "none" if self.activation == "gelu" else "tanh"
+        return self.down_proj(F.gelu(gate, approximate=approximate) * up)
 
 
 class GeluMLP(nn.Module):

@@ -76,12 +76,6 @@ class MptForCausalLM(CausalLM):
             self.layers.append(layer)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_epsilon, bias=False)
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, meta):
-            hidden, _ = layer(None, hidden, None, kv_cache, layer_meta)
-        return self.norm(hidden)
-
     def checkpoint_name(self, name: str) -> str | None:
         name = name.removeprefix("transformer.")
         for old, new in (("wte.", "embed_tokens."), ("blocks.", "layers."), ("norm_f.", "norm.")):

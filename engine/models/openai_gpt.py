@@ -57,12 +57,10 @@ class OpenAIGPTLMHeadModel(CausalLM):
             layer = OpenAIGPTBlock(config, backend)
             layer.rope_key = None
             self.layers.append(layer)
+        self.norm = nn.Identity()  # post-norm blocks: the last one's ln_2 is the final norm
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) + self.embed_positions(positions)
-        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, meta):
-            hidden, _ = layer(None, hidden, None, kv_cache, layer_meta)
-        return hidden
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) + self.embed_positions(positions)
 
     def checkpoint_name(self, name: str) -> str | None:
         name = name.removeprefix("transformer.")

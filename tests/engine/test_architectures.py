@@ -502,6 +502,19 @@ CASES = [
     ("bloom-post-ln-residual", "bloom", {"apply_residual_connection_post_layernorm": True}),
     ("mpt", "mpt", {"n_heads": 6, "hidden_size": 96,
                     "attn_config": {"clip_qkv": 0.3, "softmax_scale": 0.2}}),
+    # GPT-NeoX-Japanese: q/k/v fused per head, a quarter of each head rotated, the last
+    # layer's dense_bias.
+    ("gpt-neox-japanese", "gpt_neox_japanese", {"num_hidden_layers": 3,
+     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25}}),
+    # ModernBERT's decoder: no norm before layer 0's attention, 8-token local layers with
+    # their own RoPE base, a GeGLU fused in Wi, BERT's prediction head and the decoder's bias.
+    ("modernbert-decoder", "modernbert-decoder", {"num_hidden_layers": 4, "local_attention": 16,
+     "layer_types": ["full_attention", "sliding_attention"] * 2, "norm_bias": True,
+     "pad_token_id": 0}),
+    # DiffLlama: two attention passes over the value halves, paired query heads, a depth-
+    # scheduled lambda (4 layers: each its own lambda_init).
+    ("diffllama", "diffllama", {"num_hidden_layers": 4, "num_key_value_heads": 2}),
     # GPT-1: post-LayerNorm blocks, no final norm, Conv1D weights with q/k/v fused.
     ("openai-gpt", "openai-gpt", {"n_positions": 128}),
     # Llama 4: chunked local attention (16-token chunks: every prompt crosses one) with complex

@@ -22,10 +22,12 @@ import kernels.triton_split_decode as split_decode  # noqa: E402
 
 METADATA = ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "slot_mapping_ptr",
             "positions_ptr")  # fmt: skip
-FP32_BUFFERS = ("partial_out_ptr", "partial_m_ptr", "partial_l_ptr", "cos_ptr", "sin_ptr")
+FP32_BUFFERS = ("partial_out_ptr", "partial_m_ptr", "partial_l_ptr", "cos_ptr", "sin_ptr",
+                "alibi_ptr")  # fmt: skip
 ATTENTION = dict(NUM_QUERIES_PER_KV=4, BLOCK_SIZE=16, TILE_N=32, HEAD_PAD=128, INTERPRET=False)
-PLAIN = dict(USE_WINDOW=False, USE_SOFT_CAP=False)
-OPTIONS = dict(USE_WINDOW=True, USE_SOFT_CAP=True)  # a sliding window and a soft cap
+PLAIN = dict(USE_WINDOW=False, USE_SOFT_CAP=False, HAS_ALIBI=False)
+# A sliding window, a soft cap and ALiBi.
+OPTIONS = dict(USE_WINDOW=True, USE_SOFT_CAP=True, HAS_ALIBI=True)
 KERNELS = {
     "unified_attention": (
         attention._unified_attention_kernel,
