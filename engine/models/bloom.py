@@ -15,11 +15,16 @@ from torch import nn
 from engine.models.alibi import bloom_slopes
 from engine.models.attention import Attention, AttentionOptions
 from engine.models.causal_lm import CausalLM
+from engine.models.checkpoint_names import renamed
 from engine.models.fused_qkv import split_per_head
 from engine.models.mlp import GeluMLP
 
-# Checkpoint names (``transformer.`` dropped) -> ours.
-_RENAMES = (
+# Checkpoint names (``transformer.`` dropped) -> ours (``checkpoint_names.renamed``).
+_NAMES = (
+    ("word_embeddings_layernorm.", "embed_layernorm."),
+    ("word_embeddings.", "embed_tokens."),
+    ("h.", "layers."),
+    ("ln_f.", "norm."),
     (".self_attention.dense.", ".self_attn.o_proj."),
     (".self_attention.", ".self_attn."),
 )
@@ -78,17 +83,7 @@ class BloomForCausalLM(CausalLM):
         return self.embed_layernorm(self.embed_tokens(input_ids))
 
     def checkpoint_name(self, name: str) -> str | None:
-        name = name.removeprefix("transformer.")
-        for old, new in (
-            ("word_embeddings_layernorm.", "embed_layernorm."),
-            ("word_embeddings.", "embed_tokens."),
-            ("h.", "layers."),
-            ("ln_f.", "norm."),
-        ):
-            name = new + name.removeprefix(old) if name.startswith(old) else name
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        return super().checkpoint_name(name)
+        return super().checkpoint_name(renamed(name.removeprefix("transformer."), _NAMES))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """``query_key_value`` (q, k, v per head) split."""

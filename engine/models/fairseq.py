@@ -17,12 +17,16 @@ from torch import nn
 
 from engine.models.attention import Attention, AttentionOptions
 from engine.models.causal_lm import CausalLM
+from engine.models.checkpoint_names import renamed
 from engine.models.mlp import GeluMLP
 
 POSITION_OFFSET = 2
 # transformers' activation names -> F.gelu's ``approximate``.
 GELU_APPROXIMATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
-_INNER = (
+# Checkpoint names (``biogpt.`` dropped) -> ours (``checkpoint_names.renamed``).
+_NAMES = (
+    ("output_projection.", "lm_head."),
+    ("layer_norm.", "norm."),
     (".self_attn.out_proj.", ".self_attn.o_proj."),
     (".fc1.", ".mlp.dense_h_to_4h."),
     (".fc2.", ".mlp.dense_4h_to_h."),
@@ -111,12 +115,4 @@ class FairseqDecoderForCausalLM(CausalLM):
         return hidden + self.position_embeddings(positions, hidden.dtype)
 
     def checkpoint_name(self, name: str) -> str | None:
-        name = name.removeprefix("biogpt.")
-        if name == "output_projection.weight":
-            name = "lm_head.weight"
-        name = (
-            "norm." + name.removeprefix("layer_norm.") if name.startswith("layer_norm.") else name
-        )
-        for old, new in _INNER:
-            name = name.replace(old, new)
-        return super().checkpoint_name(name)
+        return super().checkpoint_name(renamed(name.removeprefix("biogpt."), _NAMES))

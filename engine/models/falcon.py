@@ -19,6 +19,7 @@ from torch import nn
 from engine.models.alibi import bloom_slopes
 from engine.models.attention import Attention, AttentionOptions
 from engine.models.causal_lm import CausalLM
+from engine.models.checkpoint_names import renamed
 from engine.models.mlp import GeluMLP
 from engine.models.rotary import RotaryEmbedding
 
@@ -98,9 +99,7 @@ class FalconForCausalLM(CausalLM):
 
     def checkpoint_name(self, name: str) -> str | None:
         name = name.removeprefix("transformer.")
-        for old, new in _RENAMES:
-            name = name.replace(old, new) if old.startswith(".") else _prefix(name, old, new)
-        return super().checkpoint_name(name)
+        return super().checkpoint_name(renamed(name, _RENAMES))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The fused ``query_key_value`` tensors split into q, k and v in our order."""
@@ -125,7 +124,3 @@ class FalconForCausalLM(CausalLM):
             prefix = name.replace(".self_attention.query_key_value.", ".self_attn.{}.")
             for part, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 yield prefix.format(part), t.reshape(-1, *rest).contiguous()
-
-
-def _prefix(name: str, old: str, new: str) -> str:
-    return new + name.removeprefix(old) if name.startswith(old) else name

@@ -11,16 +11,15 @@ from torch import nn
 
 from engine.models.attention import Attention, AttentionOptions
 from engine.models.causal_lm import CausalLM
+from engine.models.checkpoint_names import renamed
 from engine.models.mlp import GeluMLP
 
-# Checkpoint module names -> ours (after ``transformer.`` is dropped).
-_RENAMES = (
+# Checkpoint names (``transformer.`` dropped) -> ours (``checkpoint_names.renamed``).
+_NAMES = (
     ("wte.", "embed_tokens."),
     ("wpe.", "embed_positions."),
     ("h.", "layers."),
     ("ln_f.", "norm."),
-)
-_INNER = (
     (".attn.attention.out_proj.", ".self_attn.o_proj."),
     (".attn.attention.", ".self_attn."),
     (".mlp.c_fc.", ".mlp.dense_h_to_4h."),
@@ -73,8 +72,4 @@ class GPTNeoForCausalLM(CausalLM):
         name = name.removeprefix("transformer.")
         if ".attn.attention.bias" in name or ".attn.attention.masked_bias" in name:
             return None  # old checkpoints' causal-mask buffers
-        for old, new in _RENAMES:
-            name = new + name.removeprefix(old) if name.startswith(old) else name
-        for old, new in _INNER:
-            name = name.replace(old, new)
-        return super().checkpoint_name(name)
+        return super().checkpoint_name(renamed(name, _NAMES))

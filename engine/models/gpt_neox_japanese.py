@@ -14,13 +14,17 @@ from torch import nn
 
 from engine.models.attention import Attention, AttentionOptions
 from engine.models.causal_lm import CausalLM
+from engine.models.checkpoint_names import renamed
 from engine.models.fairseq import gelu_approximation
 from engine.models.fused_qkv import split_per_head
 from engine.models.mlp import GeluMLP
 from engine.models.rotary import RotaryEmbedding
 
-# Checkpoint names (``gpt_neox_japanese.`` dropped) -> ours.
-_RENAMES = (
+# Checkpoint names (``gpt_neox_japanese.`` dropped) -> ours (``checkpoint_names.renamed``).
+_NAMES = (
+    ("embed_in.", "embed_tokens."),
+    ("final_layer_norm.", "norm."),
+    ("embed_out.", "lm_head."),
     (".attention.dense_bias", ".self_attn.o_proj.bias"),
     (".attention.dense.", ".self_attn.o_proj."),
     (".attention.", ".self_attn."),
@@ -63,16 +67,7 @@ class GPTNeoXJapaneseForCausalLM(CausalLM):
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def checkpoint_name(self, name: str) -> str | None:
-        name = name.removeprefix("gpt_neox_japanese.")
-        for old, new in (
-            ("embed_in.", "embed_tokens."),
-            ("final_layer_norm.", "norm."),
-            ("embed_out.", "lm_head."),
-        ):
-            name = new + name.removeprefix(old) if name.startswith(old) else name
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        return super().checkpoint_name(name)
+        return super().checkpoint_name(renamed(name.removeprefix("gpt_neox_japanese."), _NAMES))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """``query_key_value`` (q, k, v per head) split."""

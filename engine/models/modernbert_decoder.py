@@ -14,25 +14,24 @@ from torch import nn
 
 from engine.models.attention import Attention, AttentionOptions
 from engine.models.causal_lm import CausalLM
+from engine.models.checkpoint_names import renamed
 from engine.models.fairseq import gelu_approximation
 from engine.models.mlp import GatedMLP
 from engine.models.rotary import RotaryEmbedding
 
 SLIDING = "sliding_attention"
-# Checkpoint names (``model.`` dropped) -> ours.
-_RENAMES = (
-    (".attn.Wo.", ".self_attn.o_proj."),
-    (".attn.", ".self_attn."),
-    (".mlp.Wi.", ".mlp.gate_up_proj."),
-    (".mlp.Wo.", ".mlp.down_proj."),
-)
-_PREFIXES = (
+# Checkpoint names (``model.`` dropped) -> ours (``checkpoint_names.renamed``).
+_NAMES = (
     ("embeddings.tok_embeddings.", "embed_tokens."),
     ("embeddings.norm.", "embed_norm."),
     ("final_norm.", "norm."),
     ("lm_head.", "head_transform."),
     ("decoder.bias", "decoder_bias"),
     ("decoder.", "lm_head."),
+    (".attn.Wo.", ".self_attn.o_proj."),
+    (".attn.", ".self_attn."),
+    (".mlp.Wi.", ".mlp.gate_up_proj."),
+    (".mlp.Wo.", ".mlp.down_proj."),
 )
 
 
@@ -107,8 +106,4 @@ class ModernBertDecoderForCausalLM(CausalLM):
         return super().greedy_token_ids(self._transform(hidden))
 
     def checkpoint_name(self, name: str) -> str | None:
-        for old, new in _PREFIXES:
-            name = new + name.removeprefix(old) if name.startswith(old) else name
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        return super().checkpoint_name(name)
+        return super().checkpoint_name(renamed(name, _NAMES))

@@ -16,10 +16,14 @@ from torch import nn
 from engine.models.alibi import mpt_slopes
 from engine.models.attention import Attention, AttentionOptions
 from engine.models.causal_lm import CausalLM
+from engine.models.checkpoint_names import renamed
 from engine.models.mlp import GeluMLP
 
-# Checkpoint names (``transformer.`` dropped) -> ours.
-_RENAMES = (
+# Checkpoint names (``transformer.`` dropped) -> ours (``checkpoint_names.renamed``).
+_NAMES = (
+    ("wte.", "embed_tokens."),
+    ("blocks.", "layers."),
+    ("norm_f.", "norm."),
     (".attn.out_proj.", ".self_attn.o_proj."),
     (".attn.", ".self_attn."),
     (".ffn.up_proj.", ".mlp.dense_h_to_4h."),
@@ -77,12 +81,7 @@ class MptForCausalLM(CausalLM):
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_epsilon, bias=False)
 
     def checkpoint_name(self, name: str) -> str | None:
-        name = name.removeprefix("transformer.")
-        for old, new in (("wte.", "embed_tokens."), ("blocks.", "layers."), ("norm_f.", "norm.")):
-            name = new + name.removeprefix(old) if name.startswith(old) else name
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        return super().checkpoint_name(name)
+        return super().checkpoint_name(renamed(name.removeprefix("transformer."), _NAMES))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """``Wqkv`` (q, then k, then v) split."""

@@ -14,10 +14,14 @@ from torch import nn
 
 from engine.models.attention import Attention, AttentionOptions
 from engine.models.causal_lm import CausalLM
+from engine.models.checkpoint_names import renamed
 from engine.models.mlp import GeluMLP
 
-# Checkpoint names (``transformer.`` dropped) -> ours.
-_RENAMES = (
+# Checkpoint names (``transformer.`` dropped) -> ours (``checkpoint_names.renamed``).
+_NAMES = (
+    ("tokens_embed.", "embed_tokens."),
+    ("positions_embed.", "embed_positions."),
+    ("h.", "layers."),
     (".attn.c_proj.", ".self_attn.o_proj."),
     (".mlp.c_fc.", ".mlp.dense_h_to_4h."),
     (".mlp.c_proj.", ".mlp.dense_4h_to_h."),
@@ -63,16 +67,7 @@ class OpenAIGPTLMHeadModel(CausalLM):
         return self.embed_tokens(input_ids) + self.embed_positions(positions)
 
     def checkpoint_name(self, name: str) -> str | None:
-        name = name.removeprefix("transformer.")
-        for old, new in (
-            ("tokens_embed.", "embed_tokens."),
-            ("positions_embed.", "embed_positions."),
-        ):
-            name = new + name.removeprefix(old) if name.startswith(old) else name
-        name = "layers." + name.removeprefix("h.") if name.startswith("h.") else name
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        return super().checkpoint_name(name)
+        return super().checkpoint_name(renamed(name.removeprefix("transformer."), _NAMES))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """``Conv1D`` weights transposed to ``nn.Linear``'s, ``c_attn`` split into q, k, v."""
