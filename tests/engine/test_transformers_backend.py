@@ -147,6 +147,7 @@ CASES = [
     ("olmo", "olmo", {}),  # LayerNorm without parameters
     ("opt", "opt", {}),  # learned positions offset by 2, layers one level down (decoder.layers)
     ("olmoe", "olmoe", {"num_experts": 8, "num_experts_per_tok": 3}),
+    ("bert-generation", "bert-generation", {"is_decoder": True}),  # post-LN BERT, causal
     ("olmoe-fused", "olmoe",  # transformers 5's own layout: fused 3-D experts on disk
      {"num_experts": 8, "num_experts_per_tok": 3, "save_original_format": False}),
     ("persimmon", "persimmon", {}),  # fused QKV, QK LayerNorm, partial RoPE, ReLU^2
@@ -301,6 +302,7 @@ def test_quantized_checkpoints_of_backend_families(tmp_path, model_type, write, 
                          "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4,
                          "num_experts_per_tok": 2},
          r"values .* differ in heads or head size"),
+        ("bert-generation", {"is_decoder": False}, r"config\.is_decoder=False"),
     ],
 )  # fmt: skip
 def test_what_the_backend_cannot_run_is_refused_at_load(tmp_path, model_type, overrides, match):

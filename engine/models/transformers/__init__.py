@@ -13,7 +13,8 @@ from __future__ import annotations
 # tests/engine/test_transformers_backend.py that gives Hugging Face's greedy tokens: the
 # claim `pagedq models` lists. Other decoder-only attention families run too, unclaimed.
 TRANSFORMERS_BACKEND_TYPES: tuple[str, ...] = (
-    "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "beam", "bitnet", "codegen",
+    "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "beam", "bert-generation",
+    "bitnet", "codegen",
     "cohere", "cohere2", "cohere2_moe", "cohere_compass_text", "ctrl", "cwm", "dbrx", "dots1",
     "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "flex_olmo", "flint", "gemma",
     "glm", "glm4", "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "granite", "granite_swa",

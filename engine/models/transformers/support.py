@@ -78,6 +78,12 @@ def check_config(config) -> None:
                 f"model_type={model_type!r}: config.{name} is set (a multimodal or "
                 "encoder-decoder model); the Transformers backend runs text decoders only"
             )
+    if getattr(config, "is_decoder", None) is False and _reads_is_decoder(config):
+        raise ValueError(
+            f"model_type={model_type!r}: config.is_decoder=False, so transformers runs this "
+            "family's attention bidirectionally (an encoder); pagedq runs causal decoders: a "
+            "decoder checkpoint says is_decoder: true"
+        )
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(
             f"model_type={model_type!r} has no causal-LM class in transformers "
@@ -91,6 +97,23 @@ def check_config(config) -> None:
                 "with each sequence's length, which transformers' rotary takes batch-wide; "
                 f"the Transformers backend refuses {list(LENGTH_DEPENDENT_ROPE)}"
             )
+
+
+# A branch on it (not a docstring's example, as GPT-NeoX's has).
+_CHOOSES_BY_IS_DECODER = re.compile(r"if (not )?(self\.)?config\.is_decoder")
+
+
+def _reads_is_decoder(config) -> bool:
+    """True when the family's modeling file chooses its mask by ``config.is_decoder`` (BERT's
+    descendants: bidirectional unless it is set)."""
+    import importlib
+
+    name = type(config).__module__.replace("configuration_", "modeling_")
+    try:
+        module = sys.modules.get(name) or importlib.import_module(name)
+    except ImportError:
+        return False
+    return _CHOOSES_BY_IS_DECODER.search(inspect.getsource(module)) is not None
 
 
 def _rope_settings(config):
