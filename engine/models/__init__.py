@@ -73,6 +73,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "gpt_neox_japanese": ("engine.models.gpt_neox_japanese", "GPTNeoXJapaneseForCausalLM"),
     "modernbert-decoder": ("engine.models.modernbert_decoder", "ModernBertDecoderForCausalLM"),
     "diffllama": ("engine.models.diffllama", "DiffLlamaForCausalLM"),
+    "dory": ("engine.models.dory", "DoryForCausalLM"),
     "mllama_text_model": ("engine.models.mllama", "MllamaForCausalLM"),
     "llama4_text": ("engine.models.llama4", "Llama4ForCausalLM"),
     "longcat_flash": ("engine.models.longcat_flash", "LongcatFlashForCausalLM"),

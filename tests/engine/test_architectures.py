@@ -515,6 +515,11 @@ CASES = [
     # DiffLlama: two attention passes over the value halves, paired query heads, a depth-
     # scheduled lambda (4 layers: each its own lambda_init).
     ("diffllama", "diffllama", {"num_hidden_layers": 4, "num_key_value_heads": 2}),
+    # Dory: nGPT blocks, one input layer, a two-layer loop run twice (a cache per pass), one
+    # output layer; sliding and full layers with a RoPE base each; logits scaled per token.
+    ("dory", "dory", {"num_hidden_layers": 4, "n_input_layers": 1, "n_recurrent_layers": 2,
+     "n_output_layers": 1, "n_recurrent_loops": 2, "head_dim": 16, "sliding_window": 8,
+     "layer_types": ["sliding_attention", "full_attention"] * 2}),
     # GPT-1: post-LayerNorm blocks, no final norm, Conv1D weights with q/k/v fused.
     ("openai-gpt", "openai-gpt", {"n_positions": 128}),
     # Llama 4: chunked local attention (16-token chunks: every prompt crosses one) with complex
@@ -561,10 +566,11 @@ def test_tiny_model_matches_hf(tmp_path_factory, case_id):
 
 # The regimes run on the families whose layers differ most from Llama's: sliding windows with
 # two RoPE bases and soft caps (Gemma 2/3), post-norm with windows (OLMo 3), length-dependent
-# RoPE with partial rotary (Phi-3 longrope); a latent cache (DeepSeek-V3); experts.
+# RoPE with partial rotary (Phi-3 longrope); a latent cache (DeepSeek-V3); experts; ALiBi
+# (BLOOM); a loop of layers run twice, a cache per pass (Dory).
 REGIME_CASES = [
     "gemma2", "gemma3-text", "gemma4-text", "olmo3", "phi3-longrope", "deepseek-v3", "qwen3-moe",
-    "gpt-oss", "glm4-moe", "llama4", "deepseek-v32",
+    "gpt-oss", "glm4-moe", "llama4", "deepseek-v32", "bloom", "dory",
 ]  # fmt: skip
 
 
