@@ -109,6 +109,8 @@ def _reads_is_decoder(config) -> bool:
     import importlib
 
     name = type(config).__module__.replace("configuration_", "modeling_")
+    if not name.startswith("transformers.models."):  # transformers' own files only
+        return False
     try:
         module = sys.modules.get(name) or importlib.import_module(name)
     except ImportError:
