@@ -39,7 +39,7 @@ pytestmark = pytest.mark.slow
 
 CASES = [
     "gemma3-text", "phi3-longrope", "deepseek-v3", "qwen3-moe", "gpt-oss", "qwen3.5", "falcon-h1",
-    "mamba2", "jamba", "llama4", "deepseek-v32", "bloom", "ling-hybrid",
+    "mamba2", "jamba", "llama4", "deepseek-v32", "bloom",
 ]  # fmt: skip
 QUANTIZED = ["gptq-asym-act-order"]  # tests/engine/test_quantized.py's cases
 BACKEND = ["cohere2"]  # tests/engine/test_transformers_backend.py's cases
