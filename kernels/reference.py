@@ -197,7 +197,9 @@ def _prefill_attention(
         first = max(0, num_context - options.window + 1) if options.window is not None else 0
         k, v, key_pos = k[:, first:], v[:, first:], key_pos[first:]
         mask = options.mask(key_pos[None, :], query_pos[:, None])
-        relative = (key_pos[None, :] - query_pos[:, None])[None, None]
+        relative = None
+        if options.alibi is not None:
+            relative = (key_pos[None, :] - query_pos[:, None])[None, None]
         o = _attend(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, scale, options, relative)
     out[start : start + q_len] = o[0].transpose(0, 1)
 
@@ -210,10 +212,13 @@ def _decode_attention(query, kv_cache, group: _DecodeGroup, scale, out, options)
     kv = kv[:, :, : group.max_len].to(query.dtype)
     q = query[group.rows].unsqueeze(2)  # [batch, num_heads, 1, head_dim]
     mask = group.mask
-    key_pos = torch.arange(group.max_len, device=query.device)[None, :]
-    if options.window is not None:  # each decode sits at position lens - 1
-        mask = mask & (key_pos > group.lens[:, None] - 1 - options.window)[:, None, None, :]
-    relative = (key_pos - (group.lens[:, None] - 1))[:, None, None, :]
+    relative = None
+    if options.window is not None or options.alibi is not None:
+        key_pos = torch.arange(group.max_len, device=query.device)[None, :]
+        if options.window is not None:  # each decode sits at position lens - 1
+            mask = mask & (key_pos > group.lens[:, None] - 1 - options.window)[:, None, None, :]
+        if options.alibi is not None:
+            relative = (key_pos - (group.lens[:, None] - 1))[:, None, None, :]
     o = _attend(q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), mask, scale, options, relative)
     out[group.rows] = o.squeeze(2)
 

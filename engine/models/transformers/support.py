@@ -9,6 +9,7 @@ Everything else is refused naming the config field or the layer class, and why.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 import sys
@@ -106,13 +107,11 @@ _CHOOSES_BY_IS_DECODER = re.compile(r"if (not )?(self\.)?config\.is_decoder")
 def _reads_is_decoder(config) -> bool:
     """True when the family's modeling file chooses its mask by ``config.is_decoder`` (BERT's
     descendants: bidirectional unless it is set)."""
-    import importlib
-
     name = type(config).__module__.replace("configuration_", "modeling_")
     if not name.startswith("transformers.models."):  # transformers' own files only
         return False
     try:
-        module = sys.modules.get(name) or importlib.import_module(name)
+        module = importlib.import_module(name)
     except ImportError:
         return False
     return _CHOOSES_BY_IS_DECODER.search(inspect.getsource(module)) is not None
